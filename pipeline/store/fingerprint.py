@@ -1,0 +1,86 @@
+"""Fingerprints and content keys.
+
+A teacher fingerprint hashes what determines its outputs: config.json and the bytes of every weight file. A
+tokenizer fingerprint hashes the full token<->id mapping, the merges and the special-token ids, so two tokenizers
+with the same vocab size but a different mapping never share a cache. Scored rows are keyed by content
+(teacher, tokens, first scored position, k, mode), never by their order in a batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+_CHUNK = 1 << 22
+
+
+def _digest() -> hashlib._Hash:
+    return hashlib.blake2b(digest_size=16)
+
+
+def teacher_fingerprint(model_dir: str | Path) -> str:
+    """Hash of config.json (canonical JSON) and the contents of all weight files, by sorted relative name."""
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"{model_dir}: no config.json; a teacher must be a Hugging Face model folder")
+    h = _digest()
+    h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    weights = sorted({p for pat in WEIGHT_PATTERNS for p in model_dir.glob(pat)})
+    if not weights:
+        raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)})")
+    for p in weights:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of a Hugging Face fast tokenizer's vocab mapping, merges and added/special tokens with their ids.
+
+    Accepts a tokenizer object or a folder (loaded with transformers.AutoTokenizer).
+    """
+    if isinstance(tokenizer, str | Path):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise TypeError(f"{type(tokenizer).__name__}: only fast (Rust-backed) tokenizers can be fingerprinted")
+    spec = json.loads(backend.to_str())
+    model = spec.get("model", {})
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        vocab = sorted(vocab.items(), key=lambda kv: kv[1])
+    merges = model.get("merges") or []
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    added = sorted((t["id"], t["content"], bool(t.get("special"))) for t in spec.get("added_tokens", []))
+    special = sorted((name, getattr(tokenizer, f"{name}_id", None)) for name in ("bos_token", "eos_token", "pad_token", "unk_token"))
+    h = _digest()
+    h.update(json.dumps({"type": model.get("type"), "vocab": vocab, "merges": merges, "added": added, "special": special}).encode())
+    return h.hexdigest()
+
+
+def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_scored: int, k: int, mode: str) -> str:
+    """Key of one scored row: the same tokens scored by the same teacher the same way always get the same key."""
+    h = _digest()
+    h.update(f"{teacher_fp}|{int(first_scored)}|{int(k)}|{mode}|".encode())
+    h.update(np.ascontiguousarray(token_ids, dtype="<i4").tobytes())
+    return h.hexdigest()
+
+
+def sample_id(prompt_id: str, prompt_ids: Sequence[int] | np.ndarray, completion_ids: Sequence[int] | np.ndarray) -> str:
+    """Stable id of a rollout: its prompt id and its tokens (the split point matters, so both parts are hashed)."""
+    h = _digest()
+    p = np.ascontiguousarray(prompt_ids, dtype="<i4")
+    h.update(f"{prompt_id}|{len(p)}|".encode())
+    h.update(p.tobytes())
+    h.update(np.ascontiguousarray(completion_ids, dtype="<i4").tobytes())
+    return h.hexdigest()

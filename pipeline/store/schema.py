@@ -1,0 +1,109 @@
+"""Versioned on-disk schemas, read from the data files in `schemas/`.
+
+The JSON files are the single source of truth: the Arrow schemas the writers use and the checks the readers run
+are both built from them. A file records `kind/version` in its Parquet key-value metadata; a reader refuses an
+unknown *major* version (a minor bump only adds nullable fields, which old readers can ignore).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pyarrow as pa
+
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
+META_KEY = b"gkd.schema"  # Parquet key-value metadata entry: b"scored/1.0"
+
+
+class SchemaError(ValueError):
+    """A file does not follow the schema this code reads (unknown version, missing field, wrong type)."""
+
+
+_TYPES = {
+    "string": pa.string(),
+    "binary": pa.binary(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "list<int32>": pa.list_(pa.int32()),
+    "list<float32>": pa.list_(pa.float32()),
+    "map<string,string>": pa.map_(pa.string(), pa.string()),
+}
+
+
+@dataclass(frozen=True)
+class Schema:
+    kind: str
+    version: str
+    fields: tuple[dict, ...]
+
+    @property
+    def major(self) -> int:
+        return int(self.version.split(".")[0])
+
+    @property
+    def tag(self) -> bytes:
+        return f"{self.kind}/{self.version}".encode()
+
+    @property
+    def arrow(self) -> pa.Schema:
+        """The Arrow schema, with the kind/version tag in its metadata (it lands in the Parquet footer)."""
+        return pa.schema(
+            [pa.field(f["name"], _TYPES[f["type"]], nullable=f.get("nullable", False)) for f in self.fields],
+            metadata={META_KEY: self.tag},
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return [f["name"] for f in self.fields]
+
+
+@cache
+def load_schema(kind: str) -> Schema:
+    """Load `schemas/<kind>.json` (kinds: rollout, scored, descriptor)."""
+    path = SCHEMA_DIR / f"{kind}.json"
+    data = json.loads(path.read_text())
+    if data.get("kind") != kind:
+        raise SchemaError(f"{path}: declares kind {data.get('kind')!r}, expected {kind!r}")
+    for f in data["fields"]:
+        if f["type"] not in _TYPES:
+            raise SchemaError(f"{path}: field {f['name']!r} has unknown type {f['type']!r}")
+    return Schema(kind=kind, version=str(data["version"]), fields=tuple(data["fields"]))
+
+
+def check_tag(tag: bytes | str | None, kind: str, where: str | Path) -> None:
+    """Refuse a file whose schema tag is missing, of another kind, or of an unknown major version."""
+    expected = load_schema(kind)
+    if tag is None:
+        raise SchemaError(f"{where}: no {META_KEY.decode()} metadata; not a {kind} shard written by this pipeline")
+    text = tag.decode() if isinstance(tag, bytes) else tag
+    found_kind, _, found_version = text.partition("/")
+    if found_kind != kind:
+        raise SchemaError(f"{where}: is a {found_kind!r} file, expected a {kind!r} file")
+    try:
+        major = int(found_version.split(".")[0])
+    except ValueError:
+        raise SchemaError(f"{where}: unreadable schema version {found_version!r}") from None
+    if major != expected.major:
+        raise SchemaError(
+            f"{where}: {kind} schema version {found_version} is not readable by this code "
+            f"(reads major version {expected.major}, schemas/{kind}.json is {expected.version}); "
+            f"use a pipeline release that writes {kind} {major}.x, or re-create the file"
+        )
+
+
+def check_arrow_schema(found: pa.Schema, kind: str, where: str | Path) -> None:
+    """Version tag first, then every field this code reads must be there with the declared type."""
+    check_tag((found.metadata or {}).get(META_KEY), kind, where)
+    expected = load_schema(kind).arrow
+    for field in expected:
+        idx = found.get_field_index(field.name)
+        if idx < 0:
+            raise SchemaError(f"{where}: missing field {field.name!r} of the {kind} schema")
+        if not found.field(idx).type.equals(field.type):
+            raise SchemaError(
+                f"{where}: field {field.name!r} has type {found.field(idx).type}, the {kind} schema says {field.type}"
+            )

@@ -1,0 +1,327 @@
+"""HF Llama / Qwen2 checkpoint <-> Megatron-Core GPTModel (local layer spec, fp32), for the student trainer.
+
+Why our own mapping: the bridge packages (megatron-bridge, mcore-bridge) need Transformer Engine, which does not
+exist on CPU, and for these two architectures the mapping is a handful of reshapes (DESIGN.md, "Megatron-Core
+on CPU"). Export writes a plain HF folder (safetensors + config.json + the source's tokenizer files) that
+transformers and vLLM load, which is how the on-policy loop hands student weights to the sampler.
+
+Layout facts the mapping relies on (megatron-core 0.16.1):
+- linear_qkv rows are grouped per query group g: [q heads of g | k_g | v_g], and TP splits rows contiguously,
+  so TP rank r owns query groups [r*G/tp, (r+1)*G/tp).
+- linear_fc1 on TP rank r is cat(gate_r, up_r) of that rank's row slices (SwiGLU chunks the local output in two).
+- linear_proj and linear_fc2 are row-parallel (split along the input dim); embedding and output layer are
+  vocab-parallel (split along rows). Norms are replicated.
+
+Vocab padding: Megatron needs vocab % tp == 0. `build_model` pads the vocab to a multiple of
+`pad_vocab_to_multiple_of` (default: tp) with zero rows; padded ids then get logit exactly 0, so the loss
+must ignore columns >= `model.hf_vocab_size` (the original vocab). Export strips the padding.
+
+    python -c "from pipeline.train.model import *"   # exercised by tests/train/test_model.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+Tensor = torch.Tensor
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """The few config.json fields the mapping needs, validated once."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tied_embeddings: bool
+    qkv_bias: bool
+
+
+def read_hf_arch(hf_dir: str | Path) -> HFArch:
+    """Parse config.json of a Llama or Qwen2 folder; refuse features the plain mapping cannot express."""
+    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported model_type {model_type!r}: only llama and qwen2 map onto GPTModel here")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r}: only silu (SwiGLU) is supported")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        # Megatron's add_bias_linear would add biases to o_proj *and* the MLP together; keep the mapping exact.
+        raise ValueError("llama attention_bias/mlp_bias are not supported")
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (plain RoPE only)")
+    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError("qwen2 sliding-window attention is not supported")
+    heads = cfg["num_attention_heads"]
+    return HFArch(
+        model_type=model_type,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        ffn_hidden_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+    )
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= vocab_size."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None) -> GPTModel:
+    """Build an (uninitialised-weights) fp32 GPTModel matching the HF config, for this rank's TP/PP slice.
+
+    Needs `init_distributed` first. Sets `model.hf_arch` and `model.hf_vocab_size` for the loader/exporter/loss.
+    """
+    arch = read_hf_arch(hf_dir)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,  # required by TransformerConfig when pp > 1 (p2p buffer dtype)
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded_vocab(arch.vocab_size, pad_vocab_to_multiple_of or tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    model.hf_arch = arch
+    model.hf_vocab_size = arch.vocab_size
+    return model
+
+
+# ---------------------------------------------------------------- pure state-dict mappings (global layer ids)
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def hf_to_megatron_state_dict(
+    hf: dict[str, Tensor], arch: HFArch, tp_rank: int = 0, tp_size: int = 1, padded_vocab_size: int | None = None
+) -> dict[str, Tensor]:
+    """HF tensors -> the Megatron state dict of one TP rank, all layers, keyed by global layer index."""
+    heads_per_group, groups, d = arch.num_heads // arch.num_kv_heads, arch.num_kv_heads, arch.head_dim
+    if groups % tp_size or arch.ffn_hidden_size % tp_size:
+        raise ValueError(f"tp={tp_size} must divide num_key_value_heads={groups} and intermediate_size")
+    rows = padded_vocab_size or arch.vocab_size
+
+    def shard(t: Tensor, dim: int) -> Tensor:
+        return t.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+    def qkv(prefix: str, suffix: str) -> Tensor:
+        q, k, v = (hf[f"{prefix}self_attn.{n}_proj.{suffix}"] for n in "qkv")
+        rest = q.shape[1:]  # (hidden,) for weights, () for biases
+        fused = torch.cat(
+            [q.reshape(groups, heads_per_group * d, -1), k.reshape(groups, d, -1), v.reshape(groups, d, -1)], dim=1
+        )  # [G, (hpg + 2) * d, in]: Megatron's per-query-group order
+        return shard(fused, 0).reshape(-1, *rest)
+
+    out = {"embedding.word_embeddings.weight": shard(_pad_rows(hf["model.embed_tokens.weight"], rows), 0)}
+    for i in range(arch.num_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
+        out[m + "self_attention.linear_qkv.weight"] = qkv(p, "weight")
+        if arch.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = qkv(p, "bias")
+        out[m + "self_attention.linear_proj.weight"] = shard(hf[p + "self_attn.o_proj.weight"], 1)
+        out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
+        gate, up = shard(hf[p + "mlp.gate_proj.weight"], 0), shard(hf[p + "mlp.up_proj.weight"], 0)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[m + "mlp.linear_fc2.weight"] = shard(hf[p + "mlp.down_proj.weight"], 1)
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+    if not arch.tied_embeddings:
+        out["output_layer.weight"] = shard(_pad_rows(hf["lm_head.weight"], rows), 0)
+    return out
+
+
+def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], arch: HFArch) -> dict[str, Tensor]:
+    """The inverse: Megatron state dicts of all TP ranks (index = tp rank, global layer ids) -> HF tensors."""
+    heads_per_group, groups, d = arch.num_heads // arch.num_kv_heads, arch.num_kv_heads, arch.head_dim
+
+    def cat(key: str, dim: int) -> Tensor:
+        return torch.cat([s[key] for s in shards], dim=dim)
+
+    def split_qkv(key: str) -> tuple[Tensor, Tensor, Tensor]:
+        fused = cat(key, 0)
+        rest = fused.shape[1:]
+        q, k, v = fused.reshape(groups, (heads_per_group + 2) * d, -1).split([heads_per_group * d, d, d], dim=1)
+        return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+    out = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight", 0)[: arch.vocab_size].clone()}
+    for i in range(arch.num_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"].clone()
+        names = ("q_proj", "k_proj", "v_proj")
+        suffixes = ("weight", "bias") if arch.qkv_bias else ("weight",)
+        for suffix in suffixes:
+            for name, t in zip(names, split_qkv(m + "self_attention.linear_qkv." + suffix), strict=True):
+                out[f"{p}self_attn.{name}.{suffix}"] = t
+        out[p + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
+        out[p + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"].clone()
+        gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+        out[p + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up], dim=0)
+        out[p + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up], dim=0)
+        out[p + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
+    out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
+    if not arch.tied_embeddings:
+        out["lm_head.weight"] = cat("output_layer.weight", 0)[: arch.vocab_size].clone()
+    return out
+
+
+# ---------------------------------------------------------------- model-level load / export
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
+    """All tensors of a (possibly sharded) safetensors HF checkpoint, on CPU."""
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
+    tensors: dict[str, Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as reader:
+            tensors.update({k: reader.get_tensor(k) for k in reader.keys()})
+    return tensors
+
+
+def _layer_key(key: str, shift: int) -> str:
+    """Shift the layer index of a `decoder.layers.N.` key (local <-> global under pipeline parallelism)."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", key)
+    return key if match is None else f"decoder.layers.{int(match[1]) + shift}.{match[2]}"
+
+
+def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
+    """Copy the HF checkpoint into this rank's slice of `model` (TP shard, PP stage); every parameter must match."""
+    arch, tp = model.hf_arch, parallel_state.get_tensor_model_parallel_world_size()
+    full = hf_to_megatron_state_dict(
+        read_hf_state_dict(hf_dir),
+        arch,
+        parallel_state.get_tensor_model_parallel_rank(),
+        tp,
+        padded_vocab_size=model.vocab_size,
+    )
+    offset = get_transformer_layer_offset(model.config)
+    own = model.state_dict()
+    if arch.tied_embeddings:
+        # Tied and pipelined: the last stage holds its own copy of the embedding as output_layer.weight, which
+        # Megatron keeps in sync through the embedding group; it starts as the same vocab shard.
+        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    wanted = {k: full[_layer_key(k, offset)] for k in own if not k.endswith("_extra_state")}
+    model.load_state_dict({**own, **wanted}, strict=True)
+
+
+def _global_megatron_state_dict(model: GPTModel) -> dict[str, Tensor]:
+    offset = get_transformer_layer_offset(model.config)
+    return {
+        _layer_key(k, offset): v.detach().to("cpu", copy=True)
+        for k, v in model.state_dict().items()
+        if not k.endswith("_extra_state") and isinstance(v, Tensor)
+    }
+
+
+def export_hf(model: GPTModel, src_hf_dir: str | Path, out_dir: str | Path) -> None:
+    """Write `model` as an HF folder (model.safetensors, config.json, tokenizer files of `src_hf_dir`).
+
+    Collective: every rank calls it; TP shards and PP stages are gathered to global rank 0, which writes.
+    The folder appears atomically (written as `<out_dir>.partial`, then renamed), replacing an older export,
+    so a sampler polling for new weights never reads a half-written checkpoint.
+    """
+    local = _global_megatron_state_dict(model)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        keep = parallel_state.get_data_parallel_rank() == 0
+        dist.gather_object((tp_rank, local) if keep else None, gathered, dst=0)
+        if dist.get_rank() != 0:
+            dist.barrier()
+            return
+        by_tp: dict[int, dict[str, Tensor]] = {}
+        for item in gathered or []:
+            if item is not None:
+                by_tp.setdefault(item[0], {}).update(item[1])  # PP stages of one TP rank merge by key
+        shards = [by_tp[r] for r in sorted(by_tp)]
+    else:
+        shards = [local]
+    _write_hf_folder(megatron_to_hf_state_dict(shards, model.hf_arch), Path(src_hf_dir), Path(out_dir))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _write_hf_folder(tensors: dict[str, Tensor], src: Path, out: Path) -> None:
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "model.safetensors"), {"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in tensors.values()}
+    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else None
+    (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in src.iterdir():  # tokenizer, generation config, chat template: everything but weights and config
+        if f.is_file() and f.name != "config.json" and not _WEIGHT_FILE.match(f.name):
+            shutil.copy2(f, partial / f.name)
+    for f in partial.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)

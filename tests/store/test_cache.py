@@ -1,0 +1,105 @@
+import json
+
+import numpy as np
+import pytest
+from helpers import make_descriptor, make_row
+
+from pipeline.store import CacheMismatchError, SchemaError, TeacherCache, read_cache
+from pipeline.store.shards import ShardError
+
+
+def _cache_with_rows(tmp_path, n_rows=5, seed=0):
+    d = make_descriptor()
+    cache = TeacherCache.create_or_open(tmp_path / "cache", d)
+    rng = np.random.default_rng(seed)
+    rows = [make_row(rng, d, length=int(rng.integers(3, 30)), prompt_len=2, source=("dataset", "student")[i % 2]) for i in range(n_rows)]
+    cache.write_shard("scored-00000-of-00001", rows)
+    return cache, rows
+
+
+def test_round_trip_numpy_api(tmp_path):
+    cache, rows = _cache_with_rows(tmp_path)
+    got = {s.key: s for s in read_cache(cache.root)}
+    assert set(got) == {r["key"] for r in rows}
+    for r in rows:
+        s = got[r["key"]]
+        n = len(r["input_ids"]) - r["first_scored"]
+        assert s.topk_ids.shape == (n, 8) and s.topk_logprobs.shape == (n, 8) and s.actual_logprobs.shape == (n,)
+        np.testing.assert_array_equal(s.input_ids, r["input_ids"])
+        np.testing.assert_array_equal(s.topk_ids, r["topk_ids"])
+        assert np.abs(s.topk_logprobs - r["topk_logprobs"]).max() <= 1 / 128 + 1e-6
+        assert np.abs(s.actual_logprobs - r["actual_logprobs"]).max() <= 1 / 128 + 1e-6
+        np.testing.assert_array_equal(s.actual_ranks, r["actual_ranks"])
+        assert s.source == r["source"] and s.first_scored == r["first_scored"]
+
+
+def test_keys_lookup_and_missing(tmp_path):
+    cache, rows = _cache_with_rows(tmp_path)
+    assert cache.keys() == {r["key"] for r in rows}
+    assert cache.missing(["nope", rows[0]["key"]]) == ["nope"]
+
+
+def test_refuses_other_teacher_tokenizer_or_k(tmp_path):
+    _cache_with_rows(tmp_path)
+    for other in (
+        make_descriptor(teacher="x" * 32),
+        make_descriptor(tokenizer="y" * 32),
+        make_descriptor(k=16),
+    ):
+        with pytest.raises(CacheMismatchError, match="cannot be mixed"):
+            TeacherCache.create_or_open(tmp_path / "cache", other)
+    TeacherCache.create_or_open(tmp_path / "cache", make_descriptor())  # same identity reopens
+
+
+def test_rewriting_a_complete_shard_is_refused_not_overwritten(tmp_path):
+    cache, rows = _cache_with_rows(tmp_path)
+    with pytest.raises(ShardError, match="already complete"):
+        cache.write_shard("scored-00000-of-00001", rows)
+
+
+def test_stats(tmp_path):
+    cache, rows = _cache_with_rows(tmp_path)
+    st = cache.stats()
+    tokens = sum(len(r["input_ids"]) - r["first_scored"] for r in rows)
+    assert st["samples"] == len(rows) and st["scored_tokens"] == tokens and st["shards"] == 1
+    assert st["bytes_per_scored_token"] == pytest.approx(st["bytes"] / tokens, rel=1e-3)
+
+
+def test_flipped_byte_caught_by_verify_and_reader(tmp_path):
+    cache, _ = _cache_with_rows(tmp_path)
+    assert cache.verify() == []
+    path = cache.shard_paths()[0]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    path.write_bytes(bytes(data))
+    problems = cache.verify()
+    assert problems and str(path) in problems[0] and "sha256" in problems[0]
+    with pytest.raises(ShardError, match=str(path)):
+        list(read_cache(cache.root))
+
+
+def test_truncated_shard_caught_by_verify_and_reader(tmp_path):
+    cache, _ = _cache_with_rows(tmp_path)
+    path = cache.shard_paths()[0]
+    path.write_bytes(path.read_bytes()[:-100])
+    problems = cache.verify()
+    assert problems and str(path) in problems[0] and "truncated" in problems[0]
+    with pytest.raises(ShardError, match=str(path)):
+        list(read_cache(cache.root))
+
+
+def test_unknown_descriptor_version_refused(tmp_path):
+    cache, _ = _cache_with_rows(tmp_path)
+    path = cache.root / "cache.json"
+    data = json.loads(path.read_text())
+    data["descriptor_version"] = "7.0"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SchemaError, match=r"cache.json.*7\.0"):
+        TeacherCache.open(cache.root)
+
+
+def test_duplicate_keys_across_shards_reported(tmp_path):
+    cache, rows = _cache_with_rows(tmp_path)
+    cache.write_shard("scored-extra", rows[:1])
+    problems = cache.verify()
+    assert any("duplicate" in p and rows[0]["key"] in p for p in problems)
