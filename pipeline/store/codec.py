@@ -1,23 +1,33 @@
 """The top-k codec: teacher top-k ids and logprobs <-> compact per-row byte strings.
 
-Layout, chosen by measurement (BENCHMARKS.md, `make bench`):
-- Entries are kept in **rank order** (descending logprob), the order vLLM returns them in.
+Layout, chosen by measurement on SmolLM2-135M top-64 (27,760 prose and 10,442 math positions; whole shard written
+by Parquet with zstd 9, footer included):
+- Entries are kept in **rank order** (descending logprob), the order vLLM returns them in. Ids compress best sorted
+  (~53 B/token) and values best in rank order; whichever order is stored, the other costs ~40 B/token more (the
+  permutation), so rank order with cheap monotone value deltas wins by a little (hybrids measured 125 vs 131).
 - **Ids** are lossless. Each shard carries a frequency remap (ids sorted by how often they occur in the shard's top-k
   lists, stored once in the Parquet footer); an entry stores the remapped index, so frequent tokens get small numbers.
-  Numbers are split into byte planes (all low bytes of a row, then the next byte, ...): the high planes are mostly
-  zero and Parquet's zstd squeezes them.
-- **Logprobs** are quantised to multiples of 1/64 nat (round to nearest: max abs error 1/128 nat) and stored as the
-  first value then rank-to-rank differences, which are small and non-negative. Values below -1000 nats are clamped to
-  -1000; -inf is kept exactly (sentinel). NaN is refused.
+- **Escape bytes**: every number (id index, value delta) is one byte in a first stream when it is below a threshold T,
+  else an escape byte T + (high bits) in the first stream and its low bytes in a second stream after it. zstd's order-0
+  coder then sees the skewed small numbers undiluted by the near-uniform low bytes of big ones (~2 B/token better than
+  plain byte planes on ids, ~1.7 on values).
+- **Logprobs** are quantised on a non-uniform grid: 1/128 nat above -3.5, 1/64 down to -5, 1/32 below (max abs
+  error 1/64 nat). KL(orig||decoded) over the k+1 bins is mass-weighted, so likely entries get the fine steps and
+  the many unlikely ones the coarse: KL 5.9e-6 (uniform 1/64: 6.4e-6; uniform 1/32: 2.6e-5) at ~3.5 B/token less.
+  Stored as the first grid index, then rank-to-rank differences (small, non-negative). Values below -1000 nats are
+  clamped to -1000; -inf is kept exactly (a sentinel index past the grid). NaN is refused.
 - **The tail**: log of the teacher mass outside the top-k, computed in float64 from the unquantised values and
   quantised like the others, so the k+1-bin distribution (`tail` loss mode) decodes with the same per-bin relative
   error instead of inheriting the sum of k rounding errors (1 - sum(p) is ill-conditioned when the tail is small).
 - **The actual next token**: its rank (1-based, may exceed k) and, only when it is not found in the top-k at that
   rank, its own quantised logprob; otherwise the decoder takes the top-k value, so a common case costs nothing.
 
-Measured on SmolLM2-135M top-64 (prose): order-0 entropy of the id *set* alone is ~54 B/token, so any codec that
-keeps ids exact and decodes with vectorised numpy lands near 100 B/token; see BENCHMARKS.md for the numbers.
-Decoding is vectorised over a whole record batch (no per-row Python work in the hot path).
+Measured (whole Parquet file / positions, B/token): prose 142.0 -> 134.6 (ids 94.7, values 30.6, tail 1.4, actual
+1.5), math 102.0 -> 94.8 (ids 62.3, values 23.0). The order-0 entropy of the rank-ordered
+remapped ids alone is ~91 B/token on prose (the id *set* ~54), so order-0 coders cannot reach ~80; the measured
+options left out: tie groups sorted by id (-2, slow segmented cumsum on decode), per-rank remap tables (no gain
+after their footer cost), per-previous-token id tables (-6.6, needs the actual ids at decode time).
+Decoding is vectorised over a whole record batch (no per-entry Python work in the hot path).
 """
 
 from __future__ import annotations
@@ -27,11 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-NAME = "rank-q64-remap"
-STEP = 64  # quanta per nat
+NAME = "rank-grid-esc"
 MIN_LOGPROB = -1000.0
-_NEG_INF_Q = 0xFFFF  # quantised -logprob sentinel for -inf
-_MAX_Q = int(-MIN_LOGPROB * STEP)  # 64000 < sentinel
+# Grid of -logprob values: 1/128 nat on [0, 3.5], 1/64 on (3.5, 5], 1/32 on (5, 1000]. All points exact in float32.
+_GRID = np.concatenate([np.arange(449) / 128, 3.5 + np.arange(1, 97) / 64, 5 + np.arange(1, 31841) / 32])
+_NEG_INF_Q = _GRID.size  # sentinel index for -inf; sorts after every grid point
+_TABLE = np.append(-_GRID, -np.inf).astype(np.float32)  # index -> decoded logprob
 
 
 class CodecError(ValueError):
@@ -39,7 +50,12 @@ class CodecError(ValueError):
 
 
 def params() -> dict[str, str]:
-    return {"name": NAME, "step": f"1/{STEP} nat", "max_abs_error": f"1/{2 * STEP} nat", "min_logprob": str(MIN_LOGPROB)}
+    return {
+        "name": NAME,
+        "grid": "1/128 nat to -3.5, 1/64 to -5, 1/32 below",
+        "max_abs_error": "1/64 nat",
+        "min_logprob": str(MIN_LOGPROB),
+    }
 
 
 def _nplanes(max_value: int) -> int:
@@ -55,36 +71,64 @@ def _to_planes(values: np.ndarray, nb: int) -> bytes:
     return out.tobytes()
 
 
+def _join_planes(planes: np.ndarray) -> np.ndarray:
+    """[nb, n] uint8 planes -> n uint32 values."""
+    out = planes[0].astype(np.uint32)
+    for p in range(1, planes.shape[0]):
+        out |= planes[p].astype(np.uint32) << (8 * p)
+    return out
+
+
+def _escape_params(max_value: int) -> tuple[int, int]:
+    """(T, nb): numbers < T take one byte; others the escape byte T + (v - T) >> 8nb plus nb low bytes."""
+    nb = 1
+    while max_value >> (8 * nb) > 127:
+        nb += 1
+    return 255 - (max_value >> (8 * nb)), nb
+
+
+_VALUE_ESC = _escape_params(_NEG_INF_Q)
+
+
+def _escape_encode(values: np.ndarray, t: int, nb: int) -> bytes:
+    v = values.astype(np.int64, copy=False).ravel()
+    big = v >= t
+    first = np.where(big, t + ((v - t) >> (8 * nb)), v).astype(np.uint8)
+    return first.tobytes() + _to_planes((v[big] - t) & ((1 << (8 * nb)) - 1), nb)
+
+
+def _escape_decode(buf: np.ndarray, offsets: np.ndarray, counts: np.ndarray, t: int, nb: int) -> np.ndarray:
+    """Inverse of _escape_encode for many rows: `buf` is the concatenation of row blobs, `offsets` their starts
+    (len rows + 1), `counts` the numbers per row. Returns all rows' numbers concatenated, as uint32."""
+    firsts, seconds = [], []
+    for start, end, n in zip(offsets[:-1].tolist(), offsets[1:].tolist(), counts.tolist(), strict=True):
+        if end - start < n or (end - start - n) % nb:
+            raise CodecError(f"escape-coded blob of {end - start} bytes cannot hold {n} entries")
+        firsts.append(buf[start : start + n])
+        seconds.append(buf[start + n : end].reshape(nb, -1))
+    first = np.concatenate(firsts) if firsts else np.zeros(0, np.uint8)
+    out = first.astype(np.uint32)
+    big = np.flatnonzero(first >= t)
+    low = np.concatenate(seconds, axis=1) if seconds else np.zeros((nb, 0), np.uint8)
+    if low.shape[1] != big.size:
+        raise CodecError(f"escape-coded column has {low.shape[1]} escapes' low bytes for {big.size} escapes")
+    if big.size:
+        out[big] = ((out[big] - t) << (8 * nb) | _join_planes(low)) + t
+    return out
+
+
 def _from_planes(buf: np.ndarray, offsets: np.ndarray, nb: int) -> np.ndarray:
-    """Inverse of _to_planes for many rows: `buf` is the concatenation of row blobs, `offsets` their starts
-    (len rows + 1). Returns all rows' values concatenated, as uint32. One small loop over rows; the work inside is
-    contiguous numpy (a global gather index measured ~3x slower)."""
+    """Inverse of _to_planes for many rows (see _escape_decode for the arguments)."""
     lens = np.diff(offsets)
     if np.any(lens % nb):
         raise CodecError(f"blob lengths {lens[lens % nb != 0][:3].tolist()} are not a multiple of {nb} planes")
-    counts = lens // nb
-    out = np.empty(int(counts.sum()), dtype=np.uint32)
-    pos = 0
-    for start, n in zip(offsets[:-1].tolist(), counts.tolist(), strict=True):
-        if n == 0:
-            continue
-        planes = buf[start : start + n * nb].reshape(nb, n)
-        dst = out[pos : pos + n]
-        if nb == 1:
-            dst[:] = planes[0]
-        elif nb == 2:
-            np.bitwise_or(planes[0], planes[1].astype(np.uint32) << 8, out=dst)
-        else:
-            dst[:] = planes[0]
-            for p in range(1, nb):
-                dst |= planes[p].astype(np.uint32) << (8 * p)
-        pos += n
-    return out
+    rows = [buf[s:e].reshape(nb, -1) for s, e in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
+    return _join_planes(np.concatenate(rows, axis=1)) if rows else np.zeros(0, np.uint32)
 
 
 @dataclass
 class EncodedRows:
-    """Per-row blobs for the four binary columns, plus the footer entries of the shard they go into."""
+    """Per-row blobs for the five binary columns, plus the footer entries of the shard they go into."""
 
     topk_ids: list[bytes]
     topk_logprobs: list[bytes]
@@ -95,11 +139,15 @@ class EncodedRows:
 
 
 def _quantise(lp: np.ndarray, where: str) -> np.ndarray:
+    """Logprobs -> nearest grid index (int64); -inf -> sentinel."""
+    lp = np.asarray(lp, dtype=np.float64)
     if np.isnan(lp).any():
         raise CodecError(f"{where}: NaN logprob; the teacher produced an invalid distribution")
     if (lp > 1e-3).any():
         raise CodecError(f"{where}: logprob {float(lp.max()):.4f} > 0; expected log-probabilities")
-    q = np.rint(-np.clip(lp, MIN_LOGPROB, 0.0) * STEP).astype(np.int64)
+    x = -np.clip(lp, MIN_LOGPROB, 0.0)
+    i = np.searchsorted(_GRID, x).clip(1, _GRID.size - 1)
+    q = np.where(x - _GRID[i - 1] <= _GRID[i] - x, i - 1, i)
     q[np.isneginf(lp)] = _NEG_INF_Q
     return q
 
@@ -111,25 +159,16 @@ def tail_logprob(topk_logprobs: np.ndarray) -> np.ndarray:
         return np.where(mass < 1.0, np.log1p(-np.minimum(mass, 1.0)), -np.inf).astype(np.float64)
 
 
-def _dequantise(q: np.ndarray) -> np.ndarray:
-    out = np.multiply(q, np.float32(-1.0 / STEP), dtype=np.float32)
-    sentinel = q == _NEG_INF_Q
-    if sentinel.any():
-        out[sentinel] = -np.inf
-    return out
-
-
 def _row_cumsum(deltas: np.ndarray, k: int) -> np.ndarray:
     """Per-position prefix sums of [positions * k] deltas, via one flat cumsum: uint32 arithmetic wraps, but each
     position's own sum is < 2**16, so subtracting the running total at the position's start is exact mod 2**32
     (measured ~2x faster than cumsum along axis 1 of short rows)."""
     c = np.cumsum(deltas, dtype=np.uint32).reshape(-1, k)
-    if c.shape[0] == 0:
-        return c
-    start = np.empty(c.shape[0], dtype=np.uint32)
-    start[0] = 0
-    start[1:] = c[:-1, -1]
-    c -= start[:, None]
+    if c.shape[0]:
+        start = np.empty(c.shape[0], dtype=np.uint32)
+        start[0] = 0
+        start[1:] = c[:-1, -1]
+        c -= start[:, None]
     return c
 
 
@@ -147,7 +186,7 @@ def encode(
     for r, (ids, lps, aid, arank, alp) in enumerate(rows):
         ids = np.asarray(ids, dtype=np.int64)
         lps = np.asarray(lps, dtype=np.float32)
-        n = ids.shape[0]
+        n = ids.shape[0] if ids.ndim else 0
         if ids.shape != (n, k) or lps.shape != (n, k):
             raise CodecError(f"row {r}: top-k arrays have shapes {ids.shape}, {lps.shape}; expected ({n}, {k})")
         aid, arank, alp = (np.asarray(a).reshape(-1) for a in (aid, arank, alp))
@@ -157,52 +196,40 @@ def encode(
             raise CodecError(f"row {r}: token id outside [0, {vocab_size})")
         if n and arank.min() < 1:
             raise CodecError(f"row {r}: actual-token rank must be >= 1")
+        q = _quantise(lps, f"row {r}")
         order = np.argsort(-lps, axis=1, kind="stable")
-        ids = np.take_along_axis(ids, order, 1)
-        lps = np.take_along_axis(lps, order, 1)
-        tail = tail_logprob(lps)
+        ids, lps, q = (np.take_along_axis(a, order, 1) for a in (ids, lps, q))
+        aq = _quantise(alp, f"row {r} actual")
         norm.append(
-            (
-                ids,
-                _quantise(lps, f"row {r}"),
-                _quantise(tail, f"row {r} tail"),
-                aid.astype(np.int64),
-                arank.astype(np.int64),
-                _quantise(alp, f"row {r} actual"),
-            )
+            (ids, q, _quantise(tail_logprob(lps), f"row {r} tail"), aid.astype(np.int64), arank.astype(np.int64), aq)
         )
 
     all_ids = np.concatenate([x[0].ravel() for x in norm]) if norm else np.zeros(0, np.int64)
-    counts = np.bincount(all_ids, minlength=vocab_size) if all_ids.size else np.zeros(vocab_size, np.int64)
+    counts = np.bincount(all_ids, minlength=vocab_size)
     used = np.flatnonzero(counts)
     by_freq = used[np.argsort(-counts[used], kind="stable")]  # remapped index -> original id
     remap = np.zeros(vocab_size, dtype=np.int64)
     remap[by_freq] = np.arange(by_freq.size)
-    nb_ids = _nplanes(max(by_freq.size - 1, 0))
+    id_esc = _escape_params(max(by_freq.size - 1, 0))
     nb_rank = _nplanes(vocab_size)
 
     out = EncodedRows([], [], [], [], [], {})
     for ids, q, tq, aid, arank, aq in norm:
-        n = ids.shape[0]
-        out.topk_ids.append(_to_planes(remap[ids], nb_ids))
+        out.topk_ids.append(_escape_encode(remap[ids], *id_esc))
         dq = q.copy()
-        if n:
-            dq[:, 1:] = np.diff(q, axis=1)  # >= 0 in rank order; -inf sentinel sorts last
-        out.topk_logprobs.append(_to_planes(dq, 2))
+        dq[:, 1:] = np.diff(q, axis=1)  # >= 0 in rank order; the -inf sentinel sorts last
+        out.topk_logprobs.append(_escape_encode(dq, *_VALUE_ESC))
         out.tail_logprobs.append(_to_planes(tq, 2))
         out.actual_rank.append(_to_planes(arank, nb_rank))
-        # 0 = "the value is the top-k entry at that rank"; else quantised -logprob + 1.
-        in_topk = np.zeros(n, dtype=bool)
-        inside = arank <= k
-        if inside.any():
-            idx = np.flatnonzero(inside)
-            in_topk[idx] = ids[idx, arank[idx] - 1] == aid[idx]
-        out.actual_logprobs.append(_to_planes(np.where(in_topk, 0, aq + 1), 3))
+        # 0 = "the value is the top-k entry at that rank"; else grid index + 1.
+        in_topk = np.zeros(aid.size, dtype=bool)
+        idx = np.flatnonzero(arank <= k)
+        in_topk[idx] = ids[idx, arank[idx] - 1] == aid[idx]
+        out.actual_logprobs.append(_to_planes(np.where(in_topk, 0, aq + 1), 2))
     out.footer = {
         b"gkd.codec": NAME.encode(),
         b"gkd.codec.k": str(k).encode(),
         b"gkd.codec.vocab_size": str(vocab_size).encode(),
-        b"gkd.codec.id_planes": str(nb_ids).encode(),
         b"gkd.codec.rank_planes": str(nb_rank).encode(),
         b"gkd.codec.id_table": zstandard.ZstdCompressor(level=9).compress(by_freq.astype("<u4").tobytes()),
     }
@@ -229,12 +256,12 @@ class Decoder:
             raise CodecError(f"{where}: codec {footer.get(b'gkd.codec')!r} is not {NAME!r}")
         try:
             self.k = int(footer[b"gkd.codec.k"])
-            self.nb_ids = int(footer[b"gkd.codec.id_planes"])
             self.nb_rank = int(footer[b"gkd.codec.rank_planes"])
             table = zstandard.ZstdDecompressor().decompress(footer[b"gkd.codec.id_table"])
         except (KeyError, ValueError, zstandard.ZstdError) as e:
             raise CodecError(f"{where}: codec footer damaged ({e})") from e
         self.id_table = np.frombuffer(table, dtype="<u4").astype(np.int32)
+        self.id_esc = _escape_params(max(self.id_table.size - 1, 0))
         self.where = where
 
     @staticmethod
@@ -248,39 +275,38 @@ class Decoder:
         return data, offsets
 
     def decode(self, batch, num_scored: np.ndarray) -> DecodedBatch:
-        """Decode the four codec columns of a pyarrow RecordBatch; `num_scored` = positions per row."""
+        """Decode the five codec columns of a pyarrow RecordBatch; `num_scored` = positions per row."""
         k = self.k
         num_scored = np.asarray(num_scored, dtype=np.int64)
         pos_off = np.concatenate([[0], np.cumsum(num_scored)])
         try:
             data, off = self._column(batch, "topk_ids")
-            rid = _from_planes(data, off, self.nb_ids)
-            if rid.size != pos_off[-1] * k:
-                raise CodecError(f"topk_ids holds {rid.size} entries, rows declare {pos_off[-1]} x {k}")
+            rid = _escape_decode(data, off, num_scored * k, *self.id_esc)
             if rid.size and rid.max() >= self.id_table.size:
                 raise CodecError("topk_ids refers past the id table")
             ids = self.id_table[rid].reshape(-1, k)
 
             data, off = self._column(batch, "topk_logprobs")
-            dq = _from_planes(data, off, 2)
-            if dq.size != ids.size:
-                raise CodecError("topk_logprobs and topk_ids disagree in length")
-            q = _row_cumsum(dq, k)
-            lps = _dequantise(q)
+            q = _row_cumsum(_escape_decode(data, off, num_scored * k, *_VALUE_ESC), k)
+            if q.size and q.max() > _NEG_INF_Q:
+                raise CodecError("topk_logprobs holds a value index past the grid")
+            lps = _TABLE[q]
 
             data, off = self._column(batch, "tail_logprobs")
-            tail = _dequantise(_from_planes(data, off, 2))
+            tq = _from_planes(data, off, 2)
             data, off = self._column(batch, "actual_rank")
             ranks = _from_planes(data, off, self.nb_rank).astype(np.int32)
             data, off = self._column(batch, "actual_logprobs")
-            aq = _from_planes(data, off, 3).astype(np.int64)
-            if not (ranks.size == aq.size == tail.size == ids.shape[0]):
+            aq = _from_planes(data, off, 2)
+            if not (ranks.size == aq.size == tq.size == ids.shape[0]):
                 raise CodecError("actual-token columns disagree in length with the top-k columns")
-        except IndexError as e:
+            tail = _TABLE[tq]
+            alp = _TABLE[np.maximum(aq, 1) - 1]
+        except (IndexError, ValueError) as e:
+            if isinstance(e, CodecError):
+                raise
             raise CodecError(f"{self.where}: damaged codec data ({e})") from e
-        from_topk = aq == 0
-        alp = _dequantise(np.maximum(aq - 1, 0))
-        if from_topk.any():
-            idx = np.flatnonzero(from_topk)
-            alp[idx] = lps[idx, np.clip(ranks[idx] - 1, 0, k - 1)]
+        from_topk = np.flatnonzero(aq == 0)
+        if from_topk.size:
+            alp[from_topk] = lps[from_topk, np.clip(ranks[from_topk] - 1, 0, k - 1)]
         return DecodedBatch(pos_off, ids, lps, tail, ranks, alp)

