@@ -2,7 +2,7 @@ import subprocess
 import sys
 
 import numpy as np
-from helpers import make_descriptor, make_row
+from scored_rows import make_descriptor, make_row
 
 from pipeline.cli import main
 from pipeline.store import TeacherCache

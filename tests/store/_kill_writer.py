@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from helpers import make_descriptor, make_row
+from scored_rows import make_descriptor, make_row
 
 from pipeline.store import TeacherCache
 from pipeline.store.shards import is_complete

@@ -2,7 +2,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import make_descriptor, make_row
+from scored_rows import make_descriptor, make_row
 
 from pipeline.store import CacheMismatchError, SchemaError, TeacherCache, read_cache
 from pipeline.store.shards import ShardError

@@ -88,7 +88,7 @@ def test_schema_files_build_arrow_schemas():
 def test_sigkill_leaves_no_partial_shard_and_rerun_completes(tmp_path):
     """Kill the writer at several points; readers only ever see complete shards; a rerun finishes the set."""
     root, n = tmp_path / "cache", 6
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     cmd = [sys.executable, str(HERE / "_kill_writer.py"), str(root), str(n)]
     for delay in (0.8, 1.2, 1.6, 2.0):
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)

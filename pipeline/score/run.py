@@ -1,0 +1,419 @@
+"""Score stage: rollouts -> the teacher's sparse top-k logprobs in the content-keyed cache.
+
+    gkd score --rollouts runs/rollouts --cache runs/cache --teacher MODEL_DIR --topk 64
+    gkd score --config configs/score.yaml [key=value ...]            # make score
+    gkd score ... --shard 3 --num-shards 8                           # one task of a Slurm array
+    gkd score ... --num-shards 8 --status                            # which tasks are missing, as --array=...
+
+One sample's path: rollout row (prompt_ids + completion_ids) -> input_ids x_0..x_{L-1}, P = len(prompt_ids) ->
+content key -> (skipped if cached) -> vLLM prompt_logprobs: entry j >= 1 is the teacher distribution of x_j given
+x_<j (entry 0 is empty) -> positions j = P..L-1 stored as top-k ids/logprobs, the actual token's rank/logprob and the
+tail -> a part shard `scored-<tag>-<task>-pNNNN.parquet` -> the task marker `tasks/<tag>-<task>.done`, written last.
+
+A rerun skips scored keys (so a killed task resumes where its last complete part ended) and a finished task is a
+no-op. Rows go to tasks by a hash of their content key, so identical sequences always meet in the same task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.config import ConfigError, load_config
+from pipeline.store import Descriptor, TeacherCache
+from pipeline.store.fingerprint import content_key, teacher_fingerprint, tokenizer_fingerprint
+from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards
+from pipeline.store.shards import ShardError, _atomic_write_bytes, read_marker, verify_shard
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
+LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+@dataclass
+class ScoreConfig:
+    rollouts: str = "runs/rollouts"
+    cache: str = "runs/cache"
+    teacher: str = "default"  # an HF folder; "default" = SmolLM2-135M-Instruct built by pipeline.assets
+    topk: int = 64
+    score_prompt: bool = False  # score every position from x_1 on, not just the completion
+    shard: int | None = None  # defaults to $SLURM_ARRAY_TASK_ID
+    num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
+    on_overlong: str = "error"  # error | skip
+    logprob_mode: str = "raw_logprobs"
+    # vLLM engine pass-through
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.85
+    kv_cache_gib: float = 1.0
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    batch_tokens: int = 8192  # token budget of one vLLM call
+    part_rows: int = 512  # rows per output part: bounds memory, and what a killed task loses
+    engine_extra: dict = field(default_factory=dict)
+
+    def validate(self) -> list[str]:
+        p = []
+        if self.topk < 1:
+            p.append(f"topk must be >= 1, got {self.topk}")
+        if self.num_shards < 1:
+            p.append(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.shard is not None and not 0 <= self.shard < self.num_shards:
+            p.append(f"shard {self.shard} is outside [0, num_shards={self.num_shards})")
+        if self.on_overlong not in ("error", "skip"):
+            p.append(f"on_overlong must be 'error' or 'skip', got {self.on_overlong!r}")
+        if self.logprob_mode not in LOGPROB_MODES:
+            p.append(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
+        if self.batch_tokens < 1 or self.part_rows < 1:
+            p.append("batch_tokens and part_rows must be >= 1")
+        return p
+
+
+class ScoreInputError(ValueError):
+    """Bad rollouts: the message names the samples and the fix."""
+
+
+# -- task bookkeeping --------------------------------------------------------------------------------------------
+
+
+def rollouts_tag(paths: list[Path]) -> str:
+    """Identity of a rollout set, from its shards' names and checksums (cheap: markers only)."""
+    h = hashlib.blake2b(digest_size=6)
+    for p in paths:
+        m = read_marker(p) or {}
+        h.update(f"{p.name}:{m.get('sha256')}\n".encode())
+    return h.hexdigest()
+
+
+def task_name(tag: str, shard: int, num_shards: int) -> str:
+    return f"scored-{tag}-{shard:05d}-of-{num_shards:05d}"
+
+
+def task_marker(cache_root: Path, name: str) -> Path:
+    return cache_root / "tasks" / f"{name}.done"
+
+
+def task_done(cache_root: Path, name: str) -> bool:
+    """A task is done when its marker exists and every part it lists verifies."""
+    marker = task_marker(cache_root, name)
+    if not marker.exists():
+        return False
+    parts = json.loads(marker.read_text()).get("parts", [])
+    return all(not verify_shard(cache_root / "shards" / f"{p}.parquet", "scored", checksum=False) for p in parts)
+
+
+def array_spec(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (sbatch --array syntax)."""
+    out, i = [], 0
+    while i < len(indices):
+        j = i
+        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
+            j += 1
+        out.append(str(indices[i]) if i == j else f"{indices[i]}-{indices[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+# -- rows --------------------------------------------------------------------------------------------------------
+
+
+def select_rows(
+    cfg: ScoreConfig, rollouts: list[Path], teacher_fp: str, shard: int, vocab_size: int, max_len: int, counts: dict
+) -> list[dict]:
+    """This task's rows, deduplicated by content key; bad input refused (or skipped and counted) before any work.
+    `max_len` is the longest sequence the engine can score."""
+    rows: dict[str, dict] = {}
+    too_big, overlong = [], []
+    for r in iter_rollouts(rollouts):
+        ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
+        first = 1 if cfg.score_prompt else len(r["prompt_ids"])
+        if len(r["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
+            counts["empty"] = counts.get("empty", 0) + 1
+            continue
+        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode)
+        if assign_shard(key, cfg.num_shards) != shard or key in rows:
+            continue
+        if ids.max() >= vocab_size or ids.min() < 0:
+            too_big.append(r["sample_id"])
+        if len(ids) > max_len:
+            if cfg.on_overlong == "skip":
+                counts["overlong"] = counts.get("overlong", 0) + 1
+                continue
+            overlong.append(r["sample_id"])
+        rows[key] = {**r, "key": key, "input_ids": ids.astype(np.int32), "first_scored": first}
+    if too_big:
+        raise ScoreInputError(
+            f"{len(too_big)} rollout(s) hold token ids outside the teacher's vocabulary [0, {vocab_size}) — "
+            f"were they tokenized with another tokenizer? sample ids: {', '.join(too_big[:10])}"
+            + (" ..." if len(too_big) > 10 else "")
+        )
+    if overlong:
+        raise ScoreInputError(
+            f"{len(overlong)} rollout(s) are longer than {max_len} tokens (max_model_len): {', '.join(overlong[:10])}"
+            + (" ..." if len(overlong) > 10 else "")
+            + "; raise max_model_len or pass on_overlong=skip to skip and count them"
+        )
+    return list(rows.values())
+
+
+def token_batches(rows: list[dict], budget: int) -> list[list[dict]]:
+    """Consecutive batches whose total length stays within the token budget (a longer row goes alone)."""
+    batches, cur, used = [], [], 0
+    for r in rows:
+        n = len(r["input_ids"])
+        if cur and used + n > budget:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(r)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
+    """vLLM flat prompt logprobs of one sequence -> arrays for positions first..L-1.
+
+    Each position j >= 1 holds entry 0 = the actual token x_j with its true rank, then ranks 1..k. (Should an
+    engine drop the duplicate when x_j is itself in the top-k, the position has k entries and x_j is found there.)
+    """
+    start = np.asarray(flat.start_indices[first:], dtype=np.int64)
+    end = np.asarray(flat.end_indices[first:], dtype=np.int64)
+    tok = np.asarray(flat.token_ids, dtype=np.int64)
+    lp = np.asarray(flat.logprobs, dtype=np.float32)
+    n = len(ids) - first
+    if len(start) != n or np.any(end - start < k):
+        raise RuntimeError(f"engine returned {len(start)} positions / short top-k rows; expected {n} x {k}+1")
+    if np.all(end - start == k + 1):  # the common case, vectorised
+        idx = start[:, None] + np.arange(1, k + 1)[None, :]
+        actual_lp = lp[start]
+        ranks = np.asarray(flat.ranks, dtype=np.int64)[start]
+        if np.any(tok[start] != ids[first:]):
+            raise RuntimeError("engine's actual-token entries do not match the input ids (alignment broken)")
+        return {"topk_ids": tok[idx], "topk_logprobs": lp[idx], "actual_ranks": ranks, "actual_logprobs": actual_lp}
+    top_ids = np.empty((n, k), np.int64)
+    top_lp = np.empty((n, k), np.float32)
+    actual_lp = np.empty(n, np.float32)
+    ranks = np.empty(n, np.int64)
+    for i, (s, e) in enumerate(zip(start, end, strict=True)):
+        top_ids[i], top_lp[i] = tok[e - k : e], lp[e - k : e]
+        hit = np.flatnonzero(top_ids[i] == ids[first + i])
+        if e - s == k + 1:
+            actual_lp[i], ranks[i] = lp[s], flat.ranks[s]
+        elif hit.size:
+            actual_lp[i], ranks[i] = top_lp[i, hit[0]], hit[0] + 1
+        else:
+            raise RuntimeError(f"position {first + i}: the actual token is missing from the engine output")
+    return {"topk_ids": top_ids, "topk_logprobs": top_lp, "actual_ranks": ranks, "actual_logprobs": actual_lp}
+
+
+# -- the stage ---------------------------------------------------------------------------------------------------
+
+
+def resolve_teacher(name: str) -> Path:
+    if name == "default":
+        from pipeline.assets import teacher_dir
+
+        return teacher_dir()
+    path = Path(name)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"teacher: {path} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def status(cfg: ScoreConfig) -> int:
+    """Print which of the num_shards tasks are not done, as a ready `--array=` list; exit 1 if any."""
+    paths = rollout_shards(cfg.rollouts)
+    tag = rollouts_tag(paths)
+    root = Path(cfg.cache)
+    missing = [i for i in range(cfg.num_shards) if not task_done(root, task_name(tag, i, cfg.num_shards))]
+    if not missing:
+        print(f"all {cfg.num_shards} score tasks of rollouts {cfg.rollouts} ({tag}) are done")
+        return 0
+    print(f"{len(missing)} of {cfg.num_shards} score tasks missing; resubmit with:\n--array={array_spec(missing)}")
+    return 1
+
+
+def score(cfg: ScoreConfig, llm=None) -> dict:
+    """Run one score task; returns its summary. `llm` lets a caller (tests, the on-policy driver) reuse an engine."""
+    from tqdm import tqdm
+
+    shard = cfg.shard
+    if shard is None:
+        env = os.environ.get("SLURM_ARRAY_TASK_ID")
+        if env is None and cfg.num_shards > 1:
+            raise ConfigError("shard: not given and $SLURM_ARRAY_TASK_ID is unset; pass --shard I with --num-shards N")
+        shard = int(env or 0)
+    if not 0 <= shard < cfg.num_shards:
+        raise ConfigError(f"shard {shard} is outside [0, num_shards={cfg.num_shards})")
+
+    teacher = resolve_teacher(cfg.teacher)
+    t0 = time.time()
+    teacher_fp = teacher_fingerprint(teacher)
+    from transformers import AutoConfig, AutoTokenizer
+
+    teacher_config = AutoConfig.from_pretrained(teacher)
+    vocab_size = int(teacher_config.vocab_size)
+    # vLLM must fit one sampled token after the scored sequence, so the engine gets max_model_len + 1 where the
+    # model's positions allow it: a sequence of exactly max_model_len tokens is then scorable.
+    max_pos = int(getattr(teacher_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
+    engine_len = min(cfg.max_model_len + 1, max_pos)
+    tok_fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(teacher))
+    from pipeline.engine import engine_version
+
+    descriptor = Descriptor(
+        teacher_fingerprint=teacher_fp,
+        tokenizer_fingerprint=tok_fp,
+        k=cfg.topk,
+        logprob_mode=cfg.logprob_mode,
+        teacher=str(teacher),
+        vocab_size=vocab_size,
+        engine=engine_version(),
+    )
+    cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k first
+
+    paths = rollout_shards(cfg.rollouts)
+    if not paths:
+        raise ScoreInputError(f"{cfg.rollouts}: no complete rollout shards (*.parquet with a .ok marker)")
+    tag = rollouts_tag(paths)
+    name = task_name(tag, shard, cfg.num_shards)
+    if task_done(cache.root, name):
+        print(f"[score] task {shard}/{cfg.num_shards} of rollouts {tag} is already done: nothing to do")
+        return {"done_before": True, "teacher_forwards": 0}
+
+    counts: dict[str, int] = {}
+    rows = select_rows(cfg, paths, teacher_fp, shard, vocab_size, engine_len - 1, counts)
+    have = cache.keys()
+    todo = [r for r in rows if r["key"] not in have]
+    counts["cached"] = len(rows) - len(todo)
+    prior_parts = sorted(p.name[: -len(".parquet")] for p in cache.shard_dir.glob(f"{name}-p*.parquet") if read_marker(p))
+
+    summary = {"task": name, "rows": len(rows), "scored": 0, "tokens": 0, "teacher_forwards": 0, "skipped": counts}
+    parts = list(prior_parts)
+    if todo:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from pipeline.engine import EngineArgs, open_engine
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=cfg.topk, detokenize=False, flat_logprobs=True)
+        engine_args = EngineArgs(
+            model=str(teacher),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=cfg.dtype,
+            max_model_len=engine_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_gib=cfg.kv_cache_gib,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or max(cfg.batch_tokens, engine_len),
+            enforce_eager=cfg.enforce_eager,
+            extra=cfg.engine_extra,
+        )
+        total_tokens = sum(len(r["input_ids"]) for r in todo)
+        pending: list[dict] = []
+        with (open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode) if llm is None else _noop(llm)) as engine:
+            bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
+            t_score = time.time()
+            for batch in token_batches(todo, cfg.batch_tokens):
+                prompts = [TokensPrompt(prompt_token_ids=r["input_ids"].tolist()) for r in batch]
+                outputs = engine.generate(prompts, params, use_tqdm=False)
+                summary["teacher_forwards"] += len(batch)
+                for r, out in zip(batch, outputs, strict=True):
+                    pending.append({**r, **extract(out.prompt_logprobs, r["input_ids"].astype(np.int64), r["first_scored"], cfg.topk)})
+                    summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
+                bar.update(sum(len(r["input_ids"]) for r in batch))
+                while len(pending) >= cfg.part_rows:
+                    parts.append(_write_part(cache, name, len(parts), pending[: cfg.part_rows]))
+                    pending = pending[cfg.part_rows :]
+            if pending:
+                parts.append(_write_part(cache, name, len(parts), pending))
+            bar.close()
+            summary["score_seconds"] = time.time() - t_score
+        summary["scored"] = len(todo)
+    new_parts = [p for p in parts if p not in prior_parts]
+    nbytes = sum((cache.shard_dir / f"{p}.parquet").stat().st_size for p in new_parts)
+    summary.update(
+        parts=parts,
+        seconds=time.time() - t0,
+        bytes_per_token=round(nbytes / summary["tokens"], 1) if summary["tokens"] else None,
+    )
+    task_marker(cache.root, name).parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(task_marker(cache.root, name), json.dumps(summary, indent=1, default=str).encode())
+    tok_s = summary["tokens"] / summary["score_seconds"] if summary.get("score_seconds") else 0.0
+    skipped = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
+    print(
+        f"[score] task {shard}/{cfg.num_shards}: scored {summary['scored']} samples ({summary['tokens']} tokens, "
+        f"{tok_s:.0f} tok/s, {summary['bytes_per_token'] or '-'} B/token), skipped {skipped}, "
+        f"teacher forwards {summary['teacher_forwards']}"
+        + (" — everything was already cached" if not todo else "")
+    )
+    return summary
+
+
+class _noop:
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict]) -> str:
+    part = f"{name}-p{index:04d}"
+    cache.write_shard(part, rows, extra={"task": name})
+    return part
+
+
+def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
+    ap = argparse.ArgumentParser(prog="gkd score", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.relative_to(Path.cwd()) if DEFAULT_CONFIG.is_relative_to(Path.cwd()) else DEFAULT_CONFIG})")
+    ap.add_argument("--rollouts")
+    ap.add_argument("--cache")
+    ap.add_argument("--teacher")
+    ap.add_argument("--topk", type=int)
+    ap.add_argument("--score-prompt", action="store_true", default=None)
+    ap.add_argument("--shard", type=int)
+    ap.add_argument("--num-shards", type=int)
+    ap.add_argument("--on-overlong", choices=["error", "skip"])
+    ap.add_argument("--status", action="store_true", help="print missing task indices as an --array= list")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides (any ScoreConfig field)")
+    a = ap.parse_args(argv)
+    flags = {k: v for k, v in vars(a).items() if k not in ("config", "status", "overrides") and v is not None}
+    path = a.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    cfg = load_config(ScoreConfig, path, {**flags, **_kv(a.overrides)})
+    return cfg, a.status
+
+
+def _kv(items: list[str]) -> dict:
+    from pipeline.config import parse_overrides
+
+    return parse_overrides(items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, want_status = parse_args(list(sys.argv[1:] if argv is None else argv))
+        if want_status:
+            return status(cfg)
+        score(cfg)
+        return 0
+    except (ConfigError, ScoreInputError, ShardError) as e:
+        print(f"gkd score: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # cache mismatch, schema errors: already name the file and the fix
+        print(f"gkd score: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""Score stage against real vLLM (tiny random teacher) and an independent transformers forward."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.score.run import ScoreConfig, ScoreInputError, array_spec, score, status
+from pipeline.store import CacheMismatchError, TeacherCache, read_cache
+from pipeline.store.rollouts import rollout_row, write_rollouts
+from pipeline.store.shards import ShardError
+
+MAX_LEN = 96
+K = 8
+TESTS = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    from tiny_models import build_tiny_teacher
+
+    return build_tiny_teacher(tmp_path_factory.mktemp("teacher"), scale=30.0, max_pos=128)
+
+
+@pytest.fixture(scope="module")
+def llm(teacher):
+    from pipeline.engine import EngineArgs, open_engine
+
+    args = EngineArgs(model=str(teacher), dtype="float32", max_model_len=MAX_LEN + 1, kv_cache_gib=0.05, enforce_eager=True,
+                      max_num_batched_tokens=1024)
+    with open_engine(args, max_logprobs=K, logprobs_mode="raw_logprobs") as engine:
+        yield engine
+
+
+def _rollouts(path, specs, seed=0):
+    """specs: list of (prompt_len, completion_len); random ids in [3, 384)."""
+    rng = np.random.default_rng(seed)
+    rows = [
+        rollout_row(prompt_id=f"q{seed}-{i}", prompt_ids=rng.integers(3, 384, p).tolist(),
+                    completion_ids=rng.integers(3, 384, c).tolist(), source="dataset")
+        for i, (p, c) in enumerate(specs)
+    ]
+    write_rollouts(path, rows)
+    return rows
+
+
+def _cfg(tmp, teacher, **kw):
+    base = dict(rollouts=str(tmp / "rollouts"), cache=str(tmp / "cache"), teacher=str(teacher), topk=K,
+                max_model_len=MAX_LEN, part_rows=4, batch_tokens=256)
+    return ScoreConfig(**{**base, **kw})
+
+
+def _hf_logprobs(teacher, ids, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].to(dtype), -1).double().numpy()
+
+
+def test_matches_transformers_and_alignment(tmp_path, teacher, llm):
+    # prompt/completion boundary, a length-1 completion, and a sequence that ends exactly at max_model_len
+    rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(5, 7), (9, 1), (40, MAX_LEN - 40)])
+    summary = score(_cfg(tmp_path, teacher), llm=llm)
+    assert summary["scored"] == 3 and summary["teacher_forwards"] == 3
+    cached = {s.sample_id: s for s in read_cache(tmp_path / "cache")}
+    for r in rows:
+        s = cached[r["sample_id"]]
+        ids = r["prompt_ids"] + r["completion_ids"]
+        P = len(r["prompt_ids"])
+        assert s.first_scored == P and s.topk_ids.shape == (len(ids) - P, K)
+        hf32 = _hf_logprobs(teacher, ids)
+        hf64 = _hf_logprobs(teacher, ids, torch.float64)
+        control = np.abs(hf32 - hf64).max()  # live-vs-live: fp32 forward vs fp64 forward of the same weights
+        tol = max(50 * control, 1e-4) + 1 / 64  # + the codec's documented max abs error
+        for i, j in enumerate(range(P, len(ids))):
+            ref = hf32[j - 1]  # logits at j-1 predict token j: the alignment under test
+            order = np.argsort(-ref, kind="stable")
+            # same top-k set, except where the k-th and (k+1)-th are a near-tie
+            if ref[order[K - 1]] - ref[order[K]] > 2 * tol:
+                assert set(s.topk_ids[i]) == set(order[:K]), (r["sample_id"], j)
+            np.testing.assert_allclose(s.topk_logprobs[i], ref[s.topk_ids[i]], atol=tol)
+            assert abs(s.actual_logprobs[i] - ref[ids[j]]) <= tol
+            engine_tol = max(50 * control, 1e-4)
+            near_ties = int((np.abs(ref - ref[ids[j]]) <= 2 * engine_tol).sum())  # includes x_j itself
+            assert abs(int(s.actual_ranks[i]) - (1 + int((ref > ref[ids[j]]).sum()))) < near_ties
+            # the tail mass 1 - sum(top-k) is ill-conditioned in log space when small: compare masses, allowing
+            # the codec's relative error plus k times the engine's per-entry error
+            tail = 1.0 - np.exp(ref[order[:K]]).sum()
+            assert abs(np.exp(s.tail_logprobs[i]) - tail) <= tail * (np.exp(1 / 64) - 1) + K * engine_tol
+        # shifting by one would be visibly wrong: the stored actual logprobs are not those of x_{j+1}
+        off = [hf32[j][ids[j + 1]] for j in range(P, len(ids) - 1)]
+        if off:
+            assert np.abs(np.array(off) - s.actual_logprobs[: len(off)]).max() > 0.1
+
+
+def test_incremental_second_run_scores_nothing_then_only_misses(tmp_path, teacher, llm, capsys):
+    _rollouts(tmp_path / "rollouts" / "a-00000-of-00001.parquet", [(4, 6)] * 5)
+    first = score(_cfg(tmp_path, teacher), llm=llm)
+    assert first["scored"] == 5
+    again = score(_cfg(tmp_path, teacher), llm=llm)
+    assert again == {"done_before": True, "teacher_forwards": 0}
+    assert "nothing to do" in capsys.readouterr().out
+    # new rollouts beside the old ones: a new rollout set, only its misses are scored
+    _rollouts(tmp_path / "rollouts" / "b-00000-of-00001.parquet", [(4, 6)] * 3, seed=1)
+    third = score(_cfg(tmp_path, teacher), llm=llm)
+    assert third["scored"] == 3 and third["skipped"]["cached"] == 5 and third["teacher_forwards"] == 3
+    assert len(TeacherCache.open(tmp_path / "cache").keys()) == 8
+
+
+def test_union_of_shard_tasks_equals_unsharded(tmp_path, teacher, llm):
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(3, 5), (6, 2), (4, 9), (2, 3), (7, 7), (5, 5)])
+    for i in range(3):
+        score(_cfg(tmp_path, teacher, shard=i, num_shards=3), llm=llm)
+    score(_cfg(tmp_path, teacher, cache=str(tmp_path / "single")), llm=llm)
+    sharded = {s.key: s for s in read_cache(tmp_path / "cache")}
+    single = {s.key: s for s in read_cache(tmp_path / "single")}
+    assert sharded.keys() == single.keys() and len(single) == 6
+    for key, s in single.items():
+        np.testing.assert_array_equal(s.topk_ids, sharded[key].topk_ids)
+        np.testing.assert_array_equal(s.topk_logprobs, sharded[key].topk_logprobs)
+    assert TeacherCache.open(tmp_path / "cache").verify() == []
+
+
+def test_status_lists_missing_tasks_as_array(tmp_path, teacher, llm, capsys):
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(3, 5)] * 8)
+    for i in (0, 2, 3):
+        score(_cfg(tmp_path, teacher, shard=i, num_shards=6), llm=llm)
+    assert status(_cfg(tmp_path, teacher, num_shards=6)) == 1
+    assert "--array=1,4-5" in capsys.readouterr().out
+    assert array_spec([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_bad_input(tmp_path, teacher, llm):
+    rng = np.random.default_rng(0)
+    bad_vocab = rollout_row(prompt_id="big", prompt_ids=[5, 6], completion_ids=[7, 10_000], source="dataset")
+    empty = rollout_row(prompt_id="empty", prompt_ids=[5, 6], completion_ids=[], source="dataset")
+    long = rollout_row(prompt_id="long", prompt_ids=rng.integers(3, 300, MAX_LEN).tolist(), completion_ids=[5], source="dataset")
+    ok = rollout_row(prompt_id="ok", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset")
+    write_rollouts(tmp_path / "v" / "r.parquet", [bad_vocab, ok])
+    with pytest.raises(ScoreInputError, match=bad_vocab["sample_id"]):
+        score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "v")), llm=llm)
+    write_rollouts(tmp_path / "l" / "r.parquet", [long, empty, ok])
+    with pytest.raises(ScoreInputError, match=long["sample_id"] + ".*on_overlong=skip"):
+        score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "l")), llm=llm)
+    s = score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "l"), on_overlong="skip"), llm=llm)
+    assert s["scored"] == 1 and s["skipped"]["overlong"] == 1 and s["skipped"]["empty"] == 1
+    # a cache of another k / teacher is refused before any work
+    with pytest.raises(CacheMismatchError, match="k: cache has 8"):
+        score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "l"), topk=4), llm=llm)
+    # a rollout shard that fails verification is refused, naming it
+    shard = tmp_path / "l" / "r.parquet"
+    shard.write_bytes(shard.read_bytes()[:-20])
+    with pytest.raises(ShardError, match="r.parquet"):
+        score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "l"), cache=str(tmp_path / "c2")), llm=llm)
+
+
+def _score_cmd(tmp_path, teacher, cache):
+    return [sys.executable, "-m", "pipeline", "score", "--rollouts", str(tmp_path / "rollouts"), "--cache", str(cache),
+            "--teacher", str(teacher), "--topk", str(K), f"max_model_len={MAX_LEN}", "part_rows=2", "batch_tokens=40",
+            "enforce_eager=true", "kv_cache_gib=0.05"]
+
+
+def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
+    """Through the real CLI: kill after the first part lands, rerun, compare with an uninterrupted run."""
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(4, 20)] * 24)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    proc = subprocess.Popen(_score_cmd(tmp_path, teacher, tmp_path / "killed"), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shards = tmp_path / "killed" / "shards"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(shards.glob("*.ok"))) < 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(shards.glob("*.ok")))
+    assert 0 < done_before < 12, "the kill should land mid-run"
+    for cache in ("killed", "clean"):
+        out = subprocess.run(_score_cmd(tmp_path, teacher, tmp_path / cache), env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert "scored" in out.stdout
+    killed = {s.key: s for s in read_cache(tmp_path / "killed")}
+    clean = {s.key: s for s in read_cache(tmp_path / "clean")}
+    assert killed.keys() == clean.keys() and len(clean) == 24
+    for key, s in clean.items():
+        np.testing.assert_array_equal(s.topk_ids, killed[key].topk_ids)
+        np.testing.assert_array_equal(s.topk_logprobs, killed[key].topk_logprobs)
+    keys = [k for p in TeacherCache.open(tmp_path / "killed").shard_paths() for k in pq.read_table(p, columns=["key"])["key"].to_pylist()]
+    assert len(keys) == len(set(keys)) == 24  # no duplicate rows
+    assert TeacherCache.open(tmp_path / "killed").verify() == []
+    assert not [p for p in shards.iterdir() if p.name.startswith(".")]  # no partial files left
+    marker = json.loads(next((tmp_path / "killed" / "tasks").glob("*.done")).read_text())
+    assert marker["skipped"]["cached"] == 2 * done_before  # the rerun reused every part the killed run finished

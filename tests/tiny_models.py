@@ -1,0 +1,64 @@
+"""Tiny, randomly initialised models and tokenizers for tests, built offline in fixtures.
+
+Sizes are chosen for the real engines: vLLM's CPU attention needs head_dim >= 32 (we use 64).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TEXT = """The quick brown fox jumps over the lazy dog. A teacher scores the rollouts once; many students learn from
+the cache. Seven plus five is twelve. What is three times four? The answer is twelve. Knowledge distillation
+trains a small model to match a large one. Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20.
+Questions and answers, prompts and completions, tokens and logits, shards and caches."""
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a paragraph, with chat special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([_TEXT] * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_llama(out_dir: str | Path, *, vocab_size: int, layers: int = 2, hidden: int = 128, heads: int = 2,
+                kv_heads: int = 2, seed: int = 0, tie: bool = False, scale: float = 1.0, max_pos: int = 512) -> Path:
+    """A random Llama saved as fp32 safetensors (+ the tokenizer files already in out_dir)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(cfg)
+    if scale != 1.0:  # sharper distributions than the default init, so top-k order is meaningful
+        with torch.no_grad():
+            model.lm_head.weight.mul_(scale)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
+def build_tiny_teacher(out_dir: str | Path, seed: int = 0, **kw) -> Path:
+    out_dir = Path(out_dir)
+    tok = build_tokenizer(out_dir)
+    return build_llama(out_dir, vocab_size=len(tok), seed=seed, **kw)
