@@ -1,0 +1,109 @@
+"""Import: dataset rows with reference responses -> off-policy rollouts (`source="dataset"`), no sampling.
+
+    gkd import --dataset data/sft.jsonl --prompt-field question --response-field answer \
+               --tokenizer data/models/smollm2-student-6l --out runs/rollouts/sft
+    gkd import --dataset data/chats.parquet --messages-field messages --tokenizer MODEL_DIR --out DIR   # last turn = response
+    gkd import --dataset "reasoning-gym:basic_arithmetic?size=100&seed=0" --tokenizer MODEL_DIR --out DIR
+
+The prompt is the chat template with the assistant header (the ids a student sampler would be given); the
+completion is the assistant turn as the template renders it in the full conversation (its suffix after the
+prompt ids, up to and including EOS). Sharded like `gkd generate`: `--shard I --num-shards N` writes
+OUT/dataset-IIIII-of-NNNNN.parquet, and a rerun of a finished task is a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids, response_ids
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.rollouts import assign_shard, rollout_row, shard_name, write_rollouts
+from pipeline.store.shards import is_complete, read_marker
+
+
+def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = None, on_bad: str = "error",
+                where: str = "") -> tuple[list[dict], Counter]:
+    """Rollout rows for prompts with a reference response; bad rows are refused or skipped and counted."""
+    rows, skipped = [], Counter()
+    for p in prompts:
+        reason = None
+        if p.empty:
+            reason = "empty_prompt"
+        elif p.response is None or not str(p.response).strip():
+            reason = "empty_response"
+        else:
+            ids = prompt_ids(tokenizer, p.messages)
+            completion = response_ids(tokenizer, p.messages, str(p.response), ids)
+            if max_len is not None and len(ids) + len(completion) > max_len:
+                reason = "too_long"
+        if reason:
+            if on_bad == "error":
+                raise PromptError(f"{where}: row {p.prompt_id!r}: {reason.replace('_', ' ')}; --on-bad skip skips it")
+            skipped[reason] += 1
+            continue
+        rows.append(rollout_row(prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=completion,
+                                source="dataset", policy_version=None, finish_reason=None, tags=p.tags))
+    return rows, skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gkd import", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", required=True, help="JSONL/Parquet file, save_to_disk folder or reasoning-gym:...")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokenizer", help="model folder whose tokenizer/chat template to use (default: SmolLM2 student)")
+    ap.add_argument("--prompt-field", default="prompt")
+    ap.add_argument("--messages-field", help="chat messages field; a final assistant turn is the response")
+    ap.add_argument("--response-field", help="reference response field (default 'response' with --prompt-field)")
+    ap.add_argument("--id-field", help="stable row id field (default: row index)")
+    ap.add_argument("--max-len", type=int, help="refuse/skip rows longer than this many tokens in total")
+    ap.add_argument("--on-bad", choices=("error", "skip"), default="error")
+    ap.add_argument("--shard", type=int, default=None, help="default: $SLURM_ARRAY_TASK_ID, else 0")
+    ap.add_argument("--num-shards", type=int, default=1)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+
+    shard = args.shard if args.shard is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", 0))
+    if not 0 <= shard < args.num_shards:
+        ap.error(f"shard {shard} is not in [0, --num-shards={args.num_shards})")
+    path = Path(args.out) / f"{shard_name('dataset', shard, args.num_shards)}.parquet"
+    if is_complete(path, "rollout"):
+        print(f"gkd import: {path} is complete; nothing to do")
+        return 0
+    response_field = args.response_field
+    if response_field is None and not args.messages_field and not args.dataset.startswith("reasoning-gym:"):
+        response_field = "response"
+    try:
+        from transformers import AutoTokenizer
+
+        if args.tokenizer is None:
+            from pipeline.assets import student_dir
+
+            args.tokenizer = str(student_dir())
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        fp = tokenizer_fingerprint(tokenizer)
+        for other in sorted(Path(args.out).glob("*.parquet")):
+            declared = (read_marker(other) or {}).get("tokenizer_fingerprint")
+            if declared and declared != fp:
+                raise PromptError(f"tokenizer {fp} differs from {declared} declared by {other}.ok")
+        prompts = load_prompts(args.dataset, prompt_field=args.prompt_field, messages_field=args.messages_field,
+                               response_field=response_field, id_field=args.id_field)
+        mine = [p for p in prompts if assign_shard(p.prompt_id, args.num_shards) == shard]
+        rows, skipped = import_rows(tokenizer, mine, max_len=args.max_len, on_bad=args.on_bad, where=args.dataset)
+    except (PromptError, FileNotFoundError) as e:
+        print(f"gkd import: {e}", file=sys.stderr)
+        return 2
+    extra = {"tokenizer_fingerprint": fp, "dataset": args.dataset, "shard": shard, "num_shards": args.num_shards,
+             "skipped": dict(skipped)}
+    write_rollouts(path, rows, extra=extra)
+    tokens = sum(len(r["completion_ids"]) for r in rows)
+    print(f"gkd import: {path}: {len(rows)} rollouts of {len(mine)} rows ({dict(skipped)} skipped), "
+          f"{tokens} completion tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Prompt sources for the generate stage, and the one place that turns chat messages into token ids.
+
+Sources (`load_prompts(src, ...)`):
+- a local JSONL / JSON / Parquet file or a `datasets.save_to_disk` folder, read with `datasets`; a text field
+  (`prompt_field`, sent as one user message) or a chat field (`messages_field`, a list of {role, content});
+- `reasoning-gym:TASK[,TASK...]?size=N&seed=S`: N seeded, offline problems per task; the question is the user
+  message and the reference answer is kept (the import path uses it as the response).
+
+Token ids come from the tokenizer's chat template exactly once (`prompt_ids`): the ids go to vLLM as a
+`TokensPrompt`, so neither a second tokenisation of the rendered text nor vLLM adds another BOS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs
+
+RG_PREFIX = "reasoning-gym:"
+
+
+class PromptError(ValueError):
+    """A prompt source is unreadable or lacks a field; the message names the field and the file."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: str
+    messages: list[dict]  # chat turns ending with the user turn the model answers
+    response: str | None = None  # reference response (dataset) or answer (reasoning-gym); None when absent
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        # The turn the model answers is the last one; a system prompt alone is not a prompt.
+        return not self.messages or not str(self.messages[-1].get("content") or "").strip()
+
+
+def load_prompts(
+    src: str,
+    *,
+    prompt_field: str = "prompt",
+    messages_field: str | None = None,
+    response_field: str | None = None,
+    id_field: str | None = None,
+) -> list[Prompt]:
+    """All prompts of a source, in source order (ids are stable: the `id_field` value or the row index)."""
+    if src.startswith(RG_PREFIX):
+        return _reasoning_gym(src)
+    rows, where = _read_dataset(src)
+    columns = set(rows.column_names)
+    needed = [f for f in (messages_field or prompt_field, response_field, id_field) if f]
+    missing = [f for f in needed if f not in columns]
+    if missing:
+        raise PromptError(
+            f"{where}: no field {', '.join(map(repr, missing))} (fields: {', '.join(sorted(columns))}); "
+            "choose one with prompt_field= / messages_field= / response_field= / id_field="
+        )
+    data_source = Path(src).name
+    prompts = []
+    for i, row in enumerate(rows):
+        if messages_field:
+            messages = [{"role": m["role"], "content": m["content"]} for m in (row[messages_field] or [])]
+        else:
+            messages = [{"role": "user", "content": row[prompt_field] or ""}]
+        response = row[response_field] if response_field else None
+        # A conversation that already ends with the assistant's turn: that turn is the reference response.
+        if messages and messages[-1]["role"] == "assistant":
+            last = messages.pop()
+            response = last["content"] if response is None else response
+        pid = str(row[id_field]) if id_field else str(i)
+        prompts.append(Prompt(pid, messages, response, {"data_source": data_source}))
+    return prompts
+
+
+def _read_dataset(src: str):
+    import datasets
+
+    path = Path(src)
+    if not path.exists():
+        raise PromptError(f"{src}: prompt source not found (a JSONL/Parquet file, a save_to_disk folder, "
+                          f"or {RG_PREFIX}TASK?size=N&seed=S)")
+    datasets.disable_progress_bars()
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if len(ds) != 1 and "train" not in ds:
+                raise PromptError(f"{src}: a DatasetDict with splits {list(ds)}; point at one split's folder")
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return ds, src
+    suffix = path.suffix.lower()
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
+    if builder is None:
+        raise PromptError(f"{src}: unknown prompt file type {suffix!r} (use .jsonl, .json, .parquet or a folder)")
+    return datasets.load_dataset(builder, data_files=str(path), split="train"), src
+
+
+def _reasoning_gym(src: str) -> list[Prompt]:
+    import reasoning_gym
+
+    spec, _, query = src[len(RG_PREFIX):].partition("?")
+    params = {k: v[-1] for k, v in parse_qs(query).items()}
+    unknown = set(params) - {"size", "seed"}
+    if unknown or not spec:
+        raise PromptError(f"{src}: expected {RG_PREFIX}TASK[,TASK...]?size=N&seed=S (unknown: {sorted(unknown)})")
+    size, seed = int(params.get("size", 100)), int(params.get("seed", 0))
+    prompts = []
+    for task in spec.split(","):
+        try:
+            ds = reasoning_gym.create_dataset(task, size=size, seed=seed)
+        except (KeyError, ValueError) as e:
+            raise PromptError(f"{src}: reasoning-gym task {task!r}: {e}") from e
+        for i, item in enumerate(ds):
+            prompts.append(Prompt(
+                f"rg:{task}:{seed}:{i}",
+                [{"role": "user", "content": item["question"]}],
+                str(item["answer"]),
+                {"data_source": f"reasoning-gym:{task}", "answer": str(item["answer"])},
+            ))
+    return prompts
+
+
+def prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The chat template, tokenised once, ending with the assistant header the model continues from."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(t) for t in ids]
+
+
+def response_ids(tokenizer, messages: Sequence[dict], response: str, prompt: Sequence[int]) -> list[int]:
+    """Token ids of an assistant `response`, exactly as the chat template renders it after `prompt`.
+
+    The whole conversation is tokenised and the prompt's ids must be its prefix (a template that renders the
+    prompt differently once an answer follows would otherwise give misaligned ids). Tokens after the last EOS
+    (the template's trailing newline) are dropped: a sampler stops at EOS and never produces them.
+    """
+    full = tokenizer.apply_chat_template(
+        [*messages, {"role": "assistant", "content": response}], tokenize=True, return_dict=False
+    )
+    full = [int(t) for t in full]
+    if full[: len(prompt)] != list(prompt):
+        raise PromptError(
+            "the chat template renders the prompt differently when a response follows; cannot split prompt and "
+            f"completion ids (prompt {list(prompt)[-8:]} vs conversation {full[len(prompt) - 8:len(prompt)]})"
+        )
+    completion = full[len(prompt):]
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in completion:
+        completion = completion[: len(completion) - completion[::-1].index(eos)]
+    return completion
