@@ -1,0 +1,119 @@
+"""Trainer checkpoints: model + optimizer through `megatron.core.dist_checkpointing`, a small JSON beside them.
+
+    SAVE_DIR/step_0000020/            one checkpoint (dist_checkpointing files + trainer.json)
+    SAVE_DIR/step_0000020/trainer.json  step, data position, LR scheduler state, RNG states, config (nanochat-style)
+    SAVE_DIR/latest                   name of the newest complete checkpoint, written last (atomically)
+
+dist_checkpointing stores tensors with their global shapes, so a checkpoint saved at TP=2 loads at TP=1 (export
+does that). A checkpoint is written under a temporary name and renamed once complete, then `latest` is updated:
+a job killed mid-save resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel import random as mpu_random
+
+from pipeline.store.shards import _atomic_write_bytes
+
+LATEST = "latest"
+META = "trainer.json"
+
+
+def step_dir(save_dir: str | Path, step: int) -> Path:
+    return Path(save_dir) / f"step_{step:07d}"
+
+
+def latest(save_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint in `save_dir` (or `save_dir` itself if it is one), else None."""
+    save_dir = Path(save_dir)
+    if (save_dir / META).exists():
+        return save_dir
+    marker = save_dir / LATEST
+    if not marker.exists():
+        return None
+    path = save_dir / marker.read_text().strip()
+    if not (path / META).exists():
+        raise FileNotFoundError(f"{marker} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def read_meta(ckpt: str | Path) -> dict:
+    return json.loads((Path(ckpt) / META).read_text())
+
+
+def _encode(t: torch.Tensor) -> str:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _decode(s: str) -> torch.Tensor:
+    return torch.load(io.BytesIO(base64.b64decode(s)), weights_only=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states: torch's default generator and Megatron's tracker streams (TP-rank specific)."""
+    tracker = mpu_random.get_cuda_rng_tracker().get_states()
+    return {"torch": _encode(torch.get_rng_state()), "tracker": {k: _encode(v) for k, v in tracker.items()}}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_decode(state["torch"]))
+    mpu_random.get_cuda_rng_tracker().set_states({k: _decode(v) for k, v in state["tracker"].items()})
+
+
+def _sharded(model, optimizer, *, is_loading: bool) -> dict:
+    model_sd = model.sharded_state_dict()
+    out = {"model": model_sd}
+    if optimizer is not None:
+        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return out
+
+
+def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
+    """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) added."""
+    final = step_dir(save_dir, step)
+    tmp = final.with_name(f".{final.name}.partial")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    states = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(states, rng_state())
+        dist.barrier()
+    else:
+        states[0] = rng_state()
+    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
+    if rank == 0:
+        (tmp / META).write_text(json.dumps({**meta, "step": step, "rng": states}, indent=1) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        _atomic_write_bytes(Path(save_dir) / LATEST, final.name.encode())
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load(ckpt: str | Path, model, optimizer=None) -> dict:
+    """Load model (and optimizer, if given) in place from `ckpt`; restore this rank's RNG; return the meta."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(ckpt))
+    model.load_state_dict(state["model"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank < len(meta.get("rng", [])):  # same world size: continue each rank's streams exactly
+            set_rng_state(meta["rng"][rank])
+    return meta

@@ -1,0 +1,317 @@
+"""Train stage: a Megatron-Core student distilled from a teacher cache of sparse top-k logprobs (GKD).
+
+    gkd train [--config configs/train.yaml] [key=value ...]                  # one process (CPU or one GPU)
+    torchrun --nproc_per_node 2 -m pipeline.train.run tensor_model_parallel_size=2   # TP / DP
+
+The loop is written out (torchtune recipe / Megatron pretrain_gpt style): setup -> steps -> checkpoint.
+One sample's path: cached row -> `data.ScoredLoader.micro_batch` (rolled labels, aligned teacher rows) ->
+`forward_step` (student logits) -> `loss_func` (GKD divergence + SFT CE) -> Megatron's forward-backward schedule.
+
+Normalisation: every micro-batch's loss is its SUM over active positions divided by the GLOBAL count of active
+positions of the step (all micro-batches, all data-parallel ranks), counted before the step, so the per-token loss
+does not depend on how the global batch is split. Hence `calculate_per_token_loss=True` (the schedule leaves the
+loss as returned and DDP sums gradients instead of averaging) and a finalize hook that does not rescale again.
+
+Resume: `gkd train` with the same save_dir continues from `save_dir/latest` (model, optimizer, LR scheduler, RNG,
+data position) and reproduces an uninterrupted run bit-for-bit on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipeline.config import ConfigError, load_config, to_dict
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train.yaml"
+
+
+@dataclass
+class TrainConfig:
+    student: str = "default"  # HF Llama/Qwen2 folder; "default" = the SmolLM2 6-layer student (pipeline.assets)
+    cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
+    seed: int = 1234
+    micro_batch_size: int = 8
+    global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size
+    seq_length: int = 512  # longer samples are truncated (tokens past it and their teacher rows dropped)
+    train_steps: int = 100
+    lr: float = 1.0e-4
+    min_lr: float = 1.0e-5
+    warmup_steps: int = 10  # linear from 0 (Megatron's convention: step 1 runs at lr 0), then cosine to min_lr
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    beta: float = 0.5  # 0 forward KL, 1 reverse KL, else generalised JSD
+    temperature: float = 1.0
+    topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
+    sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
+    tensor_model_parallel_size: int = 1
+    save_dir: str = "runs/train"
+    save_interval: int = 50
+    log_dir: str | None = None  # metrics.jsonl + TensorBoard; default: save_dir
+    exit_after: int | None = None  # stop (with a checkpoint) after this many steps of this invocation (Slurm limits)
+    window_rows: int = 4096  # shuffle window of the loader (rows of encoded data held in memory)
+    prefetch: int = 2  # micro-batches decoded ahead in a background thread
+    progress: bool = True  # tqdm bar on rank 0
+
+    def validate(self) -> list[str]:
+        p = []
+        for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps", "save_interval",
+                     "tensor_model_parallel_size", "window_rows"):
+            if getattr(self, name) < 1:
+                p.append(f"{name} must be >= 1")
+        if self.global_batch_size % max(1, self.micro_batch_size):
+            p.append("global_batch_size must be a multiple of micro_batch_size")
+        if not self.cache:
+            p.append("cache: give at least one cache directory or shard")
+        if not 0.0 <= self.beta <= 1.0:
+            p.append("beta must be in [0, 1]")
+        if self.temperature <= 0:
+            p.append("temperature must be > 0")
+        if self.topk_mode not in ("tail", "renorm"):
+            p.append("topk_mode must be tail or renorm")
+        if self.sft_alpha < 0:
+            p.append("sft_alpha must be >= 0")
+        if not 0 <= self.min_lr <= self.lr:
+            p.append("need 0 <= min_lr <= lr")
+        if self.warmup_steps < 0 or self.warmup_steps > self.train_steps:
+            p.append("warmup_steps must be in [0, train_steps]")
+        if self.exit_after is not None and self.exit_after < 1:
+            p.append("exit_after must be >= 1")
+        return p
+
+
+def student_dir(cfg: TrainConfig) -> Path:
+    if cfg.student == "default":
+        from pipeline.assets import student_dir as build_default
+
+        return build_default()
+    return Path(cfg.student)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
+    """GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR scheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from pipeline.train.model import build_model, load_hf_weights
+
+    model = build_model(hf_dir)
+    load_hf_weights(model, hf_dir)
+    config = model.config
+    config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
+    # DDP sums grads over DP ranks (per-token loss); num_tokens=None: no second normalisation.
+    config.finalize_model_grads_func = lambda models, num_tokens, **kw: finalize_model_grads(models, None, **kw)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    config.no_sync_func = ddp.no_sync
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=0.9,
+        adam_beta2=0.95, adam_eps=1e-8, clip_grad=cfg.clip_grad, use_distributed_optimizer=False,  # no CPU load
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=cfg.train_steps, lr_decay_style="cosine", start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_steps, wd_incr_style="constant",
+    )
+    return model, ddp, optimizer, scheduler
+
+
+# ---------------------------------------------------------------- one micro-batch
+
+
+def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: int, output_tensor: torch.Tensor):
+    """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step."""
+    from megatron.core import parallel_state
+
+    from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    logits = output_tensor.float()
+    v_local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * v_local
+    if start + v_local > vocab_size:  # Megatron pads the vocab to a multiple of TP: those columns are not tokens
+        logits = logits.masked_fill(torch.arange(start, start + v_local, device=logits.device) >= vocab_size, -math.inf)
+    kd_sum, kd_n = gkd_loss(
+        logits, batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask,
+        beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, tp_group=tp_group,
+    )
+    loss = kd_sum / max(counts[0], 1.0)
+    sft_sum = torch.zeros((), device=logits.device)
+    if cfg.sft_alpha > 0:
+        sft_mask = batch.loss_mask & batch.is_dataset[:, None]
+        sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group)
+        loss = loss + cfg.sft_alpha * sft_sum / max(counts[1], 1.0)
+    report = torch.stack([kd_sum.detach(), sft_sum.detach().to(kd_sum.dtype)]).double()
+    return loss, kd_n.int(), {"sums": report}
+
+
+def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model):
+    """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward."""
+    batch = next(data_iterator).to(_device())
+    logits = model(batch.input_ids, batch.position_ids, None)  # [B, S, V/tp]: causal mask built inside
+    return logits, partial(loss_func, batch, counts, cfg, vocab_size)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training; returns the last step's metrics. Every rank calls it."""
+    from pipeline.train.parallel import destroy_distributed, init_distributed
+
+    init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed)
+    try:
+        return _train(cfg)
+    finally:
+        destroy_distributed()
+
+
+def _train(cfg: TrainConfig) -> dict:
+    """setup -> steps -> checkpoints, inside an initialised process group."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from transformers import AutoTokenizer
+
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+    from pipeline.train import checkpoint
+    from pipeline.train.data import ScoredLoader
+
+    rank = dist.get_rank()
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * dp")
+    accum = cfg.global_batch_size // (cfg.micro_batch_size * dp)
+    hf_dir = student_dir(cfg)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir)
+    loader = ScoredLoader(
+        cfg.cache, micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id,
+        dp_rank=dp_rank, dp_size=dp, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=model.hf_vocab_size, window_rows=cfg.window_rows,
+    )
+
+    step, position = 0, 0
+    save_dir = Path(cfg.save_dir)
+    resume = checkpoint.latest(save_dir)
+    if resume is not None:
+        meta = checkpoint.load(resume, model, optimizer)
+        if meta["data_fingerprint"] != loader.fingerprint:
+            raise RuntimeError(f"{resume}: the cache shards changed since this checkpoint; the data order would too")
+        step, position = meta["step"], meta["data_position"]
+        scheduler.load_state_dict(meta["scheduler"])
+    log_dir = Path(cfg.log_dir or cfg.save_dir)
+    writer = metrics_file = bar = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(str(log_dir / "tb"), purge_step=step)
+        metrics_file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finally
+        bar = tqdm(total=cfg.train_steps, initial=step, disable=not cfg.progress, desc="train", dynamic_ncols=True)
+        print(f"[train] {hf_dir} on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
+              f"dp={dp} tp={cfg.tensor_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
+
+    batches = loader.iter_from(position, prefetch=cfg.prefetch)
+    forward_backward = get_forward_backward_func()
+    dp_group = parallel_state.get_data_parallel_group()
+    last: dict = {}
+    steps_this_run = 0
+    try:
+        while step < cfg.train_steps:
+            t0 = time.perf_counter()
+            micro = [next(batches) for _ in range(accum)]
+            # Global active counts of this step, known before any backward: the loss's denominators.
+            counts = torch.tensor(
+                [float(sum(int(b.loss_mask.sum()) for b in micro)),
+                 float(sum(int((b.loss_mask & b.is_dataset[:, None]).sum()) for b in micro)),
+                 float(sum(b.tokens for b in micro))], dtype=torch.float64, device=_device())
+            dist.all_reduce(counts, group=dp_group)
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            reports = forward_backward(
+                forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, model.hf_vocab_size),
+                data_iterator=iter(micro), model=ddp, num_microbatches=accum, seq_length=cfg.seq_length,
+                micro_batch_size=cfg.micro_batch_size, forward_only=False,
+            )
+            lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after the step)
+            _, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            step += 1
+            steps_this_run += 1
+            position = micro[-1].end
+
+            sums = torch.stack([r["sums"] for r in reports]).sum(0)
+            dist.all_reduce(sums, group=dp_group)
+            jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
+            sft = (sums[1] / max(counts[1].item(), 1.0)).item()
+            dt = time.perf_counter() - t0
+            last = {"step": step, "loss": jsd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+                    "lr": lr, "grad_norm": float(grad_norm or 0.0),
+                    "tokens_per_s": counts[2].item() / dt, "active_tokens": int(counts[0].item()),
+                    "data_position": position}
+            if rank == 0:
+                metrics_file.write(json.dumps(last) + "\n")
+                metrics_file.flush()
+                for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s"):
+                    writer.add_scalar(f"train/{name}", last[name], step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+            done = step >= cfg.train_steps or (cfg.exit_after is not None and steps_this_run >= cfg.exit_after)
+            if step % cfg.save_interval == 0 or done:
+                checkpoint.save(save_dir, step, ddp.module, optimizer, {
+                    "data_position": position, "data_fingerprint": loader.fingerprint,
+                    "scheduler": scheduler.state_dict(), "config": to_dict(cfg), "student": str(hf_dir.resolve()),
+                })
+            if done:
+                break
+    finally:
+        batches.close()  # stops the prefetch thread
+        for closable in (bar, writer, metrics_file):
+            if closable is not None:
+                closable.close()
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gkd train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=None, help=f"flat YAML config (default: {DEFAULT_CONFIG.name})")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides)
+    except ConfigError as e:
+        print(f"gkd train: {e}", file=sys.stderr)
+        return 2
+    from pipeline.store import SchemaError, ShardError
+    from pipeline.train.data import TokenizerMismatchError
+
+    try:
+        train(cfg)
+    except (FileNotFoundError, ShardError, SchemaError, TokenizerMismatchError, ConfigError) as e:
+        print(f"gkd train: {e}", file=sys.stderr)  # a bad cache/student/config: a message, not a traceback
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing / torchrun workers re-import this module: keep work under the guard
+    raise SystemExit(main())

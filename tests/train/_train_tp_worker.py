@@ -1,0 +1,52 @@
+"""One trainer step (Megatron schedule, real forward_step/loss_func) at a given TP; dumps the loss sums and the
+gradients in HF layout, for tests/train/test_run.py::test_tp2_matches_tp1.
+
+Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_train_tp_worker.py STUDENT CACHE OUT 2``
+(or plain ``python ... 1`` for the TP=1 reference).
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main(student: str, cache: str, out: str, tp: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from pipeline.train.data import ScoredLoader
+    from pipeline.train.model import megatron_to_hf_state_dict
+    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.run import TrainConfig, forward_step, setup_model_and_optimizer
+
+    cfg = TrainConfig(student=student, cache=[cache], micro_batch_size=2, global_batch_size=4, seq_length=32,
+                      tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0)
+    init_distributed(tp=tp, pp=1, seed=cfg.seed)
+    model, ddp, optimizer, _ = setup_model_and_optimizer(cfg, Path(student))
+    it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=32, seed=cfg.seed).iter_from(0, prefetch=0)
+    micro = [next(it) for _ in range(2)]
+    counts = (float(sum(int(b.loss_mask.sum()) for b in micro)),
+              float(sum(int((b.loss_mask & b.is_dataset[:, None]).sum()) for b in micro)))
+    ddp.zero_grad_buffer()
+    reports = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, counts, cfg, model.hf_vocab_size), data_iterator=iter(micro),
+        model=ddp, num_microbatches=2, seq_length=32, micro_batch_size=2,
+    )
+    _, grad_norm, _ = optimizer.step()
+    grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+    shards = [None] * tp
+    dist.all_gather_object(shards, grads, group=parallel_state.get_tensor_model_parallel_group())
+    if dist.get_rank() == 0:
+        sums = torch.stack([r["sums"] for r in reports]).sum(0)
+        torch.save({"sums": sums, "counts": counts, "grad_norm": float(grad_norm),
+                    "grads": megatron_to_hf_state_dict(shards, model.hf_arch)}, Path(out) / f"tp{tp}.pt")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))

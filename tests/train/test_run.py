@@ -1,0 +1,145 @@
+"""The trainer: end-to-end alignment, exact resume through the CLI, export, refusals, TP=2 == TP=1.
+
+Run: ``python -m pytest tests/train/test_run.py`` (``-m "not distributed"`` skips the torchrun test).
+Tiny random Llamas (hidden 64, 2 layers) and a cache scored from one of them by a plain transformers forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
+from pipeline.train.data import ScoredLoader, TokenizerMismatchError
+from pipeline.train.run import DEFAULT_CONFIG, TrainConfig, train
+
+
+def train_main(argv: list[str]) -> int:  # through the real CLI: gkd train [key=value ...]
+    from pipeline.cli import main as cli
+
+    return cli(["train", *argv])
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _overrides(tiny: dict, save_dir: Path, **kw) -> list[str]:
+    args = dict(student=str(tiny["student"]), cache=f"[{tiny['cache']}]", micro_batch_size=2, global_batch_size=4,
+                 seq_length=32, train_steps=5, save_interval=2, lr=1e-3, warmup_steps=1, sft_alpha=0.5,
+                 save_dir=str(save_dir), progress=False, prefetch=1)
+    return [f"{k}={v}" for k, v in {**args, **kw}.items()]
+
+
+def _metrics(save_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shipped_config_loads_and_unknown_keys_fail():
+    cfg = load_config(TrainConfig, DEFAULT_CONFIG)
+    assert cfg.topk_mode == "tail" and cfg.seq_length == 512
+    with pytest.raises(ConfigError, match="unknown key 'lrr'"):
+        load_config(TrainConfig, DEFAULT_CONFIG, ["lrr=1"])
+    with pytest.raises(ConfigError, match="beta must be.*topk_mode must be"):
+        load_config(TrainConfig, DEFAULT_CONFIG, ["beta=2", "topk_mode=full"])
+
+
+def test_end_to_end_alignment(tiny):
+    """Student initialised to the scoring model: loss ~ 0 (codec quantisation only); off by one: large."""
+    from pipeline.train.loss import gkd_loss
+    from pipeline.train.model import build_model, load_hf_weights
+    from pipeline.train.parallel import destroy_distributed, init_distributed
+
+    init_distributed(tp=1, pp=1, seed=0)
+    try:
+        model = build_model(tiny["model"])
+        load_hf_weights(model, tiny["model"])
+        loader = ScoredLoader([tiny["cache"]], micro_batch_size=8, seq_length=64, seed=0)
+        mb = loader.micro_batch(0)
+        with torch.no_grad():
+            logits = model(mb.input_ids, mb.position_ids, None)
+        for beta in (0.0, 0.5, 1.0):
+            s, n = gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=beta, mode="tail")
+            assert n > 50 and (s / n).item() < 2e-4, beta
+            # The classic bug: teacher row for token j paired with logits at j instead of j - 1.
+            shifted = (torch.roll(mb.teacher_ids, 1, dims=1), torch.roll(mb.teacher_logprobs, 1, dims=1))
+            mask = torch.roll(mb.loss_mask, 1, dims=1)
+            s2, n2 = gkd_loss(logits, *shifted, mask, beta=beta, mode="tail")
+            assert (s2 / n2).item() > 100 * max((s / n).item(), 1e-4), beta
+    finally:
+        destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("run") / "a"
+    assert train_main(_overrides(tiny, save_dir)) == 0
+    return save_dir
+
+
+def test_resume_is_bit_identical(tiny, uninterrupted, tmp_path):
+    """Stop after 3 steps (checkpoint), rerun the same command: the trajectory equals an uninterrupted run."""
+    save_dir = tmp_path / "b"
+    assert train_main(_overrides(tiny, save_dir, exit_after=3)) == 0
+    assert [m["step"] for m in _metrics(save_dir)] == [1, 2, 3]
+    assert train_main(_overrides(tiny, save_dir)) == 0
+    a, b = _metrics(uninterrupted), _metrics(save_dir)
+    keys = ("step", "loss", "jsd", "sft", "lr", "grad_norm", "active_tokens", "data_position")
+    assert [[m[k] for k in keys] for m in b] == [[m[k] for k in keys] for m in a]  # exact floats
+    assert [m["data_position"] for m in a] == [4, 8, 12, 16, 20]  # 4 samples a step: none skipped or repeated
+    assert a[0]["sft"] > 0 and a[0]["jsd"] > 0
+    # Final model and optimizer state, read back from the torch_dist files without a process group.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for name, d in (("a.pt", uninterrupted), ("b.pt", save_dir)):
+        dcp_to_torch_save(d / "step_0000005", tmp_path / name)
+    wa, wb = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert wa.keys() == wb.keys() and len(wa) > 20
+    assert all(torch.equal(wa[k], wb[k]) for k in wa if torch.is_tensor(wa[k]))
+
+
+def test_export_loads_in_transformers(tiny, uninterrupted, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.cli import main as cli
+
+    assert cli(["export", "--checkpoint", str(uninterrupted), "--out", str(tmp_path / "hf")]) == 0
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(tiny["student"], dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").vocab == AutoTokenizer.from_pretrained(tiny["student"]).vocab
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        moved = (trained(ids).logits - start(ids).logits).abs().max().item()
+    assert 0 < moved < 5  # trained a little, still the same model family
+
+
+def test_refuses_student_with_another_tokenizer(tiny, tmp_path):
+    from tiny_models import build_llama, build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "other", vocab_size=300)
+    build_llama(tmp_path / "other", vocab_size=len(tok), layers=1, hidden=64, heads=2, kv_heads=2)
+    cfg = TrainConfig(student=str(tmp_path / "other"), cache=[str(tiny["cache"])], save_dir=str(tmp_path / "run"),
+                      seq_length=32, micro_batch_size=2, global_batch_size=2, progress=False)
+    with pytest.raises(TokenizerMismatchError, match=str(tiny["cache"])):
+        train(cfg)
+
+
+@pytest.mark.distributed
+def test_tp2_matches_tp1(tiny, tmp_path):
+    """One trainer step at TP=2 (torchrun, gloo) vs TP=1: same loss sums, same gradients (HF layout)."""
+    worker = str(Path(__file__).with_name("_train_tp_worker.py"))
+    args = [str(tiny["student"]), str(tiny["cache"]), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, worker, *args, "1"], check=True, env=env, cwd=REPO, timeout=300)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    worker, *args, "2"], check=True, env=env, cwd=REPO, timeout=300)
+    one, two = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    assert one["counts"] == two["counts"]
+    torch.testing.assert_close(two["sums"], one["sums"], rtol=1e-5, atol=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for name, g in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=name)
