@@ -43,9 +43,7 @@ bench: setup
 	$(PY) -m benchmarks.run
 
 demo: setup
-	@echo "make demo: the end-to-end demo has not landed yet (see the open 'make demo' issue)." >&2
-	@echo "Until then: make score, make train, gkd cache stats DIR." >&2
-	@exit 1
+	$(VENV)/bin/gkd demo $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -31,6 +31,7 @@ def _register_available() -> None:
         ("export", "pipeline.train.export", "export a trained student to a Hugging Face folder"),
         ("onpolicy", "pipeline.onpolicy", "alternate generate -> score -> train"),
         ("slurm", "pipeline.slurm", "submit stages as Slurm jobs"),
+        ("demo", "pipeline.demo", "the whole pipeline on the embedded default, with a report"),
     ):
         if importlib.util.find_spec(module) is not None:
             STAGES[command] = (module, text)

@@ -214,6 +214,7 @@ class TeacherCache:
         return write_shard(
             self.shard_dir / f"{name}.parquet", table, "scored", extra={"scored_tokens": scored_tokens, **(extra or {})},
             footer=enc.footer,
+            row_group_size=128,  # the trainer's loader decodes whole row groups: small ones bound its memory
         )
 
     # -- reading --------------------------------------------------------------------------------------------------

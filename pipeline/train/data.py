@@ -16,8 +16,9 @@ because a micro-batch's composition, hence its shape, is a pure function of the 
 Order: global sample g (counting across epochs) is row order(g // N)[g % N] of the N unique rows (duplicate keys
 across shards/caches are kept once, rows with no scored position are skipped). The epoch permutation is a pure
 function of (seed, epoch): Parquet row groups ("blocks") are shuffled, grouped into windows of >= `window_rows`
-rows, and rows are shuffled within each window, so a reader holds one window of *encoded* rows in memory, never
-the cache (the shuffle of mosaicml streaming's py1b, simplified). Micro-batch m = samples [mB, (m+1)B) goes to
+rows, and rows are shuffled within each window, so a reader holds about two windows of *decoded* rows in memory,
+never the cache (the shuffle of mosaicml streaming's py1b, simplified). Blocks are decoded whole: decoding the few
+rows of one micro-batch at a time measured ~5x slower (per-call overhead). Micro-batch m = samples [mB, (m+1)B) goes to
 data-parallel rank m % dp, so a step is dp * grad_accum consecutive micro-batches and the resume state is one
 integer, the global sample position (= (epoch, index) via divmod), equal on every rank at a step boundary.
 
@@ -40,8 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.store.cache import DESCRIPTOR, META_COLUMNS, Descriptor, TeacherCache
-from pipeline.store.codec import CodecError, Decoder
+from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
+from pipeline.store.codec import CodecError, DecodedBatch, Decoder
 from pipeline.store.shards import ShardError, verify_shard
 
 IGNORE_INDEX = -100
@@ -70,6 +71,17 @@ class MicroBatch:
         """The tensors moved to `device` (a no-op on CPU)."""
         moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return MicroBatch(**{**vars(self), **moved})
+
+
+@dataclass
+class _Decoded:
+    """A decoded row group: what micro-batches are cut from."""
+
+    input_ids: list[np.ndarray]  # int64 per row
+    first_scored: np.ndarray
+    is_dataset: np.ndarray  # bool per row
+    keys: list[str]
+    topk: DecodedBatch
 
 
 @dataclass
@@ -116,7 +128,7 @@ class ScoredLoader:
         dp_size: int = 1,
         tokenizer_fingerprint: str | None = None,
         vocab_size: int | None = None,
-        window_rows: int = 4096,
+        window_rows: int = 512,
         verify_checksums: bool = True,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
@@ -136,7 +148,7 @@ class ScoredLoader:
         self.k = ks.pop()
         self._build_index(resolved, verify_checksums)
         self._files: OrderedDict[int, tuple[pq.ParquetFile, Decoder]] = OrderedDict()
-        self._blocks: OrderedDict[int, pa.Table] = OrderedDict()
+        self._blocks: OrderedDict[int, _Decoded] = OrderedDict()
         self._order_epoch, self._order = -1, np.zeros(0, np.int64)
 
     # -- index: cheap columns only ----------------------------------------------------------------------------
@@ -215,46 +227,47 @@ class ScoredLoader:
         self._files.move_to_end(s)
         return self._files[s]
 
-    def _block(self, b: int) -> pa.Table:
-        """One row group, still codec-encoded; an LRU of a couple of windows bounds memory."""
+    def _block(self, b: int) -> _Decoded:
+        """One row group, decoded whole (decoding row by row costs ~5x more); an LRU of a window's blocks bounds
+        memory to about `window_rows` decoded rows."""
         if b not in self._blocks:
             s = int(np.searchsorted(self._shard_starts, self._block_starts[b], side="right") - 1)
             rg = int(np.searchsorted(self.shards[s].rg_starts, self._block_starts[b]))
-            pf, _ = self._file(s)
+            pf, decoder = self._file(s)
             try:
-                self._blocks[b] = pf.read_row_group(rg).combine_chunks()
+                table = pf.read_row_group(rg).combine_chunks()
+                batch = table.to_batches(max_chunksize=table.num_rows)[0] if table.num_rows else None
+                topk = decoder.decode(batch, table.column("num_scored").to_numpy())
             except (pa.ArrowException, OSError) as e:
                 raise ShardError(f"{self.shards[s].path}: row group {rg} unreadable ({e})") from e
+            except CodecError as e:
+                raise ShardError(f"{self.shards[s].path}: {e}") from e
+            ids = table.column("input_ids").chunk(0)
+            offsets = ids.offsets.to_numpy()
+            values = ids.values.to_numpy().astype(np.int64)
+            self._blocks[b] = _Decoded(
+                input_ids=[values[offsets[i]: offsets[i + 1]] for i in range(table.num_rows)],
+                first_scored=table.column("first_scored").to_numpy(),
+                is_dataset=np.asarray(table.column("source").to_pylist()) == "dataset",
+                keys=table.column("key").to_pylist(),
+                topk=topk,
+            )
             max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
             while len(self._blocks) > max_blocks:
                 self._blocks.popitem(last=False)
         self._blocks.move_to_end(b)
         return self._blocks[b]
 
-    def _fetch(self, rows: np.ndarray):
-        """Decoded (meta, top-k) for the given global rows, in their given order."""
+    def _fetch(self, rows: np.ndarray) -> list[tuple[_Decoded, int]]:
+        """(decoded block, row within it) for the given global rows, in their given order."""
         blocks = np.searchsorted(self._block_starts, rows, side="right") - 1
-        out = [None] * len(rows)
-        for b in np.unique(blocks):
-            sel = np.flatnonzero(blocks == b)
-            table = self._block(int(b))
-            taken = table.take(pa.array(rows[sel] - self._block_starts[b])).combine_chunks().to_batches()[0]
-            s = int(np.searchsorted(self._shard_starts, self._block_starts[b], side="right") - 1)
-            num = taken.column("num_scored").to_numpy()
-            try:
-                dec = self._file(s)[1].decode(taken, num)
-            except CodecError as e:
-                raise ShardError(f"{self.shards[s].path}: {e}") from e
-            meta = taken.select(META_COLUMNS)
-            for j, i in enumerate(sel):
-                out[i] = (meta, j, dec)
-        return out
+        return [(self._block(int(b)), int(r - self._block_starts[b])) for b, r in zip(blocks, rows, strict=True)]
 
     def micro_batch(self, m: int) -> MicroBatch:
         """Global micro-batch number m (samples [mB, (m+1)B)), whichever rank it belongs to."""
         B, S, k = self.B, self.S, self.k
         fetched = self._fetch(self.sample_rows(m * B, B))
-        lengths = np.array([min(len(meta.column("input_ids")[j]), S) for meta, j, _ in fetched])
+        lengths = np.array([min(len(blk.input_ids[j]), S) for blk, j in fetched])
         width = min(S, -(-int(lengths.max()) // _PAD_MULTIPLE) * _PAD_MULTIPLE)
         ids = np.full((B, width), self.pad_id, np.int64)
         labels = np.full((B, width), IGNORE_INDEX, np.int64)
@@ -263,23 +276,23 @@ class ScoredLoader:
         t_lp = np.zeros((B, width, k), np.float32)
         t_tail = np.zeros((B, width), np.float32)
         is_dataset, keys = np.zeros(B, bool), []
-        for i, (meta, j, dec) in enumerate(fetched):
+        for i, (blk, j) in enumerate(fetched):
             n = int(lengths[i])
-            ids[i, :n] = meta.column("input_ids")[j].values.to_numpy()[:n]
+            ids[i, :n] = blk.input_ids[j][:n]
             labels[i, : n - 1] = ids[i, 1:n]
-            p = int(meta.column("first_scored")[j].as_py())
-            lo = int(dec.offsets[j])
+            p = int(blk.first_scored[j])
+            lo = int(blk.topk.offsets[j])
             # teacher row r is token j = p + r; it pairs with logits at t = j - 1, kept while j < n (truncation)
             # and t >= 0 (a row for token 0 has no student position to predict it).
             r0, r1 = max(0, 1 - p), max(0, n - p)
             if r1 > r0:
                 t0, t1 = p + r0 - 1, p + r1 - 1
                 mask[i, t0:t1] = True
-                t_ids[i, t0:t1] = dec.topk_ids[lo + r0 : lo + r1]
-                t_lp[i, t0:t1] = dec.topk_logprobs[lo + r0 : lo + r1]
-                t_tail[i, t0:t1] = dec.tail_logprobs[lo + r0 : lo + r1]
-            is_dataset[i] = meta.column("source")[j].as_py() == "dataset"
-            keys.append(meta.column("key")[j].as_py())
+                t_ids[i, t0:t1] = blk.topk.topk_ids[lo + r0 : lo + r1]
+                t_lp[i, t0:t1] = blk.topk.topk_logprobs[lo + r0 : lo + r1]
+                t_tail[i, t0:t1] = blk.topk.tail_logprobs[lo + r0 : lo + r1]
+            is_dataset[i] = blk.is_dataset[j]
+            keys.append(blk.keys[j])
         round_end = (m - m % self.dp_size + self.dp_size) * B
         return MicroBatch(
             input_ids=torch.from_numpy(ids),

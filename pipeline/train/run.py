@@ -58,7 +58,7 @@ class TrainConfig:
     save_interval: int = 50
     log_dir: str | None = None  # metrics.jsonl + TensorBoard; default: save_dir
     exit_after: int | None = None  # stop (with a checkpoint) after this many steps of this invocation (Slurm limits)
-    window_rows: int = 4096  # shuffle window of the loader (rows of encoded data held in memory)
+    window_rows: int = 512  # shuffle window of the loader (~2 windows of decoded rows are held in memory)
     prefetch: int = 2  # micro-batches decoded ahead in a background thread
     progress: bool = True  # tqdm bar on rank 0
 

@@ -1,0 +1,271 @@
+"""`make demo`: the whole offline pipeline on a real pretrained teacher, on a CPU, with a report and a picture.
+
+    python -m pipeline.demo                 # = make demo (SmolLM2-135M-Instruct teacher, 6-layer student)
+    python -m pipeline.demo --quick         # a reduced run (fewer prompts and steps)
+
+Like the on-policy driver this is orchestration above the stages, so it calls their public functions:
+  1. import reference answers of seeded reasoning-gym problems as dataset rollouts   (gkd import)
+  2. sample student rollouts with vLLM                                               (gkd generate)
+  3. score everything with the teacher into one cache                                (gkd score)
+  4. train student A (Megatron-Core) from the cache, evaluating held-out KL on the way  (gkd train / gkd export)
+  5. train student B (another seed) from the same cache: the score stage has nothing left to do
+  6. write report.json and report.png in the output folder
+Training runs in subprocesses (`python -m pipeline train`), exactly as a user would run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class DemoConfig:
+    out: str = "runs/demo"
+    teacher: str | None = None  # None: SmolLM2-135M-Instruct from pipeline.assets
+    student: str | None = None  # None: its 6-layer pruned copy
+    tasks: str = "basic_arithmetic,chain_sum"
+    train_prompts: int = 40  # per task
+    eval_prompts: int = 8  # per task, other seed
+    samples_per_prompt: int = 2
+    max_tokens: int = 64
+    topk: int = 64
+    steps: int = 40
+    eval_every: int = 10
+    second_run_steps: int = 20
+    micro_batch_size: int = 8
+    seq_length: int = 256
+    lr: float = 3e-4
+    kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
+
+
+QUICK = dict(train_prompts=6, eval_prompts=3, samples_per_prompt=1, max_tokens=24, steps=4, eval_every=2,
+             second_run_steps=2, micro_batch_size=4)
+
+
+def _sh(cmd: list[str], log: Path) -> None:
+    """Run a stage CLI in a subprocess, its output shown and kept in a log file."""
+    print(f"[demo] $ {' '.join(cmd)}", flush=True)
+    with open(log, "a") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        print(open(log).read()[-4000:], file=sys.stderr)
+        raise RuntimeError(f"{cmd[3]} failed (exit {proc.returncode}); see {log}")
+
+
+def heldout_metrics(student_dir: Path, eval_cache: Path, teacher_answers: list[tuple[list[int], list[int]]]) -> dict:
+    """KL(teacher || student) over the teacher top-k + tail bin on held-out student samples, and the student's NLL
+    of teacher-generated answers; a plain transformers forward, independent of the trainer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.store import read_cache
+
+    model = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    kls, nll = [], []
+    with torch.no_grad():
+        for s in read_cache(eval_cache):
+            logp = torch.log_softmax(model(torch.tensor([s.input_ids.astype(np.int64)])).logits[0], -1)
+            rows = logp[s.first_scored - 1 : len(s.input_ids) - 1]  # logits at j-1 predict token j
+            ids = torch.from_numpy(s.topk_ids.astype(np.int64))
+            p = torch.cat([torch.from_numpy(s.topk_logprobs), torch.from_numpy(s.tail_logprobs)[:, None]], 1).exp().double()
+            p = p / p.sum(1, keepdim=True)
+            q_top = rows.gather(1, ids).exp().double()
+            q = torch.cat([q_top, (1 - q_top.sum(1, keepdim=True)).clamp_min(1e-12)], 1)
+            kls.append((p * (p.clamp_min(1e-30).log() - q.log())).sum(1))
+        for prompt, completion in teacher_answers:
+            ids = torch.tensor([prompt + completion])
+            logp = torch.log_softmax(model(ids).logits[0], -1)
+            pos = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+            nll.append(-logp[pos, ids[0, pos + 1]])
+    return {"heldout_kl": float(torch.cat(kls).mean()), "heldout_nll_teacher_answers": float(torch.cat(nll).mean()),
+            "kl_positions": int(sum(len(k) for k in kls)), "nll_tokens": int(sum(len(n) for n in nll))}
+
+
+def run(cfg: DemoConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    from pipeline.assets import student_dir, teacher_dir
+    from pipeline.engine import EngineArgs, open_engine
+    from pipeline.generate.importer import import_rows
+    from pipeline.generate.prompts import load_prompts
+    from pipeline.generate.run import GenerateConfig, run_task
+    from pipeline.score.run import ScoreConfig, score
+    from pipeline.store import TeacherCache
+    from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "demo.log"
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    teacher = Path(cfg.teacher) if cfg.teacher else teacher_dir()
+    student = Path(cfg.student) if cfg.student else student_dir()
+    times["assets"] = time.perf_counter() - t
+    tok = AutoTokenizer.from_pretrained(student)
+    train_src = f"reasoning-gym:{cfg.tasks}?size={cfg.train_prompts}&seed=0"
+    eval_src = f"reasoning-gym:{cfg.tasks}?size={cfg.eval_prompts}&seed=12345"
+
+    # 1. dataset responses -> off-policy rollouts
+    t = time.perf_counter()
+    train_dir = out / "rollouts" / "train"
+    ds_path = train_dir / "dataset-00000-of-00001.parquet"
+    if not ds_path.exists():
+        rows, _ = import_rows(tok, load_prompts(train_src), where=train_src)
+        write_rollouts(ds_path, rows)
+    times["import"] = time.perf_counter() - t
+
+    # 2. student samples (training rollouts and held-out samples), one engine
+    t = time.perf_counter()
+    gen = dict(student=str(student), n=cfg.samples_per_prompt, max_tokens=cfg.max_tokens, temperature=1.0,
+               kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager, dtype="float32")
+    jobs = [GenerateConfig(prompts=train_src, out=str(train_dir), seed=0, **gen),
+            GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-student"), seed=1, **gen)]
+    if not all((Path(j.out) / "rollouts-00000-of-00001.parquet.ok").exists() for j in jobs):
+        engine = EngineArgs(model=str(student), dtype="float32", max_model_len=1024, kv_cache_gib=cfg.kv_cache_gib,
+                            enforce_eager=cfg.enforce_eager)
+        with open_engine(engine) as llm:
+            for j in jobs:
+                if not (Path(j.out) / "rollouts-00000-of-00001.parquet.ok").exists():
+                    run_task(llm, tok, j, 0)
+    times["generate"] = time.perf_counter() - t
+
+    # 3. the teacher: answers to the held-out prompts (for NLL), then score train and eval rollouts
+    t = time.perf_counter()
+    sc = dict(teacher=str(teacher), topk=cfg.topk, max_model_len=1024, kv_cache_gib=cfg.kv_cache_gib,
+              enforce_eager=cfg.enforce_eager, batch_tokens=4096)
+    engine = EngineArgs(model=str(teacher), dtype="float32", max_model_len=1025, kv_cache_gib=cfg.kv_cache_gib,
+                        enforce_eager=cfg.enforce_eager, max_num_batched_tokens=4096)
+    teacher_ans = GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-teacher"), student=str(teacher),
+                                 n=1, max_tokens=cfg.max_tokens, temperature=0.0, seed=2, dtype="float32")
+    with open_engine(engine, max_logprobs=cfg.topk, logprobs_mode="raw_logprobs") as llm:
+        if not (Path(teacher_ans.out) / "rollouts-00000-of-00001.parquet.ok").exists():
+            run_task(llm, tok, teacher_ans, 0)
+        t_score = time.perf_counter()
+        first = score(ScoreConfig(rollouts=str(train_dir), cache=str(out / "cache"), **sc), llm=llm)
+        times["score_train"] = time.perf_counter() - t_score
+        score(ScoreConfig(rollouts=str(out / "rollouts" / "eval-student"), cache=str(out / "cache-eval"), **sc), llm=llm)
+    times["teacher"] = time.perf_counter() - t
+    answers = [(r["prompt_ids"], r["completion_ids"]) for r in iter_rollouts(rollout_shards(teacher_ans.out))]
+
+    # 4. student A, evaluated every eval_every steps through an HF export
+    curve = [{"step": 0, **heldout_metrics(student, out / "cache-eval", answers)}]
+    py = [sys.executable, "-m", "pipeline"]
+    train_args = [f"student={student}", f"cache=[{out / 'cache'}]", f"micro_batch_size={cfg.micro_batch_size}",
+                  f"global_batch_size={cfg.micro_batch_size}", f"seq_length={cfg.seq_length}", f"lr={cfg.lr}",
+                  f"min_lr={cfg.lr / 10}", f"warmup_steps={max(1, cfg.steps // 10)}", "beta=0.0", "topk_mode=tail",
+                  "progress=false"]
+    t = time.perf_counter()
+    t_train = 0.0
+    for step in range(cfg.eval_every, cfg.steps + 1, cfg.eval_every):
+        t0 = time.perf_counter()
+        _sh(py + ["train", *train_args, "seed=1", f"train_steps={cfg.steps}", f"save_dir={out / 'student-a'}",
+                  f"save_interval={cfg.eval_every}", f"exit_after={cfg.eval_every}"], log)
+        t_train += time.perf_counter() - t0
+        export_dir = out / "student-a-hf"
+        _sh(py + ["export", "--checkpoint", str(out / "student-a"), "--out", str(export_dir)], log)
+        curve.append({"step": step, **heldout_metrics(export_dir, out / "cache-eval", answers)})
+        print(f"[demo] step {step}: held-out KL {curve[-1]['heldout_kl']:.3f} nats", flush=True)
+    times["train_a"] = t_train
+    times["train_a_with_evals"] = time.perf_counter() - t
+
+    # 5. student B from the same cache: scoring again finds every key cached
+    t = time.perf_counter()
+    again = score(ScoreConfig(rollouts=str(train_dir), cache=str(out / "cache"), **sc))
+    times["score_again"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _sh(py + ["train", *train_args, "seed=2", f"train_steps={cfg.second_run_steps}", f"save_dir={out / 'student-b'}",
+              f"save_interval={cfg.second_run_steps}"], log)
+    times["train_b"] = time.perf_counter() - t
+
+    # 6. report
+    stats = TeacherCache.open(out / "cache").stats()
+    metrics_a = [json.loads(line) for line in open(out / "student-a" / "metrics.jsonl")]
+    metrics_b = [json.loads(line) for line in open(out / "student-b" / "metrics.jsonl")]
+    train_tokens = sum(m["active_tokens"] for m in metrics_a)
+    per_token = first.get("score_seconds", 0.0) / max(first.get("tokens", 1), 1)
+    live_per_run = per_token * train_tokens  # a live teacher forward on every token a run trains on
+    kl0, kl1 = curve[0]["heldout_kl"], curve[-1]["heldout_kl"]
+    report = {
+        "config": asdict(cfg),
+        "heldout_kl_before": kl0,
+        "heldout_kl_after": kl1,
+        "kl_reduction": 1 - kl1 / kl0 if kl0 else None,
+        "heldout_nll_teacher_answers_before": curve[0]["heldout_nll_teacher_answers"],
+        "heldout_nll_teacher_answers_after": curve[-1]["heldout_nll_teacher_answers"],
+        "curve": curve,
+        "cache": stats,
+        "cache_bytes_per_token": stats["bytes_per_scored_token"],
+        "teacher_forwards_first_score": first.get("teacher_forwards"),
+        "teacher_forwards_second_run": again.get("teacher_forwards"),
+        "seconds": {k: round(v, 1) for k, v in times.items()},
+        "break_even": {
+            "teacher_pass_seconds": round(first.get("score_seconds", 0.0), 1),
+            "live_teacher_seconds_per_student_run": round(live_per_run, 1),
+            "student_runs_to_break_even": round(first.get("score_seconds", 0.0) / live_per_run, 2) if live_per_run else None,
+            "how": "live cost = teacher seconds per scored token (from the cache pass) x tokens one run trains on",
+        },
+        "student_b_final_loss": metrics_b[-1]["loss"] if metrics_b else None,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    plot(report, metrics_a, metrics_b, out / "report.png")
+    return report
+
+
+def plot(report: dict, metrics_a: list[dict], metrics_b: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax[0].plot([m["step"] for m in metrics_a], [m["loss"] for m in metrics_a], label="student A (seed 1)")
+    ax[0].plot([m["step"] for m in metrics_b], [m["loss"] for m in metrics_b], label="student B (seed 2, same cache)")
+    ax[0].set(title="training loss (forward KL, tail mode)", xlabel="optimizer step", ylabel="nats / token")
+    ax[0].legend()
+    c = report["curve"]
+    ax[1].plot([p["step"] for p in c], [p["heldout_kl"] for p in c], "o-", label="KL(teacher‖student), held-out")
+    ax[1].plot([p["step"] for p in c], [p["heldout_nll_teacher_answers"] for p in c], "s--", label="NLL of teacher answers")
+    ax[1].set(title=f"held-out: KL {report['heldout_kl_before']:.2f} → {report['heldout_kl_after']:.2f}", xlabel="optimizer step")
+    ax[1].legend()
+    secs = report["seconds"]
+    names = [k for k in ("generate", "teacher", "train_a", "score_again", "train_b") if k in secs]
+    ax[2].barh(names, [secs[k] for k in names])
+    ax[2].set(title="wall time per stage (s)")
+    for i, k in enumerate(names):
+        ax[2].text(secs[k], i, f" {secs[k]:.0f}s", va="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gkd demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a reduced run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = DemoConfig(**(QUICK if args.quick else {}))
+    if args.out:
+        cfg.out = args.out
+    t = time.perf_counter()
+    r = run(cfg)
+    print(f"\n[demo] held-out KL(teacher‖student): {r['heldout_kl_before']:.3f} → {r['heldout_kl_after']:.3f} nats "
+          f"({100 * (r['kl_reduction'] or 0):.0f} % lower); NLL of teacher answers "
+          f"{r['heldout_nll_teacher_answers_before']:.3f} → {r['heldout_nll_teacher_answers_after']:.3f}")
+    print(f"[demo] cache: {r['cache']['samples']} samples, {r['cache']['scored_tokens']} scored tokens, "
+          f"{r['cache_bytes_per_token']} B/token; second student run: {r['teacher_forwards_second_run']} teacher forwards")
+    print(f"[demo] break-even: {r['break_even']['student_runs_to_break_even']} student runs; stage seconds {r['seconds']}")
+    print(f"[demo] total {time.perf_counter() - t:.0f} s. Report: {Path(cfg.out) / 'report.json'}, picture: "
+          f"{Path(cfg.out) / 'report.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
