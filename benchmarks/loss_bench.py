@@ -4,7 +4,7 @@ Run: ``python benchmarks/loss_bench.py --tokens 1024`` (prints a markdown table;
 for the TRL-style variant, more memory than a 23 GB machine has: it is skipped when it would not fit).
 
 Time: forward+backward in one process, variants interleaved (order rotated each round) so shared-CPU noise hits all
-alike; median of ``repeats`` after ``warmup`` rounds. "with output layer": hidden [T, H] @ W[V, H]^T -> logits -> loss
+alike; median and min of ``repeats`` after ``warmup`` rounds. "with output layer": hidden [T, H] @ W[V, H]^T -> logits -> loss
 -> backward to hidden and W (the goal of the issue); "loss only": given logits, backward to the logits.
 Memory: each variant's with-output-layer step once in a fresh subprocess; reported is the peak resident-set growth
 over the step, ``VmHWM − VmRSS just before it`` (peak reset via /proc/self/clear_refs) (logits, their gradient, the W/hidden gradients and every
@@ -180,9 +180,16 @@ def run(
                 if r >= warmup:
                     times[v].append(dt)
         med = {v: statistics.median(ts) for v, ts in times.items()}
-        ref = med.get(REFERENCE)
+        low = {v: min(ts) for v, ts in times.items()}
         results[section] = {
-            v: {"time_s": med[v], "times_s": times[v], "time_ratio": med[v] / ref if ref else None} for v in variants
+            v: {
+                "time_s": med[v],
+                "min_s": low[v],
+                "times_s": times[v],
+                "time_ratio": med[v] / med[REFERENCE] if REFERENCE in med else None,
+                "min_ratio": low[v] / low[REFERENCE] if REFERENCE in low else None,
+            }
+            for v in variants
         }
     if memory:
         del logits
@@ -198,19 +205,19 @@ def to_markdown(results: dict) -> str:
     c = results["config"]
     lines = [
         f"T={c['tokens']} V={c['vocab']} H={c['hidden']} k={c['k']} β={c['beta']} τ={c['temperature']} "
-        f"threads={c['threads']}, median of {c['repeats']}",
+        f"threads={c['threads']}, median and min of {c['repeats']} (min is the steadier one on a shared CPU)",
         "",
-        "| variant | fwd+bwd incl. output layer (s) | × ref | peak RSS growth (GB) | × ref | loss only (s) | × ref |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | fwd+bwd incl. output layer: median s (× ref) | min s (× ref) | peak RSS growth GB (× ref) "
+        "| loss only: median s (× ref) | min s (× ref) |",
+        "|---|---|---|---|---|---|",
     ]
     for v, row in results["with_output_layer"].items():
         lo = results["loss_only"][v]
         peak = row.get("peak_bytes")
-        peak_s = f"{peak / 2**30:.2f}" if peak else "n/a"
-        mem_r = f"{row['mem_ratio']:.2f}" if row.get("mem_ratio") else "n/a"
+        mem = f"{peak / 2**30:.2f} ({row['mem_ratio']:.2f})" if peak and row.get("mem_ratio") else "n/a"
         lines.append(
-            f"| {v} | {row['time_s']:.2f} | {row['time_ratio']:.2f} | {peak_s} | {mem_r} "
-            f"| {lo['time_s']:.2f} | {lo['time_ratio']:.2f} |"
+            f"| {v} | {row['time_s']:.2f} ({row['time_ratio']:.2f}) | {row['min_s']:.2f} ({row['min_ratio']:.2f}) "
+            f"| {mem} | {lo['time_s']:.2f} ({lo['time_ratio']:.2f}) | {lo['min_s']:.2f} ({lo['min_ratio']:.2f}) |"
         )
     if results["skipped_for_memory"]:
         lines.append(f"\nskipped (would not fit in memory): {', '.join(results['skipped_for_memory'])}")

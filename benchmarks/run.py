@@ -57,7 +57,7 @@ def main() -> int:
         from benchmarks import loss_bench
 
         results["loss"] = json.loads(out.read_text())
-        sections += ["## GKD loss (issue: train stage)", "", loss_bench.markdown(results["loss"]), ""]
+        sections += ["## GKD loss (issue: train stage)", "", loss_bench.to_markdown(results["loss"]), ""]
     if "train" in only:
         from benchmarks import train_bench
 

@@ -68,9 +68,11 @@ class _TopkAndTailLSE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, rows, ids, tau, group, chunk_size, with_tail):
+    def forward(ctx, logits, rows, ids, tau, group, chunk_size, with_tail, vocab_size):
         rank, _ = _tp(group)
         v_local = logits.shape[-1]
+        # Columns at or past the real vocab (Megatron pads it to a multiple of TP) are skipped, not copied and masked.
+        n_valid = v_local if vocab_size is None else min(max(vocab_size - rank * v_local, 0), v_local)
         cdtype = torch.promote_types(logits.dtype, torch.float32)
         local = ids - rank * v_local
         inrange = (local >= 0) & (local < v_local)
@@ -88,8 +90,10 @@ class _TopkAndTailLSE(torch.autograd.Function):
             for s in range(0, rows.numel(), chunk_size):
                 e = min(s + chunk_size, rows.numel())
                 z, owned = (logits[s:e], False) if all_rows else (logits[rows[s:e]], True)
-                m = z.amax(-1, keepdim=True).to(cdtype)  # max over the whole slice: a safe shift for the complement
+                m = z[:, :n_valid].amax(-1, keepdim=True).to(cdtype) if n_valid else z.new_zeros(e - s, 1, dtype=cdtype)
+                m = torch.where(torch.isfinite(m), m, 0.0)  # a shift only: any finite value is exact
                 x = z.sub_(m) if owned and z.dtype == cdtype else torch.sub(z, m)  # the one chunk buffer, in cdtype
+                x[:, n_valid:] = -math.inf
                 if tau != 1.0:
                     x.div_(tau)
                 x.scatter_reduce_(1, idx[s:e], fill[s:e], "amin")
@@ -101,7 +105,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
                 ssum = _all_reduce((lse_local - m).exp(), dist.ReduceOp.SUM, group)
                 lse_tail = m + ssum.log()
         ctx.save_for_backward(logits, rows, idx, inrange, lse_tail)
-        ctx.tau, ctx.chunk_size, ctx.with_tail = tau, chunk_size, with_tail
+        ctx.tau, ctx.chunk_size, ctx.with_tail, ctx.n_valid = tau, chunk_size, with_tail, n_valid
         return zk, lse_tail
 
     @staticmethod
@@ -116,7 +120,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
         if not ctx.with_tail or g_tail is None:
             grad = torch.zeros_like(logits)
             grad.index_put_((rows.unsqueeze(-1).expand_as(idx), idx), g_zk.to(logits.dtype), accumulate=True)
-            return grad, None, None, None, None, None, None
+            return grad, None, None, None, None, None, None, None
         all_rows = rows.numel() == logits.shape[0]
         grad = torch.empty_like(logits) if all_rows else torch.zeros_like(logits)
         fill = torch.where(inrange, -math.inf, math.inf).to(cdtype)
@@ -132,6 +136,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
             else:
                 z = logits[rows[s:e]]
                 x = z.sub_(shift[s:e]) if z.dtype == cdtype else torch.sub(z, shift[s:e])
+            x[:, ctx.n_valid :] = -math.inf
             if tau != 1.0:
                 x.div_(tau)
             x.scatter_reduce_(1, idx[s:e], fill[s:e], "amin")
@@ -142,7 +147,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
                 grad[s:e] = x
             elif not all_rows:
                 grad[rows[s:e]] = x.to(logits.dtype)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _teacher_logprobs(ell: Tensor, temperature: float, mode: str) -> Tensor:
@@ -178,6 +183,7 @@ def gkd_loss(
     mode: Literal["tail", "renorm"] = "tail",
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sum of the per-position GKD divergence over active positions, and the active count.
 
@@ -185,6 +191,8 @@ def gkd_loss(
     ``[..., k]`` global vocab ids; ``teacher_logprobs``: ``[..., k]`` at temperature 1; ``mask``: ``[...]`` bool.
     Leading dims are flattened. The sum is differentiable w.r.t. ``logits``; divide by the *global* active count
     (across micro-batches, grad-accum and DP ranks) where it is known. ``tp_group=None`` means no tensor parallelism.
+    ``vocab_size``: the real (global) vocab size; logits columns at or past it (Megatron's padding to a multiple of
+    TP) are left out of the student's distribution and get zero gradient, without a masked copy of the logits.
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
@@ -198,7 +206,9 @@ def gkd_loss(
     count = torch.tensor(rows.numel(), dtype=torch.long, device=logits.device)
     ids = teacher_ids.reshape(-1, k)[rows].long()
     a = _teacher_logprobs(teacher_logprobs.reshape(-1, k)[rows], temperature, mode)
-    zk, lse_tail = _TopkAndTailLSE.apply(logits, rows, ids, temperature, tp_group, chunk_size, mode == "tail")
+    zk, lse_tail = _TopkAndTailLSE.apply(
+        logits, rows, ids, temperature, tp_group, chunk_size, mode == "tail", vocab_size
+    )
     zt = zk / temperature
     if mode == "tail":
         # Floor the tail "logit" relative to the row (empty/underflowed complement): finite loss, zero gradient there.
@@ -216,16 +226,18 @@ def vocab_parallel_ce(
     tp_group: dist.ProcessGroup | None = None,
     *,
     chunk_size: int = DEFAULT_CHUNK,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sum of cross-entropy over active positions and the active count, on a vocab-parallel logits shard.
 
     Same kernel as the tail loss with k = 1 and τ = 1: ``lse = logaddexp(z_y, lse over the rest)``. Labels at
     inactive positions are never read (so -100 padding is fine); the input is not modified (unlike Megatron's).
+    ``vocab_size`` as in :func:`gkd_loss`.
     """
     logits = logits.reshape(-1, logits.shape[-1])
     rows = mask.reshape(-1).nonzero().squeeze(-1)
     count = torch.tensor(rows.numel(), dtype=torch.long, device=logits.device)
     ids = labels.reshape(-1)[rows].long().unsqueeze(-1)
-    zy, lse_rest = _TopkAndTailLSE.apply(logits, rows, ids, 1.0, tp_group, chunk_size, True)
+    zy, lse_rest = _TopkAndTailLSE.apply(logits, rows, ids, 1.0, tp_group, chunk_size, True, vocab_size)
     lse = torch.logsumexp(torch.cat([zy, lse_rest.unsqueeze(-1)], dim=-1), dim=-1)
     return (lse - zy[:, 0]).sum(), count

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -144,19 +143,17 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     logits = output_tensor.float()
-    v_local = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * v_local
-    if start + v_local > vocab_size:  # Megatron pads the vocab to a multiple of TP: those columns are not tokens
-        logits = logits.masked_fill(torch.arange(start, start + v_local, device=logits.device) >= vocab_size, -math.inf)
+    # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
+    # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
     kd_sum, kd_n = gkd_loss(
         logits, batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask,
-        beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, tp_group=tp_group,
+        beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, tp_group=tp_group, vocab_size=vocab_size,
     )
     loss = kd_sum / max(counts[0], 1.0)
     sft_sum = torch.zeros((), device=logits.device)
     if cfg.sft_alpha > 0:
         sft_mask = batch.loss_mask & batch.is_dataset[:, None]
-        sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group)
+        sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
         loss = loss + cfg.sft_alpha * sft_sum / max(counts[1], 1.0)
     report = torch.stack([kd_sum.detach(), sft_sum.detach().to(kd_sum.dtype)]).double()
     return loss, kd_n.int(), {"sums": report}

@@ -65,6 +65,15 @@ def main() -> None:
         return gkd_loss(x, ids_small, ell_small, mask, beta=0.5, temperature=2.0, mode="tail", tp_group=grp)[0]
 
     _check("empty local complement", fn_small, z_small, group)
+    # Megatron's vocab padding: the last 3 columns (on rank 1) are not tokens and hold garbage.
+    z_pad = z.clone()
+    z_pad[:, v - 3 :] = 40.0
+    ell_pad, ids_pad = torch.log_softmax(torch.randn(t, v - 3, generator=g, dtype=torch.float64), -1).topk(k, dim=-1)
+
+    def fn_pad(x, grp):
+        return gkd_loss(x, ids_pad, ell_pad, mask, beta=0.5, temperature=2.0, tp_group=grp, vocab_size=v - 3)[0]
+
+    _check("vocab padding", fn_pad, z_pad, group)
     labels = torch.randint(0, v, (t,), generator=g)
     labels[~mask] = -100
     _check("ce", lambda x, grp: vocab_parallel_ce(x, labels, mask, grp, chunk_size=4)[0], z, group)
