@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 CONFIG ?=
 ARGS ?=
 
-.PHONY: setup test demo score generate import train bench lint clean-venv
+.PHONY: setup test demo score generate import train bench lint clean-venv slurm-score slurm-resubmit slurm-train
 
 setup: $(STAMP)
 
@@ -38,6 +38,23 @@ generate: setup
 
 train: setup
 	$(VENV)/bin/gkd train $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
+
+# Slurm: SHARDS array tasks of a stage; SBATCH passes launcher options, e.g.
+#   make slurm-score SHARDS=64 SBATCH="--partition gpu --time 4:00:00 --cpus-per-task 8" ARGS="--rollouts R --cache C"
+SHARDS ?= 8
+NODES ?= 1
+GPUS ?= 0
+SBATCH ?=
+STAGE_ARGS = $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
+
+slurm-score: setup
+	$(VENV)/bin/gkd slurm score --num-shards $(SHARDS) $(SBATCH) -- $(STAGE_ARGS)
+
+slurm-resubmit: setup
+	$(VENV)/bin/gkd slurm resubmit --num-shards $(SHARDS) $(SBATCH) -- $(STAGE_ARGS)
+
+slurm-train: setup
+	$(VENV)/bin/gkd slurm train --nodes $(NODES) --gpus-per-node $(GPUS) $(SBATCH) -- $(STAGE_ARGS)
 
 bench: setup
 	$(PY) -m benchmarks.run

@@ -81,6 +81,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
+    for k, v in data.items():  # PyYAML follows YAML 1.1, which reads 1e-3 (no dot) as a string
+        if k in fields and isinstance(v, str) and (hints[k] is float or float in typing.get_args(hints[k])):
+            try:
+                data[k] = float(v)
+            except ValueError:
+                pass
     problems = [f"unknown key {k!r} (known: {', '.join(sorted(fields))})" for k in data if k not in fields]
     problems += [e for k, v in data.items() if k in fields and (e := _check_type(k, v, hints[k])) is not None]
     if problems:

@@ -30,7 +30,7 @@ import numpy as np
 from pipeline.config import ConfigError, load_config
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store.fingerprint import content_key, teacher_fingerprint, tokenizer_fingerprint
-from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards
+from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
 from pipeline.store.shards import ShardError, _atomic_write_bytes, read_marker, verify_shard
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
@@ -108,18 +108,6 @@ def task_done(cache_root: Path, name: str) -> bool:
         return False
     parts = json.loads(marker.read_text()).get("parts", [])
     return all(not verify_shard(cache_root / "shards" / f"{p}.parquet", "scored", checksum=False) for p in parts)
-
-
-def array_spec(indices: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (sbatch --array syntax)."""
-    out, i = [], 0
-    while i < len(indices):
-        j = i
-        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
-            j += 1
-        out.append(str(indices[i]) if i == j else f"{indices[i]}-{indices[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 # -- rows --------------------------------------------------------------------------------------------------------
@@ -352,7 +340,7 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
         f"[score] task {shard}/{cfg.num_shards}: scored {summary['scored']} samples ({summary['tokens']} tokens, "
         f"{tok_s:.0f} tok/s, {summary['bytes_per_token'] or '-'} B/token), skipped {skipped}, "
         f"teacher forwards {summary['teacher_forwards']}"
-        + (" — everything was already cached" if not todo else "")
+        + ("" if todo else " — no rows assigned to this task" if not rows else " — everything was already cached")
     )
     return summary
 

@@ -28,6 +28,18 @@ def assign_shard(key: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % num_shards
 
 
+def array_spec(indices: list[int]) -> str:
+    """Task indices as sbatch `--array` syntax: [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    out, i = [], 0
+    while i < len(indices):
+        j = i
+        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
+            j += 1
+        out.append(str(indices[i]) if i == j else f"{indices[i]}-{indices[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def rollout_row(
     *,
     prompt_id: str,
