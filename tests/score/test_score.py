@@ -116,17 +116,22 @@ def test_incremental_second_run_scores_nothing_then_only_misses(tmp_path, teache
     assert len(TeacherCache.open(tmp_path / "cache").keys()) == 8
 
 
+def _assert_same_rows(cache_a, cache_b, n):
+    """Two caches hold the same n keys with the same top-k ids and logprobs."""
+    a = {s.key: s for s in read_cache(cache_a)}
+    b = {s.key: s for s in read_cache(cache_b)}
+    assert a.keys() == b.keys() and len(b) == n
+    for key, s in b.items():
+        np.testing.assert_array_equal(s.topk_ids, a[key].topk_ids)
+        np.testing.assert_array_equal(s.topk_logprobs, a[key].topk_logprobs)
+
+
 def test_union_of_shard_tasks_equals_unsharded(tmp_path, teacher, llm):
     _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(3, 5), (6, 2), (4, 9), (2, 3), (7, 7), (5, 5)])
     for i in range(3):
         score(_cfg(tmp_path, teacher, shard=i, num_shards=3), llm=llm)
     score(_cfg(tmp_path, teacher, cache=str(tmp_path / "single")), llm=llm)
-    sharded = {s.key: s for s in read_cache(tmp_path / "cache")}
-    single = {s.key: s for s in read_cache(tmp_path / "single")}
-    assert sharded.keys() == single.keys() and len(single) == 6
-    for key, s in single.items():
-        np.testing.assert_array_equal(s.topk_ids, sharded[key].topk_ids)
-        np.testing.assert_array_equal(s.topk_logprobs, sharded[key].topk_logprobs)
+    _assert_same_rows(tmp_path / "cache", tmp_path / "single", 6)
     assert TeacherCache.open(tmp_path / "cache").verify() == []
 
 
@@ -187,12 +192,7 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
         out = subprocess.run(_score_cmd(tmp_path, teacher, tmp_path / cache), env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
     assert "scored" in out.stdout
-    killed = {s.key: s for s in read_cache(tmp_path / "killed")}
-    clean = {s.key: s for s in read_cache(tmp_path / "clean")}
-    assert killed.keys() == clean.keys() and len(clean) == 24
-    for key, s in clean.items():
-        np.testing.assert_array_equal(s.topk_ids, killed[key].topk_ids)
-        np.testing.assert_array_equal(s.topk_logprobs, killed[key].topk_logprobs)
+    _assert_same_rows(tmp_path / "killed", tmp_path / "clean", 24)
     keys = [k for p in TeacherCache.open(tmp_path / "killed").shard_paths() for k in pq.read_table(p, columns=["key"])["key"].to_pylist()]
     assert len(keys) == len(set(keys)) == 24  # no duplicate rows
     assert TeacherCache.open(tmp_path / "killed").verify() == []
