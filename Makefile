@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 CONFIG ?=
 ARGS ?=
 
-.PHONY: setup test demo score generate import train bench lint clean-venv slurm-score slurm-resubmit slurm-train
+.PHONY: setup test demo score generate import train bench lint clean-venv slurm-score slurm-resubmit slurm-train onpolicy
 
 setup: $(STAMP)
 
@@ -55,6 +55,9 @@ slurm-resubmit: setup
 
 slurm-train: setup
 	$(VENV)/bin/gkd slurm train --nodes $(NODES) --gpus-per-node $(GPUS) $(SBATCH) -- $(STAGE_ARGS)
+
+onpolicy: setup
+	$(VENV)/bin/gkd onpolicy $(if $(CONFIG),--config $(CONFIG)) $(ARGS)
 
 bench: setup
 	$(PY) -m benchmarks.run

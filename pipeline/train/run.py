@@ -57,6 +57,9 @@ class TrainConfig:
     save_interval: int = 50
     log_dir: str | None = None  # metrics.jsonl + TensorBoard; default: save_dir
     exit_after: int | None = None  # stop (with a checkpoint) after this many steps of this invocation (Slurm limits)
+    # Start the data at this global sample position instead of the checkpoint's, and accept a checkpoint made on
+    # other shards: the on-policy driver (pipeline/onpolicy) trains each cycle on a new data set.
+    data_position: int | None = None
     window_rows: int = 512  # shuffle window of the loader (~2 windows of decoded rows are held in memory)
     prefetch: int = 2  # micro-batches decoded ahead in a background thread
     progress: bool = True  # tqdm bar on rank 0
@@ -85,6 +88,8 @@ class TrainConfig:
             p.append("warmup_steps must be in [0, train_steps]")
         if self.exit_after is not None and self.exit_after < 1:
             p.append("exit_after must be >= 1")
+        if self.data_position is not None and self.data_position < 0:
+            p.append("data_position must be >= 0")
         return p
 
 
@@ -211,10 +216,12 @@ def _train(cfg: TrainConfig) -> dict:
     resume = checkpoint.latest(save_dir)
     if resume is not None:
         meta = checkpoint.load(resume, model, optimizer)
-        if meta["data_fingerprint"] != loader.fingerprint:
+        if cfg.data_position is None and meta["data_fingerprint"] != loader.fingerprint:
             raise RuntimeError(f"{resume}: the cache shards changed since this checkpoint; the data order would too")
         step, position = meta["step"], meta["data_position"]
         scheduler.load_state_dict(meta["scheduler"])
+    if cfg.data_position is not None:
+        position = cfg.data_position
     log_dir = Path(cfg.log_dir or cfg.save_dir)
     writer = metrics_file = bar = None
     if rank == 0:

@@ -1,0 +1,110 @@
+"""The on-policy run's state on disk, the on/off-policy schedule, and per-cycle training views of the cache.
+
+    OUT/state.json                 {"cycle", "stage", "offpolicy_shards", "cycles": {c: {on_policy, done, ...}}}
+    OUT/views/cycle-NNNN/          cache.json + shards/: exactly this cycle's scored rows (copied, still encoded)
+
+state.json is rewritten atomically after every stage, so a killed run restarts at the first stage not recorded
+as done. Each stage is also idempotent on its own (complete shards are kept, scored keys skipped, the trainer
+resumes from its checkpoint), so a kill between a stage's work and the state write costs nothing but a check.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.store import TeacherCache
+from pipeline.store.cache import DESCRIPTOR
+from pipeline.store.fingerprint import content_key
+from pipeline.store.rollouts import iter_rollouts, rollout_shards
+from pipeline.store.shards import _atomic_write_bytes, is_complete, write_shard
+
+STATE = "state.json"
+
+
+def is_on_policy(seed: int, step: int, lmbda: float) -> bool:
+    """The GKD draw of the reference trainers (../shared/seeds): on-policy iff Random(seed + step) < lmbda,
+    taken at the first step of a cycle, so a rerun or a resumed run makes the same choices."""
+    return random.Random(seed + step).random() < lmbda
+
+
+@dataclass
+class State:
+    cycle: int = 0
+    stage: str = "export"
+    setup_done: bool = False
+    offpolicy_shards: list[str] = field(default_factory=list)  # frozen at setup: off-policy data never moves
+    offpolicy_position: int = 0  # the trainer's sample position in the off-policy data, carried across cycles
+    cycles: dict[str, dict] = field(default_factory=dict)  # per cycle: on_policy, done stages, stage timings
+
+    @classmethod
+    def load(cls, out: Path) -> State:
+        path = out / STATE
+        return cls(**json.loads(path.read_text())) if path.exists() else cls()
+
+    def save(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(out / STATE, json.dumps(asdict(self), indent=1, sort_keys=True).encode())
+
+    def info(self, cycle: int) -> dict:
+        return self.cycles.setdefault(str(cycle), {"done": [], "seconds": {}})
+
+
+# -- which scored rows belong to a set of rollouts ------------------------------------------------------------------
+
+
+def rollout_keys(rollouts_dir: Path, cache: TeacherCache) -> list[str]:
+    """The content keys the score stage gives these rollouts (same rule: completion positions, skip empties)."""
+    d = cache.descriptor
+    keys = []
+    for r in iter_rollouts(rollout_shards(rollouts_dir)):
+        if not r["completion_ids"]:
+            continue
+        ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
+        keys.append(content_key(d.teacher_fingerprint, ids, len(r["prompt_ids"]), d.k, d.logprob_mode))
+    return list(dict.fromkeys(keys))
+
+
+def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[str], int]:
+    """Copy the rows with `keys` out of `cache` into the view cache at `view`; returns its shard paths and the
+    number of keys not found (e.g. skipped as overlong).
+
+    Why a copy: the score stage writes only keys the cache lacks, so a sample that repeats an earlier cycle's (or
+    the held-out set's) sequence lives in an older shard; neither the task marker's part list nor "all shards" is
+    this cycle's data. Rows are copied still encoded, one view shard per source shard (the codec's tables live in
+    each shard's footer), so the trainer reads bit-identical teacher rows.
+    """
+    shards = view / "shards"
+    names = [p for p in sorted(shards.glob("*.parquet")) if is_complete(p, "scored", checksum=False)]
+    if (view / "complete").exists():
+        return [str(p) for p in names], int((view / "complete").read_text() or 0)
+    wanted = pa.array(keys, pa.string())
+    found: set[str] = set()
+    out = []
+    for src in cache.shard_paths():
+        keys_col = pq.read_table(src, columns=["key"]).column("key")
+        mask = pc.is_in(keys_col, value_set=wanted)
+        if not pc.any(mask).as_py():
+            continue
+        table = pq.read_table(src).filter(mask)
+        # a key lives in one shard of a verified cache; keep the first copy if two caches were merged by hand
+        fresh = [k not in found for k in table.column("key").to_pylist()]
+        table = table.filter(pa.array(fresh))
+        found.update(table.column("key").to_pylist())
+        dest = shards / src.name
+        if not is_complete(dest, "scored", checksum=False):
+            footer = {k: v for k, v in (pq.read_schema(src).metadata or {}).items() if k.startswith(b"gkd.codec")}
+            write_shard(dest, table, "scored", extra={"view_of": str(src)}, footer=footer)
+        out.append(str(dest))
+    if not (view / DESCRIPTOR).exists():
+        cache.descriptor.write(view / DESCRIPTOR)
+    missing = len(set(keys) - found)
+    _atomic_write_bytes(view / "complete", str(missing).encode())  # written last: the view is final
+    return out, missing
