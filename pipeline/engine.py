@@ -58,6 +58,7 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
+    forget_stale_vllm_groups()
     kwargs: dict[str, Any] = {
         "model": args.model,
         "tokenizer": args.model,
@@ -89,6 +90,23 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
         yield llm
     finally:
         shutdown(llm)
+
+
+def forget_stale_vllm_groups() -> None:
+    """Before opening an engine in this process: drop vLLM's process-group globals if the torch default group
+    they were built on is gone. A Megatron trainer in the same process (the on-policy driver, a test session) tears
+    the default group down when it ends; an engine that is already open keeps working (TP=1 never communicates),
+    but a *new* one would reuse vLLM's stale world group and fail ("... is not initialized in the world group map")."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as vps
+
+    if dist.is_initialized() or getattr(vps, "_WORLD", None) is None:
+        return
+    for destroy in (vps.destroy_model_parallel, vps.destroy_distributed_environment):
+        with contextlib.suppress(Exception):  # destroying groups of a destroyed default group may complain
+            destroy()
+    for name in [n for n in vars(vps) if n.isupper() and n.startswith("_") and isinstance(getattr(vps, n), vps.GroupCoordinator)]:
+        setattr(vps, name, None)
 
 
 def shutdown(llm: Any) -> None:

@@ -37,25 +37,7 @@ def _repack_tied_lm_head(worker: Any) -> None:
     dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
 
 
-def _forget_stale_vllm_groups() -> None:
-    """Before opening an engine in this process: drop vLLM's process-group globals if the torch default group
-    they were built on is gone. The trainer (in the same process) tears the default group down after each
-    cycle; an engine that is already open keeps working (TP=1 never communicates), but a *new* one would reuse
-    vLLM's stale world group and fail ("... is not initialized in the world group map")."""
-    import torch.distributed as dist
-    from vllm.distributed import parallel_state as vps
-
-    if dist.is_initialized() or getattr(vps, "_WORLD", None) is None:
-        return
-    for destroy in (vps.destroy_model_parallel, vps.destroy_distributed_environment):
-        with contextlib.suppress(Exception):  # destroying groups of a destroyed default group may complain
-            destroy()
-    for name in [n for n in vars(vps) if n.isupper() and n.startswith("_") and isinstance(getattr(vps, n), vps.GroupCoordinator)]:
-        setattr(vps, name, None)
-
-
 def _open(args: EngineArgs, stack: contextlib.ExitStack, **kw: Any) -> Any:
-    _forget_stale_vllm_groups()
     return stack.enter_context(open_engine(args, **kw))
 
 
