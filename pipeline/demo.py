@@ -52,13 +52,12 @@ QUICK = dict(train_prompts=6, eval_prompts=3, samples_per_prompt=1, max_tokens=2
 
 
 def _sh(cmd: list[str], log: Path) -> None:
-    """Run a stage CLI in a subprocess, its output shown and kept in a log file."""
+    """Run a stage CLI in a subprocess: its progress bar (stderr) on the terminal, its stdout kept in a log file."""
     print(f"[demo] $ {' '.join(cmd)}", flush=True)
     with open(log, "a") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, stdout=f)
     if proc.returncode:
-        print(open(log).read()[-4000:], file=sys.stderr)
-        raise RuntimeError(f"{cmd[3]} failed (exit {proc.returncode}); see {log}")
+        raise RuntimeError(f"{cmd[3]} failed (exit {proc.returncode}); see the messages above and {log}")
 
 
 def heldout_metrics(student_dir: Path, eval_cache: Path, teacher_answers: list[tuple[list[int], list[int]]]) -> dict:
@@ -161,8 +160,7 @@ def run(cfg: DemoConfig) -> dict:
     py = [sys.executable, "-m", "pipeline"]
     train_args = [f"student={student}", f"cache=[{out / 'cache'}]", f"micro_batch_size={cfg.micro_batch_size}",
                   f"global_batch_size={cfg.micro_batch_size}", f"seq_length={cfg.seq_length}", f"lr={cfg.lr}",
-                  f"min_lr={cfg.lr / 10}", f"warmup_steps={max(1, cfg.steps // 10)}", "beta=0.0", "topk_mode=tail",
-                  "progress=false"]
+                  f"min_lr={cfg.lr / 10}", f"warmup_steps={max(1, cfg.steps // 10)}", "beta=0.0", "topk_mode=tail"]
     t = time.perf_counter()
     t_train = 0.0
     for step in range(cfg.eval_every, cfg.steps + 1, cfg.eval_every):
