@@ -24,7 +24,7 @@ from pipeline.store import TeacherCache
 from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.fingerprint import content_key
 from pipeline.store.rollouts import iter_rollouts, rollout_shards
-from pipeline.store.shards import _atomic_write_bytes, is_complete, write_shard
+from pipeline.store.shards import atomic_write_bytes, is_complete, write_shard
 
 STATE = "state.json"
 
@@ -51,7 +51,7 @@ class State:
 
     def save(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(out / STATE, json.dumps(asdict(self), indent=1, sort_keys=True).encode())
+        atomic_write_bytes(out / STATE, json.dumps(asdict(self), indent=1, sort_keys=True).encode())
 
     def info(self, cycle: int) -> dict:
         return self.cycles.setdefault(str(cycle), {"done": [], "seconds": {}})
@@ -106,5 +106,5 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
     if not (view / DESCRIPTOR).exists():
         cache.descriptor.write(view / DESCRIPTOR)
     missing = len(set(keys) - found)
-    _atomic_write_bytes(view / "complete", str(missing).encode())  # written last: the view is final
+    atomic_write_bytes(view / "complete", str(missing).encode())  # written last: the view is final
     return out, missing

@@ -31,7 +31,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store.fingerprint import content_key, teacher_fingerprint, tokenizer_fingerprint
 from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
-from pipeline.store.shards import ShardError, _atomic_write_bytes, read_marker, verify_shard
+from pipeline.store.shards import ShardError, atomic_write_bytes, read_marker, verify_shard
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
@@ -333,7 +333,7 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
         bytes_per_token=round(nbytes / summary["tokens"], 1) if summary["tokens"] else None,
     )
     task_marker(cache.root, name).parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(task_marker(cache.root, name), json.dumps(summary, indent=1, default=str).encode())
+    atomic_write_bytes(task_marker(cache.root, name), json.dumps(summary, indent=1, default=str).encode())
     tok_s = summary["tokens"] / summary["score_seconds"] if summary.get("score_seconds") else 0.0
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
     print(

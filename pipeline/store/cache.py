@@ -23,7 +23,7 @@ from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import (
     ShardError,
     ShardInfo,
-    _atomic_write_bytes,
+    atomic_write_bytes,
     complete_shards,
     open_shard,
     read_marker,
@@ -79,7 +79,7 @@ class Descriptor:
 
     def write(self, path: Path) -> None:
         data = {"descriptor_version": load_schema("descriptor").version, **asdict(self)}
-        _atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
+        atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
     def mismatches(self, other: Descriptor) -> list[str]:
         out = [

@@ -52,7 +52,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -127,7 +127,7 @@ def write_shard(
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     marker = {"sha256": info.sha256, "bytes": info.bytes, "rows": info.rows, "schema": info.schema, **info.extra}
-    _atomic_write_bytes(marker_path(path), json.dumps(marker, indent=1, sort_keys=True).encode())
+    atomic_write_bytes(marker_path(path), json.dumps(marker, indent=1, sort_keys=True).encode())
     return info
 
 

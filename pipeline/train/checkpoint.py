@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mpu_random
 
-from pipeline.store.shards import _atomic_write_bytes
+from pipeline.store.shards import atomic_write_bytes
 
 LATEST = "latest"
 META = "trainer.json"
@@ -99,7 +99,7 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
         (tmp / META).write_text(json.dumps({**meta, "step": step, "rng": states}, indent=1) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        _atomic_write_bytes(Path(save_dir) / LATEST, final.name.encode())
+        atomic_write_bytes(Path(save_dir) / LATEST, final.name.encode())
     if dist.is_initialized():
         dist.barrier()
     return final
