@@ -23,8 +23,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 
 @dataclass
 class DemoConfig:
@@ -61,32 +59,23 @@ def _sh(cmd: list[str], log: Path) -> None:
 
 
 def heldout_metrics(student_dir: Path, eval_cache: Path, teacher_answers: list[tuple[list[int], list[int]]]) -> dict:
-    """KL(teacher || student) over the teacher top-k + tail bin on held-out student samples, and the student's NLL
-    of teacher-generated answers; a plain transformers forward, independent of the trainer."""
+    """KL(teacher || student) over the teacher top-k + tail bin on held-out student samples (the on-policy driver's
+    measure, pipeline/evaluate.py), and the student's NLL of teacher-generated answers."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from pipeline.store import read_cache
+    from pipeline.evaluate import heldout_kl, load_hf
 
-    model = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
-    kls, nll = [], []
+    model = load_hf(student_dir)
+    kl = heldout_kl(model, eval_cache)
+    nll = []
     with torch.no_grad():
-        for s in read_cache(eval_cache):
-            logp = torch.log_softmax(model(torch.tensor([s.input_ids.astype(np.int64)])).logits[0], -1)
-            rows = logp[s.first_scored - 1 : len(s.input_ids) - 1]  # logits at j-1 predict token j
-            ids = torch.from_numpy(s.topk_ids.astype(np.int64))
-            p = torch.cat([torch.from_numpy(s.topk_logprobs), torch.from_numpy(s.tail_logprobs)[:, None]], 1).exp().double()
-            p = p / p.sum(1, keepdim=True)
-            q_top = rows.gather(1, ids).exp().double()
-            q = torch.cat([q_top, (1 - q_top.sum(1, keepdim=True)).clamp_min(1e-12)], 1)
-            kls.append((p * (p.clamp_min(1e-30).log() - q.log())).sum(1))
         for prompt, completion in teacher_answers:
             ids = torch.tensor([prompt + completion])
             logp = torch.log_softmax(model(ids).logits[0], -1)
             pos = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
             nll.append(-logp[pos, ids[0, pos + 1]])
-    return {"heldout_kl": float(torch.cat(kls).mean()), "heldout_nll_teacher_answers": float(torch.cat(nll).mean()),
-            "kl_positions": int(sum(len(k) for k in kls)), "nll_tokens": int(sum(len(n) for n in nll))}
+    return {"heldout_kl": kl["heldout_kl"], "heldout_nll_teacher_answers": float(torch.cat(nll).mean()),
+            "kl_positions": kl["heldout_tokens"], "nll_tokens": int(sum(len(n) for n in nll))}
 
 
 def run(cfg: DemoConfig) -> dict:

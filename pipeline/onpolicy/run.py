@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError
+from pipeline.evaluate import heldout_kl
 from pipeline.onpolicy.config import STAGES, OnPolicyConfig
-from pipeline.onpolicy.engines import Engines, heldout_kl
+from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.state import State, build_view, is_on_policy, rollout_keys
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "onpolicy.yaml"

@@ -17,6 +17,7 @@ no-op. Rows go to tasks by a hash of their content key, so identical sequences a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError, load_config, parse_overrides
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store.fingerprint import content_key, teacher_fingerprint, tokenizer_fingerprint
 from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
@@ -306,7 +307,7 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
         )
         total_tokens = sum(len(r["input_ids"]) for r in todo)
         pending: list[dict] = []
-        with (open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode) if llm is None else _noop(llm)) as engine:
+        with (open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode) if llm is None else contextlib.nullcontext(llm)) as engine:
             bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
             t_score = time.time()
             for batch in token_batches(todo, cfg.batch_tokens):
@@ -345,17 +346,6 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
     return summary
 
 
-class _noop:
-    def __init__(self, value):
-        self.value = value
-
-    def __enter__(self):
-        return self.value
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict]) -> str:
     part = f"{name}-p{index:04d}"
     cache.write_shard(part, rows, extra={"task": name})
@@ -378,14 +368,8 @@ def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
     a = ap.parse_args(argv)
     flags = {k: v for k, v in vars(a).items() if k not in ("config", "status", "overrides") and v is not None}
     path = a.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    cfg = load_config(ScoreConfig, path, {**flags, **_kv(a.overrides)})
+    cfg = load_config(ScoreConfig, path, {**flags, **parse_overrides(a.overrides)})
     return cfg, a.status
-
-
-def _kv(items: list[str]) -> dict:
-    from pipeline.config import parse_overrides
-
-    return parse_overrides(items)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,10 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             return status(cfg)
         score(cfg)
         return 0
-    except (ConfigError, ScoreInputError, ShardError) as e:
-        print(f"gkd score: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # cache mismatch, schema errors: already name the file and the fix
+    except (ValueError, ShardError) as e:  # config, input, cache mismatch, schema: messages name the file and fix
         print(f"gkd score: {e}", file=sys.stderr)
         return 2
 
