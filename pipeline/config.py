@@ -62,6 +62,19 @@ def _check_type(name: str, value: Any, tp: Any) -> str | None:
     return None
 
 
+def _flatten(data: dict[str, Any], fields: set[str]) -> dict[str, Any]:
+    """`lora.rank=8` (a dotted key) and `lora: {rank: 8}` (a mapping under a name that is not a field) both mean
+    the flat field `lora_rank`; mapping-typed fields (e.g. train_extra) stay as they are."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        k = k if k in fields else k.replace(".", "_")
+        if k not in fields and isinstance(v, dict) and all(isinstance(x, str) for x in v):
+            out.update(_flatten({f"{k}_{x}": y for x, y in v.items()}, fields))
+        else:
+            out[k] = v
+    return out
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | dict | None = None) -> T:
     """Build `cls` from a YAML file (optional) and overrides; raise ConfigError listing every problem."""
     data: dict[str, Any] = {}
@@ -81,6 +94,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
+    data = _flatten(data, fields)
     for k, v in data.items():  # PyYAML follows YAML 1.1, which reads 1e-3 (no dot) as a string
         if k in fields and isinstance(v, str) and (hints[k] is float or float in typing.get_args(hints[k])):
             try:

@@ -62,3 +62,60 @@ def build_tiny_teacher(out_dir: str | Path, seed: int = 0, **kw) -> Path:
     out_dir = Path(out_dir)
     tok = build_tokenizer(out_dir)
     return build_llama(out_dir, vocab_size=len(tok), seed=seed, **kw)
+
+
+# Hidden 64, 4 heads over 2 KV heads (GQA), head_dim 16: for the Megatron mapping tests (not for vLLM).
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+def build_random_hf(arch: str, out: Path) -> Path:
+    """A SMALL Llama (tied embeddings, like SmolLM2) or Qwen2 (qkv bias, untied), weights re-drawn at a scale that
+    makes logits O(1) (a wrong mapping cannot hide under a tolerance) and norms non-unit (a swapped norm shows)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0 if arch == "llama" else 1)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**SMALL, tie_word_embeddings=True, rope_theta=10000.0)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**SMALL, tie_word_embeddings=False, rope_theta=1234.5)
+        model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(out)
+    (Path(out) / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
+    return Path(out)
+
+
+def random_peft(arch, spec, seed: int = 3) -> dict:
+    """A random adapter in peft's layout (fused parts share A), built by drawing TP=1 Megatron tensors."""
+    import torch
+
+    from pipeline.train.lora import HF_MODULES, PEFT_PREFIX
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(arch.num_layers):
+        for kind in spec.targets:
+            fan_in = {"linear_proj": arch.num_heads * arch.head_dim, "linear_fc2": arch.ffn_hidden_size}
+            a = 0.3 * torch.randn(spec.rank, fan_in.get(kind, arch.hidden_size), generator=g)
+            for m in HF_MODULES[kind]:
+                rows = {"q_proj": arch.num_heads * arch.head_dim, "k_proj": arch.num_kv_heads * arch.head_dim,
+                        "v_proj": arch.num_kv_heads * arch.head_dim, "o_proj": arch.hidden_size,
+                        "gate_proj": arch.ffn_hidden_size, "up_proj": arch.ffn_hidden_size,
+                        "down_proj": arch.hidden_size}[m.rsplit(".", 1)[-1]]
+                stem = f"{PEFT_PREFIX}model.layers.{layer}.{m}"
+                out[stem + ".lora_A.weight"] = a
+                out[stem + ".lora_B.weight"] = 0.3 * torch.randn(rows, spec.rank, generator=g)
+    return out

@@ -4,6 +4,9 @@
     SAVE_DIR/step_0000020/trainer.json  step, data position, LR scheduler state, RNG states, config (nanochat-style)
     SAVE_DIR/latest                   name of the newest complete checkpoint, written last (atomically)
 
+A LoRA run (trainer.json has "lora") saves only the adapter and its optimizer state; loading rebuilds the base
+from the student folder and then the adapter, so the two must be the same run's.
+
 dist_checkpointing stores tensors with their global shapes, so a checkpoint saved at TP=2 loads at TP=1 (export
 does that). A checkpoint is written under a temporary name and renamed once complete, then `latest` is updated:
 a job killed mid-save resumes from the previous checkpoint.
@@ -73,7 +76,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _sharded(model, optimizer, *, is_loading: bool) -> dict:
-    model_sd = model.sharded_state_dict()
+    from pipeline.train.lora import is_lora, lora_sharded_state_dict
+
+    # A LoRA run saves the adapter only: the frozen base comes from the student folder (recorded in trainer.json).
+    model_sd = lora_sharded_state_dict(model) if is_lora(model) else model.sharded_state_dict()
     out = {"model": model_sd}
     if optimizer is not None:
         out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
@@ -81,7 +87,10 @@ def _sharded(model, optimizer, *, is_loading: bool) -> dict:
 
 
 def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
-    """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) added."""
+    """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) and `lora` added."""
+    from pipeline.train.lora import is_lora
+
+    meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None}
     final = step_dir(save_dir, step)
     tmp = final.with_name(f".{final.name}.partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -109,8 +118,17 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
     """Load model (and optimizer, if given) in place from `ckpt`; restore this rank's RNG; return the meta."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
+    from pipeline.train.lora import is_lora, load_lora_state
+
+    saved_lora, own_lora = meta.get("lora"), model.lora_spec.to_json() if is_lora(model) else None
+    if saved_lora != own_lora:
+        raise ValueError(f"{ckpt}: checkpoint LoRA settings {saved_lora} differ from this model's {own_lora} "
+                         "(lora_rank / lora_alpha / lora_targets must match the run that saved it)")
     state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(ckpt))
-    model.load_state_dict(state["model"], strict=True)
+    if own_lora is not None:
+        load_lora_state(model, state["model"])
+    else:
+        model.load_state_dict(state["model"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
         rank = dist.get_rank() if dist.is_initialized() else 0

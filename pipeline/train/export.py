@@ -1,10 +1,14 @@
-"""Export a trained student checkpoint as a Hugging Face folder (safetensors + config + tokenizer) for vLLM.
+"""Export a trained student checkpoint for transformers / vLLM / peft.
 
     gkd export --checkpoint runs/train --out runs/student-hf       # the latest checkpoint of a save_dir
     gkd export --checkpoint runs/train/step_0000100 --out DIR      # a given one
+    gkd export --checkpoint runs/lora --out DIR --adapter-only     # LoRA run: peft adapter (MBs) for LoRARequest
+    gkd export --checkpoint runs/lora --out DIR --merged           # LoRA run: base + adapter as one HF folder
 
 One process at TP=1: dist_checkpointing reshards a checkpoint saved at any TP degree on load. The architecture and
-tokenizer come from the student folder recorded in the checkpoint's trainer.json (override with --student).
+tokenizer come from the student folder recorded in the checkpoint's trainer.json (override with --student); a
+LoRA checkpoint holds only the adapter, which is put back on that folder's base weights. A LoRA checkpoint exports
+merged unless --adapter-only is given.
 """
 
 from __future__ import annotations
@@ -14,21 +18,34 @@ import sys
 from pathlib import Path
 
 
-def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path | None = None) -> Path:
-    """Write the checkpoint's model as an HF folder at `out_dir`; returns it."""
+def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path | None = None,
+           adapter_only: bool = False) -> Path:
+    """Write the checkpoint's model as an HF folder (or, with `adapter_only`, its LoRA adapter in peft format)."""
     from pipeline.train import checkpoint
-    from pipeline.train.model import build_model, export_hf
+    from pipeline.train.lora import LoRASpec, apply_lora
+    from pipeline.train.model import build_model, export_adapter, export_hf, load_hf_weights
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
     ckpt = checkpoint.latest(checkpoint_path)
     if ckpt is None:
         raise FileNotFoundError(f"{checkpoint_path}: no checkpoint (no trainer.json and no `latest` file)")
-    hf_dir = Path(student or checkpoint.read_meta(ckpt)["student"])
+    meta = checkpoint.read_meta(ckpt)
+    hf_dir = Path(student or meta["student"])
+    lora = meta.get("lora")
+    if adapter_only and lora is None:
+        raise ValueError(f"{ckpt}: --adapter-only needs a LoRA run (trainer.json has no lora settings); "
+                         "this checkpoint holds full weights, export it without --adapter-only")
     init_distributed(tp=1, pp=1, seed=0)
     try:
         model = build_model(hf_dir)
+        if lora is not None:
+            load_hf_weights(model, hf_dir)  # the frozen base; the checkpoint has the adapter only
+            apply_lora(model, LoRASpec(lora["rank"], lora["alpha"], tuple(lora["targets"])))
         checkpoint.load(ckpt, model)
-        export_hf(model, hf_dir, out_dir)
+        if adapter_only:
+            export_adapter(model, hf_dir, out_dir)
+        else:
+            export_hf(model, hf_dir, out_dir)
     finally:
         destroy_distributed()
     return Path(out_dir)
@@ -39,10 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True, help="a save_dir (uses its latest) or one step_* directory")
     parser.add_argument("--out", required=True, help="output folder (replaced atomically)")
     parser.add_argument("--student", default=None, help="HF folder for config/tokenizer (default: from the checkpoint)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--adapter-only", action="store_true", help="LoRA run: write the peft adapter only")
+    mode.add_argument("--merged", action="store_true", help="LoRA run: write base + adapter merged (the default)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = export(args.checkpoint, args.out, args.student)
-    except FileNotFoundError as e:
+        out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only)
+    except (FileNotFoundError, ValueError) as e:
         print(f"gkd export: {e}", file=sys.stderr)
         return 2
     print(f"gkd export: wrote {out}")

@@ -279,30 +279,56 @@ def _global_megatron_state_dict(model: GPTModel) -> dict[str, Tensor]:
     }
 
 
+def gather_shards(model: GPTModel) -> list[dict[str, Tensor]] | None:
+    """Collective: every rank calls it. On global rank 0, this model's global-keyed state dicts of all TP ranks
+    (index = TP rank; PP stages merged by key); None on the other ranks."""
+    local = _global_megatron_state_dict(model)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [local]
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    keep = parallel_state.get_data_parallel_rank() == 0
+    dist.gather_object((tp_rank, local) if keep else None, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    by_tp: dict[int, dict[str, Tensor]] = {}
+    for item in gathered or []:
+        if item is not None:
+            by_tp.setdefault(item[0], {}).update(item[1])  # PP stages of one TP rank merge by key
+    return [by_tp[r] for r in sorted(by_tp)]
+
+
 def export_hf(model: GPTModel, src_hf_dir: str | Path, out_dir: str | Path) -> None:
     """Write `model` as an HF folder (model.safetensors, config.json, tokenizer files of `src_hf_dir`).
 
     Collective: every rank calls it; TP shards and PP stages are gathered to global rank 0, which writes.
-    The folder appears atomically (written as `<out_dir>.partial`, then renamed), replacing an older export,
-    so a sampler polling for new weights never reads a half-written checkpoint.
+    A LoRA model is written merged (W + scale * B A). The folder appears atomically (written as
+    `<out_dir>.partial`, then renamed), replacing an older export, so a sampler polling for new weights never
+    reads a half-written checkpoint.
     """
-    local = _global_megatron_state_dict(model)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    from pipeline.train.lora import merge_into
+
+    shards = gather_shards(model)
+    if shards is not None:
+        spec = getattr(model, "lora_spec", None)
+        if spec is not None:
+            shards = [merge_into(s, spec.scale) for s in shards]
+        _write_hf_folder(megatron_to_hf_state_dict(shards, model.hf_arch), Path(src_hf_dir), Path(out_dir))
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        keep = parallel_state.get_data_parallel_rank() == 0
-        dist.gather_object((tp_rank, local) if keep else None, gathered, dst=0)
-        if dist.get_rank() != 0:
-            dist.barrier()
-            return
-        by_tp: dict[int, dict[str, Tensor]] = {}
-        for item in gathered or []:
-            if item is not None:
-                by_tp.setdefault(item[0], {}).update(item[1])  # PP stages of one TP rank merge by key
-        shards = [by_tp[r] for r in sorted(by_tp)]
-    else:
-        shards = [local]
-    _write_hf_folder(megatron_to_hf_state_dict(shards, model.hf_arch), Path(src_hf_dir), Path(out_dir))
+        dist.barrier()
+
+
+def export_adapter(model: GPTModel, base_model: str | Path, out_dir: str | Path) -> None:
+    """Write a LoRA model's adapter in peft's format (adapter_config.json + adapter_model.safetensors, HF module
+    names) for peft's `PeftModel.from_pretrained` and vLLM's `LoRARequest`. Collective, atomic, like export_hf."""
+    from pipeline.train.lora import to_peft, write_peft_folder
+
+    spec = getattr(model, "lora_spec", None)
+    if spec is None:
+        raise ValueError("export_adapter: the model has no LoRA adapter (train with lora_rank > 0)")
+    shards = gather_shards(model)
+    if shards is not None:
+        write_peft_folder(to_peft(shards, model.hf_arch, spec), spec, str(base_model), Path(out_dir))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 

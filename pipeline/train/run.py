@@ -53,6 +53,11 @@ class TrainConfig:
     topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
     tensor_model_parallel_size: int = 1
+    # LoRA (pipeline/train/lora.py): lora_rank > 0 trains adapters on the frozen student; checkpoints hold the
+    # adapter only. Dotted keys work too: lora.rank=16 lora.alpha=32 lora.targets=[qkv,proj]
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     save_dir: str = "runs/train"
     save_interval: int = 50
     log_dir: str | None = None  # metrics.jsonl + TensorBoard; default: save_dir
@@ -84,13 +89,32 @@ class TrainConfig:
             p.append("sft_alpha must be >= 0")
         if not 0 <= self.min_lr <= self.lr:
             p.append("need 0 <= min_lr <= lr")
-        if self.warmup_steps < 0 or self.warmup_steps > self.train_steps:
-            p.append("warmup_steps must be in [0, train_steps]")
+        if self.warmup_steps < 0 or (self.warmup_steps and self.warmup_steps >= self.train_steps):
+            p.append("warmup_steps must be 0 or less than train_steps (Megatron's scheduler needs decay steps)")
         if self.exit_after is not None and self.exit_after < 1:
             p.append("exit_after must be >= 1")
         if self.data_position is not None and self.data_position < 0:
             p.append("data_position must be >= 0")
+        if self.lora_rank < 0:
+            p.append("lora_rank must be >= 0 (0: train all weights)")
+        if self.lora_rank > 0:
+            if self.lora_alpha <= 0:
+                p.append("lora_alpha must be > 0")
+            from pipeline.train.lora import resolve_targets
+
+            try:
+                resolve_targets(self.lora_targets)
+            except ValueError as e:
+                p.append(str(e))
         return p
+
+    def lora_spec(self):
+        """The LoRASpec of this run, or None for full fine-tuning."""
+        if self.lora_rank == 0:
+            return None
+        from pipeline.train.lora import LoRASpec, resolve_targets
+
+        return LoRASpec(self.lora_rank, self.lora_alpha, resolve_targets(self.lora_targets))
 
 
 def student_dir(cfg: TrainConfig) -> Path:
@@ -118,6 +142,11 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
 
     model = build_model(hf_dir)
     load_hf_weights(model, hf_dir)
+    spec = cfg.lora_spec()
+    if spec is not None:
+        from pipeline.train.lora import apply_lora
+
+        apply_lora(model, spec, seed=cfg.seed)  # freezes the base: DDP and the optimizer see only the adapters
     config = model.config
     config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
     # DDP sums grads over DP ranks (per-token loss); num_tokens=None: no second normalisation.
@@ -232,7 +261,9 @@ def _train(cfg: TrainConfig) -> dict:
         writer = SummaryWriter(str(log_dir / "tb"), purge_step=step)
         metrics_file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finally
         bar = tqdm(total=cfg.train_steps, initial=step, disable=not cfg.progress, desc="train", dynamic_ncols=True)
-        print(f"[train] {hf_dir} on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
+              f"{', LoRA ' + str(cfg.lora_spec().to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
               f"dp={dp} tp={cfg.tensor_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
 
     batches = loader.iter_from(position, prefetch=cfg.prefetch)

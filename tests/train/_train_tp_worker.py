@@ -2,7 +2,8 @@
 gradients in HF layout, for tests/train/test_run.py::test_tp2_matches_tp1.
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_train_tp_worker.py STUDENT CACHE OUT 2``
-(or plain ``python ... 1`` for the TP=1 reference).
+(or plain ``python ... 1`` for the TP=1 reference). A 5th argument ``lora`` trains a rank-8 adapter instead, set to a
+random non-zero adapter first (B = 0 at init would give A no gradient), and dumps adapter gradients in peft layout.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(student: str, cache: str, out: str, tp: int) -> None:
+def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -25,9 +26,19 @@ def main(student: str, cache: str, out: str, tp: int) -> None:
     from pipeline.train.run import TrainConfig, forward_step, setup_model_and_optimizer
 
     cfg = TrainConfig(student=student, cache=[cache], micro_batch_size=2, global_batch_size=4, seq_length=32,
-                      tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0)
+                      tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0,
+                      lora_rank=8 if lora else 0)
     init_distributed(tp=tp, pp=1, seed=cfg.seed)
     model, ddp, optimizer, _ = setup_model_and_optimizer(cfg, Path(student))
+    if lora:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tiny_models import random_peft
+
+        from pipeline.train.lora import from_peft, load_lora_state, to_peft
+
+        spec = cfg.lora_spec()
+        load_lora_state(model, from_peft(random_peft(model.hf_arch, spec), model.hf_arch, spec,
+                                         parallel_state.get_tensor_model_parallel_rank(), tp))
     it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=32, seed=cfg.seed).iter_from(0, prefetch=0)
     micro = [next(it) for _ in range(2)]
     counts = (float(sum(int(b.loss_mask.sum()) for b in micro)),
@@ -38,15 +49,16 @@ def main(student: str, cache: str, out: str, tp: int) -> None:
         model=ddp, num_microbatches=2, seq_length=32, micro_batch_size=2,
     )
     _, grad_norm, _ = optimizer.step()
-    grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     shards = [None] * tp
     dist.all_gather_object(shards, grads, group=parallel_state.get_tensor_model_parallel_group())
     if dist.get_rank() == 0:
         sums = torch.stack([r["sums"] for r in reports]).sum(0)
         torch.save({"sums": sums, "counts": counts, "grad_norm": float(grad_norm),
-                    "grads": megatron_to_hf_state_dict(shards, model.hf_arch)}, Path(out) / f"tp{tp}.pt")
+                    "grads": to_peft(shards, model.hf_arch, spec) if lora else megatron_to_hf_state_dict(shards, model.hf_arch)},
+                   Path(out) / f"tp{tp}.pt")
     destroy_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:] == ["lora"])

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_models import SMALL, build_random_hf
 
 from pipeline.train import compat
 from pipeline.train.model import (
@@ -32,38 +33,10 @@ from pipeline.train.parallel import destroy_distributed, init_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHS = ["llama", "qwen2"]
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
-
-
-def _make_hf(arch: str, out: Path) -> Path:
-    torch.manual_seed(0 if arch == "llama" else 1)
-    if arch == "llama":
-        config = transformers.LlamaConfig(**SMALL, tie_word_embeddings=True, rope_theta=10000.0)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.Qwen2Config(**SMALL, tie_word_embeddings=False, rope_theta=1234.5)
-        model = transformers.Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.save_pretrained(out)
-    (out / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')  # stands in for tokenizer files
-    return out
-
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {arch: _make_hf(arch, root / arch) for arch in ARCHS}
+    return {arch: build_random_hf(arch, root / arch) for arch in ARCHS}
 
 
 @pytest.fixture
