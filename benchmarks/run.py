@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,loss,train] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,loss,train,lora,onpolicy] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,51 +35,81 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, load average at start {load:.1f}"
 
 
+SECTIONS = {  # name -> heading, in file order
+    "score": "Score stage and the cache (issues: foundation, score)",
+    "loss": "GKD loss (issue: train stage)",
+    "train": "Trainer (issue: train stage)",
+    "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
+    "onpolicy": "On-policy vs off-policy GKD (issue: on-policy)",
+}
+DEFAULT = "score,loss,train,lora"  # onpolicy runs two whole distillation runs (~1 h on 2 cores): ask for it
+
+
+def _section(name: str, body: str, raw: dict, command: str, started: str) -> str:
+    return "\n".join([
+        f"<!-- bench:{name} -->", f"## {SECTIONS[name]}", "",
+        f"_Measured by `{command}` on {started}; {machine()}._", "", body, "",
+        "<details><summary>raw results</summary>", "", "```json", json.dumps(raw, indent=1, default=str), "```",
+        "</details>", f"<!-- /bench:{name} -->", "",
+    ])
+
+
+def _old_sections(path: Path) -> dict[str, str]:
+    """Sections of an existing BENCHMARKS.md, so that `--only x` replaces section x and keeps the others."""
+    text = path.read_text() if path.exists() else ""
+    found = re.findall(r"(<!-- bench:(\w+) -->.*?<!-- /bench:\2 -->\n)", text, flags=re.S)
+    return {name: block for block, name in found}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="score,loss,train")
+    ap.add_argument("--only", default=DEFAULT, help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--loss-tokens", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = ap.parse_args()
     only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        ap.error(f"--only: unknown {sorted(only - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
+    command = "python -m benchmarks.run" + (f" --only {args.only}" if args.only != DEFAULT else "") + (
+        f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "")
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
-    sections: list[str] = []
-    results: dict = {}
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    sections = _old_sections(Path(args.out))
+    score = None
     if "score" in only or "train" in only:
         from benchmarks import score_bench
 
-        results["score"] = score_bench.run(work)
-        sections += ["## Score stage and the cache (issues: foundation, score)", "", score_bench.markdown(results["score"]), ""]
+        score = score_bench.run(work)
+        if "score" in only:
+            sections["score"] = _section("score", score_bench.markdown(score), score, command, started)
     if "loss" in only:
         out = work / "loss.json"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_bench.py"), "--tokens", str(args.loss_tokens),
                         "--json", str(out)], check=True, cwd=ROOT)
         from benchmarks import loss_bench
 
-        results["loss"] = json.loads(out.read_text())
-        sections += ["## GKD loss (issue: train stage)", "", loss_bench.to_markdown(results["loss"]), ""]
+        res = json.loads(out.read_text())
+        sections["loss"] = _section("loss", loss_bench.to_markdown(res), res, command, started)
     if "train" in only:
         from benchmarks import train_bench
 
-        results["train"] = train_bench.run(results["score"]["prose_cache"], work)
-        sections += ["## Trainer (issue: train stage)", "", train_bench.markdown(results["train"]), ""]
+        res = train_bench.run(score["prose_cache"], work)
+        sections["train"] = _section("train", train_bench.markdown(res), res, command, started)
+    if "lora" in only:
+        from benchmarks import lora_bench
+
+        res = lora_bench.run(work / "lora")
+        sections["lora"] = _section("lora", lora_bench.markdown(res), res, command, started)
+    if "onpolicy" in only:
+        from benchmarks import onpolicy_bench
+
+        res = onpolicy_bench.run(work / "onpolicy")
+        sections["onpolicy"] = _section("onpolicy", onpolicy_bench.markdown(res), res, command, started)
     text = "\n".join([
-        "# Benchmarks",
-        "",
-        "Generated by `make bench` (`python -m benchmarks.run"
-        + (f" --only {args.only}" if args.only != "score,loss,train" else "")
-        + (f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "")
-        + f"`) on {started}; {machine()}. Do not edit by hand.",
-        "",
-        *sections,
-        "<details><summary>raw results</summary>",
-        "",
-        "```json",
-        json.dumps(results, indent=1, default=str),
-        "```",
-        "</details>",
-        "",
+        "# Benchmarks", "",
+        "Generated by `make bench` (`python -m benchmarks.run`; `--only NAME` re-measures one section and keeps the "
+        "others). Each section names the command and machine that produced it. Do not edit by hand.", "",
+        *(sections[name] for name in SECTIONS if name in sections),
     ])
     Path(args.out).write_text(text)
     print(text)

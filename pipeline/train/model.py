@@ -270,19 +270,20 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     model.load_state_dict({**own, **wanted}, strict=True)
 
 
-def _global_megatron_state_dict(model: GPTModel) -> dict[str, Tensor]:
+def _global_megatron_state_dict(model: GPTModel, adapter_only: bool = False) -> dict[str, Tensor]:
     offset = get_transformer_layer_offset(model.config)
     return {
         _layer_key(k, offset): v.detach().to("cpu", copy=True)
         for k, v in model.state_dict().items()
         if not k.endswith("_extra_state") and isinstance(v, Tensor)
+        and (not adapter_only or k.endswith((".lora_A", ".lora_B")))
     }
 
 
-def gather_shards(model: GPTModel) -> list[dict[str, Tensor]] | None:
+def gather_shards(model: GPTModel, adapter_only: bool = False) -> list[dict[str, Tensor]] | None:
     """Collective: every rank calls it. On global rank 0, this model's global-keyed state dicts of all TP ranks
-    (index = TP rank; PP stages merged by key); None on the other ranks."""
-    local = _global_megatron_state_dict(model)
+    (index = TP rank; PP stages merged by key), only its LoRA tensors with `adapter_only`; None on other ranks."""
+    local = _global_megatron_state_dict(model, adapter_only)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [local]
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -326,7 +327,7 @@ def export_adapter(model: GPTModel, base_model: str | Path, out_dir: str | Path)
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise ValueError("export_adapter: the model has no LoRA adapter (train with lora_rank > 0)")
-    shards = gather_shards(model)
+    shards = gather_shards(model, adapter_only=True)
     if shards is not None:
         write_peft_folder(to_peft(shards, model.hf_arch, spec), spec, str(base_model), Path(out_dir))
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,0 +1,111 @@
+"""On-policy vs off-policy GKD on the embedded default, same number of optimizer steps, held-out student samples.
+
+    python -m benchmarks.run --only onpolicy          (two whole runs: ~30-60 min on 2 CPU cores)
+
+The GKD paper's claim (Agarwal et al. 2024, "On-Policy Distillation of Language Models") is that training on the
+student's own samples beats training on fixed data when the student is judged on what it generates. Both runs
+here start from the same student (SmolLM2 6-layer) and teacher (SmolLM2-135M-Instruct), use the same optimizer,
+learning rate, batch size and number of steps, and are scored on the same held-out set: samples that the *initial*
+student generated for prompts neither run trains on, scored by the teacher (KL(teacher || student) per token over
+the top-k + tail bins, a plain transformers forward; pipeline/evaluate.py).
+
+- on-policy (lmbda=1): every cycle samples 8 new prompts x n=2 with the current student and trains on them;
+- off-policy (lmbda=0): the same number of samples, reasoning-gym's reference answers, scored once up front.
+
+Both read/write one teacher cache directory for the held-out rows, so the second run scores nothing for them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+PROMPTS = "reasoning-gym:basic_arithmetic?size=128&seed=0"
+DATASET = "reasoning-gym:basic_arithmetic?size={size}&seed=1"
+HELDOUT = "reasoning-gym:basic_arithmetic?size=24&seed=2"
+
+
+def _config(work: Path, name: str, lmbda: float, cycles: int, spg: int, samples: int):
+    from pipeline.onpolicy.config import load
+
+    values = {
+        "out": str(work / name), "cache": str(work / "cache"), "num_cycles": cycles, "steps_per_generation": spg,
+        "lmbda": lmbda, "prompts": PROMPTS, "prompts_per_cycle": 8, "n": 2, "max_tokens": 64,
+        "heldout_prompts": HELDOUT, "heldout_n": 2, "micro_batch_size": 4, "global_batch_size": 8, "lr": 3.0e-4,
+        "min_lr": 3.0e-5, "warmup_steps": 1, "progress": False,
+    }
+    if lmbda < 1:
+        values |= {"offpolicy_cache": str(work / "offpolicy-cache"), "offpolicy_dataset": DATASET.format(size=samples)}
+    return load(None, values)
+
+
+def run(work: Path, cycles: int = 6, spg: int = 2) -> dict:
+    from pipeline.onpolicy.engines import Engines
+    from pipeline.onpolicy.run import run as onpolicy
+
+    work.mkdir(parents=True, exist_ok=True)
+    samples = cycles * 8 * 2  # on-policy samples over the run = off-policy rows, each seen once by both
+    engines = Engines()  # the teacher engine and the sampler stay open across both runs
+    out: dict = {"cycles": cycles, "steps_per_generation": spg, "steps": cycles * spg, "samples": samples,
+                 "prompts": PROMPTS, "offpolicy_dataset": DATASET.format(size=samples), "heldout": HELDOUT}
+    try:
+        for name, lmbda in (("offpolicy", 0.0), ("onpolicy", 1.0)):
+            t0 = time.perf_counter()
+            lines = onpolicy(_config(work, name, lmbda, cycles, spg, samples), engines)
+            wall = time.perf_counter() - t0
+            state = json.loads((work / name / "state.json").read_text())
+            stage_s: dict[str, float] = {}
+            for info in state["cycles"].values():
+                for stage, s in info["seconds"].items():
+                    stage_s[stage] = round(stage_s.get(stage, 0.0) + s, 1)
+            out[name] = {
+                "lmbda": lmbda, "wall_s": round(wall, 1), "stage_seconds": stage_s,
+                "curve": [{"step": m["step"], "heldout_kl": m["heldout_kl"]} for m in lines if "heldout_kl" in m],
+                "heldout_tokens": next((m["heldout_tokens"] for m in lines if "heldout_tokens" in m), None),
+                "train_loss": [m.get("loss") for m in lines if m["cycle"] >= 0],
+                "generate_tok_s": [m.get("generate_tok_s") for m in lines if m.get("generate_tok_s")],
+                "score_tok_s": [m.get("score_tok_s") for m in lines if m.get("score_tok_s")],
+            }
+    finally:
+        engines.close()
+    return out
+
+
+def markdown(r: dict) -> str:
+    on, off = r["onpolicy"], r["offpolicy"]
+    kl0 = on["curve"][0]["heldout_kl"]
+    on_end, off_end = on["curve"][-1]["heldout_kl"], off["curve"][-1]["heldout_kl"]
+    rows = [f"| {a['step']} | {a['heldout_kl']:.4f} | {b['heldout_kl']:.4f} |"
+            for a, b in zip(on["curve"], off["curve"], strict=True)]
+    stages = sorted(set(on["stage_seconds"]) | set(off["stage_seconds"]))
+    return "\n".join([
+        f"Same student, teacher, optimizer (lr 3e-4, 8 samples per step) and {r['steps']} steps "
+        f"({r['cycles']} cycles of {r['steps_per_generation']}); held-out: samples of the initial student on "
+        f"`{r['heldout']}` (n=2, {on['heldout_tokens']} scored tokens), KL(teacher‖student) per token.",
+        "",
+        "| optimizer step | on-policy (lmbda=1) | off-policy (lmbda=0, reference answers) |",
+        "|---|---|---|",
+        *rows,
+        "",
+        f"Held-out KL {kl0:.3f} → on-policy **{on_end:.3f}** ({100 * (1 - on_end / kl0):.0f}% lower), off-policy "
+        f"**{off_end:.3f}** ({100 * (1 - off_end / kl0):.0f}% lower): on-policy ends at "
+        f"**{on_end / off_end:.2f}×** the off-policy KL.",
+        "",
+        "| wall time per stage, seconds (whole run) | " + " | ".join(stages) + " | run total |",
+        "|---|" + "---|" * (len(stages) + 1),
+        "| on-policy | " + " | ".join(str(on["stage_seconds"].get(s, 0)) for s in stages) + f" | {on['wall_s']} |",
+        "| off-policy | " + " | ".join(str(off["stage_seconds"].get(s, 0)) for s in stages) + f" | {off['wall_s']} |",
+        "",
+        "The off-policy run's total includes importing and scoring its reference answers once; both include the "
+        "held-out set (generated and scored by the first run; the second finds it in the cache).",
+    ])
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+
+    res = run(Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="onpolicy-bench-")))
+    print(json.dumps(res, indent=1))
+    print(markdown(res))
