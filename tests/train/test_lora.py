@@ -262,3 +262,27 @@ def test_tp2_matches_tp1(tiny, tmp_path):
     for name, g in one["grads"].items():  # measured: <= 1.3e-5 of each tensor's max (fp32 reduction order)
         assert g.abs().max() > 0, name
         torch.testing.assert_close(two["grads"][name], g, rtol=1e-4, atol=5e-5 * g.abs().max().item(), msg=name)
+
+
+@pytest.mark.distributed
+def test_tp2_checkpoint_exports_like_tp1(tiny, tmp_path):
+    """Train 2 LoRA steps at TP=2 (torchrun) and at TP=1; export both adapters at TP=1 (dist_checkpointing
+    reshards, linear_fc1's B through the SwiGLU factory): the same adapter, tensor by tensor."""
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    common = _overrides(tiny, tmp_path / "tp1", train_steps=2)
+    assert _cli(["train", *common]) == 0
+    tp2 = [a if not a.startswith("save_dir=") else f"save_dir={tmp_path / 'tp2'}" for a in common]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "pipeline.train.run", *tp2, "tensor_model_parallel_size=2"],
+                   check=True, env=env, cwd=REPO, timeout=300)
+    for name in ("tp1", "tp2"):
+        assert _cli(["export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-ad"),
+                     "--adapter-only"]) == 0
+    one = load_file(tmp_path / "tp1-ad" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "tp2-ad" / "adapter_model.safetensors")
+    assert one.keys() == two.keys()
+    for k, v in one.items():
+        torch.testing.assert_close(two[k], v, rtol=1e-4, atol=1e-5 * v.abs().max().item(), msg=k)
+    assert any("gate_proj.lora_B" in k and v.abs().max() > 0 for k, v in one.items())  # trained, not the zero init
