@@ -8,10 +8,20 @@ from typing import Any
 
 
 def load_hf(model_dir: str | Path) -> Any:
+    """An HF folder, or a peft adapter folder (`gkd export --adapter-only`) put on its base and merged, in fp32."""
+    import json
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    adapter = Path(model_dir) / "adapter_config.json"
+    if not adapter.exists():
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(json.loads(adapter.read_text())["base_model_name_or_path"],
+                                                dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(model_dir)).merge_and_unload().eval()
 
 
 def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None) -> dict:

@@ -4,6 +4,7 @@
     state.py    state.json (resumable state machine), the lmbda draw, per-cycle views of the cache
     engines.py  sampler/teacher engines kept across cycles, weight sync, held-out KL
     run.py      the local executor: setup, then export -> generate -> score -> train -> eval per cycle
+    slurm.py    the Slurm executor: the same stages as chained jobs (`--stage S --cycle C`), a polling driver
 
 The driver sits above the stages and calls their public functions; no stage imports it.
 """

@@ -62,6 +62,24 @@ class OnPolicyConfig:
     topk_mode: str = "tail"
     sft_alpha: float = 0.0
     train_extra: dict = field(default_factory=dict)  # any other TrainConfig key, e.g. {window_rows: 1024}
+    # -- LoRA student: lora_rank > 0 trains adapters on the frozen student, and each cycle ships only the adapter
+    # to the sampler (peft folder + a new LoRARequest) instead of reloading full weights
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    # -- executor=slurm: each cycle's stages as dependent jobs (pipeline/onpolicy/slurm.py); sbatch options apply
+    # to every job (export, generate and score tasks, train); null leaves the cluster's default
+    slurm_partition: str | None = None
+    slurm_time: str | int | None = None  # per job, e.g. "2:00:00" (quoted: YAML reads 2:00:00 as 7200)
+    slurm_cpus_per_task: int | None = None  # also sets OMP_NUM_THREADS in the job
+    slurm_mem: str | None = None  # e.g. "64G"
+    slurm_gres: str | None = None  # e.g. "gpu:1"
+    slurm_extra: str = ""  # more sbatch options, e.g. "--account=proj --qos=high"
+    slurm_generate_shards: int = 2  # tasks of the generate array (prompts split by a hash of their id)
+    slurm_score_shards: int = 2  # tasks of the score array (rollouts split by a hash of their content key)
+    slurm_log_dir: str | None = None  # scripts and job logs; null: OUT/slurm/logs
+    slurm_poll_s: float = 5.0  # squeue polling interval of the driver
+    slurm_stage_timeout_s: float | None = None  # give up waiting for one stage's jobs after this long; null: never
     # -- run control
     progress: bool = True
     stop_after: str | None = None  # "CYCLE:STAGE": exit once that stage is done (tests, debugging)
@@ -83,11 +101,41 @@ class OnPolicyConfig:
             p.append("offpolicy_dataset needs offpolicy_cache: the directory it is scored into")
         if self.max_tokens >= self.max_model_len:
             p.append("max_tokens must be < max_model_len (the prompt needs room)")
+        p += self._slurm_problems()
         if self.stop_after is not None:
             cycle, _, stage = self.stop_after.partition(":")
             if not cycle.isdigit() or stage not in STAGES:
                 p.append(f"stop_after: 'CYCLE:STAGE' with STAGE in {STAGES}, got {self.stop_after!r}")
         return p + self._stage_problems()
+
+    def _slurm_problems(self) -> list[str]:
+        import shlex
+
+        p = []
+        for name in ("slurm_generate_shards", "slurm_score_shards"):
+            if getattr(self, name) < 1:
+                p.append(f"{name} must be >= 1")
+        if self.slurm_cpus_per_task is not None and self.slurm_cpus_per_task < 1:
+            p.append("slurm_cpus_per_task must be >= 1 (or null)")
+        if self.slurm_poll_s <= 0:
+            p.append("slurm_poll_s must be > 0")
+        if isinstance(self.slurm_time, int):  # YAML 1.1 reads 2:00:00 as the number 7200 (seconds)
+            p.append(f"slurm_time: got the number {self.slurm_time}; write the time as a string, e.g. "
+                     "\"slurm_time='2:00:00'\" on the command line or slurm_time: \"2:00:00\" in a file")
+        try:
+            extra = shlex.split(self.slurm_extra)
+        except ValueError as e:
+            return [*p, f"slurm_extra: cannot split {self.slurm_extra!r} into options ({e})"]
+        owned = ("--array", "--dependency", "--job-name", "--output", "--error", "--chdir", "--parsable", "-a", "-d",
+                 "-J", "-o", "-e", "-D")
+        clash = [o for o in extra if o.split("=", 1)[0] in owned]
+        if clash:
+            p.append(f"slurm_extra must not set {', '.join(clash)}: the driver sets job names, arrays, dependencies, "
+                     "logs and the working directory itself")
+        loose = [o for o in extra if not o.startswith("-")]
+        if loose:
+            p.append(f"slurm_extra: {', '.join(loose)} is not an option; write options as --name=value")
+        return p
 
     def _stage_problems(self) -> list[str]:
         """Build every stage config once, so a bad value is reported at load, not cycles later."""
@@ -128,7 +176,8 @@ class OnPolicyConfig:
             "warmup_steps": self.warmup_steps, "clip_grad": self.clip_grad, "beta": self.beta,
             "temperature": self.kd_temperature, "topk_mode": self.topk_mode, "sft_alpha": self.sft_alpha,
             "save_dir": str(save_dir), "save_interval": self.steps_per_generation, "exit_after": exit_after,
-            "data_position": data_position, "progress": False, **self.train_extra,
+            "data_position": data_position, "progress": False, "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha, "lora_targets": list(self.lora_targets), **self.train_extra,
         }
         return load_config(TrainConfig, None, values)
 

@@ -10,8 +10,12 @@ so `weight_sync: reload` (the default) reloads the exported folder into the runn
 measuring: on CPU vLLM pre-packs every linear layer's weight for oneDNN at load; an in-place reload re-packs the
 layers it loads, but a *tied* lm_head (SmolLM2) receives no weight of its own and keeps computing with the old
 packed embedding (logprobs off by up to 0.6 nat). `_repack_tied_lm_head` re-packs it; the test suite checks reload
-against a fresh engine on a tied model. LoRA-only sync (a `LoRARequest` with a new id per policy version instead
-of a reload) is the hook `Engines.lora_request`, unused until the trainer trains adapters.
+against a fresh engine on a tied model.
+
+LoRA students (`lora_rank > 0`): the sampler holds the frozen base with `enable_lora`, and each policy version is a
+peft adapter folder (`gkd export --adapter-only`, ~4 MB for the default student at rank 16 instead of 198 MB),
+registered under a new LoRARequest id (vLLM caches adapters by id) and the previous one dropped. Nothing is
+reloaded into the base weights.
 """
 
 from __future__ import annotations
@@ -55,12 +59,62 @@ class Engines:
         self._stack = contextlib.ExitStack()
         self.sampler: Any = None
         self.sampler_weights: tuple[str, float] | None = None
+        self.sampler_lora_rank = 0  # max_lora_rank the sampler was opened with (0: no LoRA support)
         self.teacher: Any = None
         self.teacher_key: tuple | None = None
-        self.lora_request: Any = None  # LoRA-only sync hook: a LoRARequest(f"v{step}", step + 1, adapter_dir)
+        self.lora_request: Any = None  # the adapter the sampler applies now (LoRA students), else None
+        self._lora_weights: tuple[str, float] | None = None
+        self._lora_ids = 0  # vLLM caches adapters by integer id: every policy version gets a fresh one
 
-    def student(self, cfg: OnPolicyConfig, model_dir: str | Path) -> tuple[Any, float]:
-        """The sampler holding `model_dir`'s weights; returns it and the seconds the weight sync took."""
+    def student(self, cfg: OnPolicyConfig, model_dir: str | Path) -> tuple[Any, float, Any]:
+        """The sampler for the student weights in `model_dir` (an HF folder, or a peft adapter folder over the base
+        student); returns it, the seconds the weight sync took, and the LoRARequest to generate with (or None)."""
+        adapter = (Path(model_dir) / "adapter_config.json").exists()
+        if adapter or cfg.lora_rank > 0:
+            return self._student_lora(cfg, Path(model_dir), adapter)
+        return (*self._student_full(cfg, model_dir), None)
+
+    def _student_lora(self, cfg: OnPolicyConfig, model_dir: Path, adapter: bool) -> tuple[Any, float, Any]:
+        import json
+
+        from pipeline.generate.run import LORA_RANKS
+
+        base = Path(json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]) \
+            if adapter else model_dir
+        rank = next(r for r in LORA_RANKS if r >= max(cfg.lora_rank, 1))
+        t0 = time.perf_counter()
+        if self.sampler is None or self.sampler_weights != _weights_id(base) or self.sampler_lora_rank < rank:
+            self._open_sampler(cfg, base, lora_rank=rank)
+        if not adapter:  # step 0: the base itself (an adapter with B = 0 would be the same model)
+            self._drop_lora()
+            return self.sampler, time.perf_counter() - t0, None
+        want = _weights_id(model_dir)
+        if self._lora_weights != want:
+            from vllm.lora.request import LoRARequest
+
+            self._lora_ids += 1
+            request = LoRARequest(f"policy-{self._lora_ids}", self._lora_ids, str(model_dir))
+            self.sampler.llm_engine.add_lora(request)  # load now, so the sync time is measured here
+            self._drop_lora()
+            self.lora_request, self._lora_weights = request, want
+        return self.sampler, time.perf_counter() - t0, self.lora_request
+
+    def _drop_lora(self) -> None:
+        if self.lora_request is not None:
+            self.sampler.llm_engine.remove_lora(self.lora_request.lora_int_id)
+        self.lora_request = self._lora_weights = None
+
+    def _open_sampler(self, cfg: OnPolicyConfig, model_dir: Path, lora_rank: int = 0) -> None:
+        if self.sampler is not None:
+            shutdown(self.sampler)
+        args = EngineArgs(model=str(model_dir), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                          kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
+                          enable_lora=lora_rank > 0, max_lora_rank=lora_rank or 16)
+        self.sampler = _open(args, self._stack)
+        self.sampler_weights, self.sampler_lora_rank = _weights_id(model_dir), lora_rank
+        self.lora_request = self._lora_weights = None
+
+    def _student_full(self, cfg: OnPolicyConfig, model_dir: str | Path) -> tuple[Any, float]:
         want = _weights_id(model_dir)
         if self.sampler is not None and self.sampler_weights == want:
             return self.sampler, 0.0
@@ -69,11 +123,7 @@ class Engines:
             self.sampler.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
             self.sampler.collective_rpc(_repack_tied_lm_head)
         else:
-            if self.sampler is not None:
-                shutdown(self.sampler)
-            args = EngineArgs(model=str(model_dir), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                              kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, enforce_eager=cfg.enforce_eager)
-            self.sampler = _open(args, self._stack)
+            self._open_sampler(cfg, Path(model_dir))
         self.sampler_weights = want
         return self.sampler, time.perf_counter() - t0
 
@@ -96,5 +146,6 @@ class Engines:
 
     def close(self) -> None:
         self._stack.close()
-        self.sampler = self.teacher = None
+        self.sampler = self.teacher = self.lora_request = self._lora_weights = None
         self.sampler_weights = self.teacher_key = None
+        self.sampler_lora_rank = 0

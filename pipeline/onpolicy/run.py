@@ -11,7 +11,8 @@ spg steps on that view. Off-policy: spg steps on the off-policy cache, continuin
 (so lmbda=0 is exactly `gkd train` on that cache). Eval: export the new weights, held-out KL, one metrics line.
 
 This module is the orchestration layer above the stages (like a Makefile): it calls their public functions and
-is imported by none of them.
+is imported by none of them. executor=slurm (pipeline/onpolicy/slurm.py) runs these same `Run` stages, one per Slurm
+job (`--stage S --cycle C`), from a driver that submits, polls and checks.
 """
 
 from __future__ import annotations
@@ -61,16 +62,24 @@ class Run:
     def export_dir(self, step: int) -> Path:
         return self.out / "exports" / f"step-{step:07d}"
 
+    def exported(self, step: int) -> bool:
+        """Whether the sampler's weights of `step` are on disk (step 0: the student folder itself). Export folders
+        appear atomically, so the file that is always written is proof of a complete one."""
+        done = "adapter_config.json" if self.cfg.lora_rank > 0 else "config.json"
+        return step == 0 or (self.export_dir(step) / done).exists()
+
     def weights(self, step: int) -> Path:
-        """The HF folder with the student weights of trainer step `step` (exported on demand)."""
+        """The HF folder with the student weights of trainer step `step` (exported on demand); for a LoRA student
+        the peft adapter folder of that step (step 0: the base itself)."""
         if step == 0:
             return self.student
         path = self.export_dir(step)
-        if not (path / "config.json").exists():
+        if not self.exported(step):
             from pipeline.train.checkpoint import step_dir
             from pipeline.train.export import export
 
-            export(step_dir(self.save_dir, step), path, self.student)
+            # A LoRA student ships its adapter only (peft folder, MBs): the sampler keeps the base weights.
+            export(step_dir(self.save_dir, step), path, self.student, adapter_only=self.cfg.lora_rank > 0)
         return path
 
     def tokenizer(self) -> Any:
@@ -90,21 +99,26 @@ class Run:
             raise ConfigError(f"prompts_per_cycle={ppc} but {self.cfg.prompts} has only {n} prompts")
         return [self._prompts[(cycle * ppc + i) % n] for i in range(ppc)]
 
-    def sample(self, name: str, prompts: list, weights: Path, policy_version: int, seed: int, n: int) -> dict:
-        """generate stage on an open sampler -> one rollout shard (a no-op when it is complete already)."""
+    def cycle_seed(self, cycle: int) -> int:
+        return self.cfg.seed + cycle if self.cfg.generate_seed is None else self.cfg.generate_seed
+
+    def sample(self, name: str, prompts: list, weights: Path, policy_version: int, seed: int, n: int,
+               shard: int = 0, num_shards: int = 1) -> dict:
+        """generate stage on an open sampler -> one rollout shard (a no-op when it is complete already); `prompts`
+        are shard `shard` of `num_shards`' share (the Slurm executor's array tasks)."""
         from pipeline.engine import engine_version
         from pipeline.generate.run import check_tokenizer, generate, output_path
         from pipeline.store.rollouts import write_rollouts
         from pipeline.store.shards import is_complete
 
         gcfg = self.cfg.generate_config(self.rollouts(name), str(weights), policy_version, seed)
-        gcfg.n = n
-        path = output_path(gcfg, 0)
+        gcfg.n, gcfg.shard, gcfg.num_shards = n, shard, num_shards
+        path = output_path(gcfg, shard)
         if is_complete(path, "rollout"):
             return {}
-        llm, sync_s = self.engines.student(self.cfg, weights)
+        llm, sync_s, lora = self.engines.student(self.cfg, weights)
         fp = check_tokenizer(self.tokenizer(), gcfg)
-        result = generate(llm, self.tokenizer(), prompts, gcfg)
+        result = generate(llm, self.tokenizer(), prompts, gcfg, lora=lora)
         extra = {"tokenizer_fingerprint": fp, "student": str(weights), "policy_version": policy_version,
                  "prompts": [p.prompt_id for p in prompts], "seed": seed, "n": n, "temperature": gcfg.temperature,
                  "top_p": gcfg.top_p, "max_tokens": gcfg.max_tokens, "engine": engine_version(),
@@ -194,9 +208,8 @@ class Run:
 
     def stage_generate(self, c: int, info: dict) -> None:
         cfg = self.cfg
-        seed = cfg.seed + c if cfg.generate_seed is None else cfg.generate_seed
         info.update(self.sample(f"cycle-{c:04d}", self.cycle_prompts(c), Path(info["weights"]),
-                                c * cfg.steps_per_generation, seed, cfg.n))
+                                c * cfg.steps_per_generation, self.cycle_seed(c), cfg.n))
 
     def stage_score(self, c: int, info: dict) -> None:
         from pipeline.store import TeacherCache
@@ -283,9 +296,10 @@ class Run:
 
 def run(cfg: OnPolicyConfig, engines: Engines | None = None) -> list[dict]:
     """Run (or resume) the on-policy loop; returns the metrics lines. Pass `engines` to reuse open engines."""
-    if cfg.executor == "slurm":
-        raise ConfigError("executor=slurm is not implemented yet (each cycle as `gkd slurm generate|score|train` jobs "
-                          "chained with --dependency=afterok); use executor=local")
+    if cfg.executor == "slurm":  # the stages as Slurm jobs; this process only submits, polls and checks
+        from pipeline.onpolicy.slurm import run_slurm
+
+        return run_slurm(cfg)
     own = engines is None
     engines = engines or Engines()
     try:
@@ -303,9 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gkd onpolicy", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=None, help=f"flat YAML config (default: {DEFAULT_CONFIG.name})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    task = parser.add_argument_group("one stage of one cycle (what each job of executor=slurm runs)")
+    task.add_argument("--stage", choices=("setup", "export", "generate", "score", "train"))
+    task.add_argument("--cycle", type=int, default=-1)
+    task.add_argument("--shard", type=int, help="array task (default $SLURM_ARRAY_TASK_ID)")
+    task.add_argument("--num-shards", type=int, help="the array's task count (must match the config)")
+    task.add_argument("--status", action="store_true", help="print the stage's missing tasks as --array=...; exit 1")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from pipeline.onpolicy.slurm import JobFailed, task_main
+    from pipeline.slurm.queue import SlurmError
+
     try:
         cfg = load(args.config or DEFAULT_CONFIG, args.overrides)
+        if args.stage:
+            return task_main(cfg, args.stage, args.cycle, args.shard, args.num_shards, status=args.status)
         lines = run(cfg)
     except Stopped as e:
         print(f"gkd onpolicy: stopped after {e} (state saved; rerun to continue)", file=sys.stderr)
@@ -313,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gkd onpolicy: {e}", file=sys.stderr)
         return 2
+    except (JobFailed, SlurmError) as e:
+        print(f"gkd onpolicy: {e}", file=sys.stderr)
+        return 1
     done = [m for m in lines if m["cycle"] >= 0]
     print(f"gkd onpolicy: {len(done)} cycles done in {cfg.out}; last: {json.dumps(done[-1]) if done else '-'}")
     return 0

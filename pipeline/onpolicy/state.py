@@ -2,6 +2,7 @@
 
     OUT/state.json                 {"cycle", "stage", "offpolicy_shards", "cycles": {c: {on_policy, done, ...}}}
     OUT/views/cycle-NNNN/          cache.json + shards/: exactly this cycle's scored rows (copied, still encoded)
+    state.json "jobs"              Slurm executor only: "CYCLE:STAGE" (or "setup") -> the jobs submitted for it
 
 state.json is rewritten atomically after every stage, so a killed run restarts at the first stage not recorded
 as done. Each stage is also idempotent on its own (complete shards are kept, scored keys skipped, the trainer
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import pyarrow.parquet as pq
 
 from pipeline.store import TeacherCache
 from pipeline.store.cache import DESCRIPTOR
+from pipeline.store.codec import concat_encoded
 from pipeline.store.fingerprint import content_key
 from pipeline.store.rollouts import iter_rollouts, rollout_shards
 from pipeline.store.shards import atomic_write_bytes, is_complete, write_shard
@@ -43,6 +46,7 @@ class State:
     offpolicy_shards: list[str] = field(default_factory=list)  # frozen at setup: off-policy data never moves
     offpolicy_position: int = 0  # the trainer's sample position in the off-policy data, carried across cycles
     cycles: dict[str, dict] = field(default_factory=dict)  # per cycle: on_policy, done stages, stage timings
+    jobs: dict[str, list[dict]] = field(default_factory=dict)  # Slurm executor: "CYCLE:STAGE" -> submitted jobs
 
     @classmethod
     def load(cls, out: Path) -> State:
@@ -60,11 +64,17 @@ class State:
 # -- which scored rows belong to a set of rollouts ------------------------------------------------------------------
 
 
-def rollout_keys(rollouts_dir: Path, cache: TeacherCache) -> list[str]:
-    """The content keys the score stage gives these rollouts (same rule: completion positions, skip empties)."""
+def rollout_keys(rollouts_dir: Path, cache: TeacherCache, prompt_order: Sequence[str] | None = None) -> list[str]:
+    """The content keys the score stage gives these rollouts (same rule: completion positions, skip empties), in
+    the rows' order; with `prompt_order` (prompt ids) grouped by prompt in that order, each prompt's samples in
+    their own order: what one unsharded generate task writes, however many shards the rollouts were written as."""
     d = cache.descriptor
     keys = []
-    for r in iter_rollouts(rollout_shards(rollouts_dir)):
+    rows = iter_rollouts(rollout_shards(rollouts_dir))
+    if prompt_order is not None:
+        rank = {p: i for i, p in enumerate(prompt_order)}
+        rows = iter(sorted(rows, key=lambda r: rank.get(r["prompt_id"], len(rank))))  # stable
+    for r in rows:
         if not r["completion_ids"]:
             continue
         ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
@@ -73,21 +83,27 @@ def rollout_keys(rollouts_dir: Path, cache: TeacherCache) -> list[str]:
 
 
 def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[str], int]:
-    """Copy the rows with `keys` out of `cache` into the view cache at `view`; returns its shard paths and the
-    number of keys not found (e.g. skipped as overlong).
+    """Copy the rows with `keys` out of `cache` into the view cache at `view`, as one shard in the order of `keys`;
+    returns its shard paths and the number of keys not found (e.g. skipped as overlong).
 
     Why a copy: the score stage writes only keys the cache lacks, so a sample that repeats an earlier cycle's (or
     the held-out set's) sequence lives in an older shard; neither the task marker's part list nor "all shards" is
-    this cycle's data. Rows are copied still encoded, one view shard per source shard (the codec's tables live in
-    each shard's footer), so the trainer reads bit-identical teacher rows.
+    this cycle's data. Why one shard in key order: the trainer's data order is a function of the shards' layout
+    (it shuffles row groups, then rows within windows), so the view must not inherit how the cache happens to be
+    split: one score task (local executor) and an array of them (Slurm executor) then give the same view, hence
+    the same training. Rows stay encoded: only the id column is re-indexed to the view's one id table
+    (`codec.concat_encoded`), so the trainer reads bit-identical teacher rows.
     """
     shards = view / "shards"
-    names = [p for p in sorted(shards.glob("*.parquet")) if is_complete(p, "scored", checksum=False)]
+    dest = shards / "view.parquet"
     if (view / "complete").exists():
+        # (a view written before views were one shard holds one shard per source shard)
+        names = [dest] if dest.exists() else sorted(shards.glob("*.parquet"))
+        names = [p for p in names if is_complete(p, "scored", checksum=False)]
         return [str(p) for p in names], int((view / "complete").read_text() or 0)
     wanted = pa.array(keys, pa.string())
     found: set[str] = set()
-    out = []
+    parts, sources = [], []
     for src in cache.shard_paths():
         keys_col = pq.read_table(src, columns=["key"]).column("key")
         mask = pc.is_in(keys_col, value_set=wanted)
@@ -98,11 +114,16 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
         fresh = [k not in found for k in table.column("key").to_pylist()]
         table = table.filter(pa.array(fresh))
         found.update(table.column("key").to_pylist())
-        dest = shards / src.name
-        if not is_complete(dest, "scored", checksum=False):
+        if table.num_rows:
             footer = {k: v for k, v in (pq.read_schema(src).metadata or {}).items() if k.startswith(b"gkd.codec")}
-            write_shard(dest, table, "scored", extra={"view_of": str(src)}, footer=footer)
-        out.append(str(dest))
+            parts.append((table.replace_schema_metadata(None), footer))
+            sources.append(str(src))
+    if parts and not is_complete(dest, "scored", checksum=False):
+        table, footer = concat_encoded(parts, where=str(view))
+        rank = {k: i for i, k in enumerate(keys)}
+        table = table.take(np.argsort([rank[k] for k in table.column("key").to_pylist()], kind="stable"))
+        write_shard(dest, table, "scored", extra={"view_of": sources}, footer=footer)
+    out = [str(dest)] if parts else []
     if not (view / DESCRIPTOR).exists():
         cache.descriptor.write(view / DESCRIPTOR)
     missing = len(set(keys) - found)

@@ -69,6 +69,30 @@ def active_indices(job_name: str, env: dict[str, str] | None = None) -> set[int]
     return {int(x) for x in res.stdout.split() if x.isdigit()}
 
 
+def active_jobs(job_name: str, env: dict[str, str] | None = None) -> dict[str, dict[int, str]]:
+    """This user's queued or running jobs named `job_name`: {job id: {array index (-1: plain job): state}}. Finds
+    jobs whose ids were never recorded (a submitter killed between sbatch and writing the id down)."""
+    res = _run(["squeue", "-h", "-r", "--me", f"--name={job_name}", "-t", ",".join(ACTIVE), "-o", "%F %K %T"], env)
+    jobs: dict[str, dict[int, str]] = {}
+    for line in res.stdout.split("\n"):
+        if line.strip():
+            job, index, state = line.split()
+            jobs.setdefault(job, {})[-1 if index == "N/A" else int(index)] = state
+    return jobs
+
+
+def cancel(job_ids: list[str], env: dict[str, str] | None = None) -> None:
+    """scancel these jobs (all their tasks); ids Slurm has forgotten are ignored."""
+    if job_ids:
+        _run(["scancel", *job_ids], env, check=False)
+
+
+def check_script(script: Path, env: dict[str, str] | None = None) -> None:
+    """`sbatch --test-only`: Slurm validates the script's options (partition, limits, gres...) without queueing
+    anything. Raises SlurmError with sbatch's message."""
+    _run(["sbatch", "--test-only", str(script)], env)
+
+
 def wait(job_id: str, timeout: float, env: dict[str, str] | None = None, every: float = 1.0) -> dict[int, str]:
     """Poll until no task of the job is active; returns the final states. Raises TimeoutError with the last ones."""
     end = time.time() + timeout

@@ -3,10 +3,12 @@
     gkd slurm score --num-shards 8 --log-dir runs/slurm -- --rollouts R --cache C     # writes runs/slurm/gkd-score.sbatch
     sbatch --array=3,5 runs/slurm/gkd-score.sbatch                                   # what `gkd slurm resubmit` does
 
-Two shapes, both pure functions of their arguments (no Slurm needed to render or test them):
+Three shapes, all pure functions of their arguments (no Slurm needed to render or test them):
 - `array_script`: a stage that shards its work (`score`, `generate`) as an array of N tasks; task i runs
   `python -m pipeline <stage> <args> --shard $SLURM_ARRAY_TASK_ID --num-shards N`. N is written into the script,
   not read from $SLURM_ARRAY_TASK_COUNT, because a resubmitted `--array=3` alone sees a count of 1.
+- `job_script`: one task running `python -m pipeline <stage> <args>` once (the on-policy driver's export, setup
+  and train jobs).
 - `train_script`: one `torchrun` per allocated node (srun, one task per node), rendezvous on the first host of the
   allocation, so the same script runs on 1 node with 1 CPU process or on 16 nodes x 8 GPUs.
 """
@@ -32,6 +34,7 @@ class SbatchOptions:
     time: str | None = None
     cpus_per_task: int | None = None
     mem: str | None = None
+    gres: str | None = None  # e.g. "gpu:1"
     requeue: bool = True  # a task killed by a node failure or preemption reruns; stages resume from their parts
     extra: list[str] = field(default_factory=list)  # e.g. ["--account=proj", "--qos=high"]
 
@@ -39,12 +42,17 @@ class SbatchOptions:
         """Deterministic: resubmitting the same job name rewrites (and reuses) the same file."""
         return self.log_dir / f"{self.job_name}.sbatch"
 
+    def log_path(self, job_id: str, index: int | None = None) -> Path:
+        """The log of one job (index None: `job_script`, `train_script`) or array task (`array_script`)."""
+        return self.log_dir / (f"{self.job_name}-{job_id}.log" if index is None or index < 0
+                               else f"{self.job_name}-{job_id}_{index}.log")
+
     def directives(self, log_pattern: str) -> list[str]:
         opts = [f"--job-name={self.job_name}", f"--output={self.log_dir / log_pattern}", f"--chdir={self.chdir}"]
         # a requeued task appends to its log, so the log shows every attempt
         opts += ["--requeue", "--open-mode=append"] if self.requeue else ["--no-requeue"]
         for flag, value in (("partition", self.partition), ("time", self.time),
-                            ("cpus-per-task", self.cpus_per_task), ("mem", self.mem)):
+                            ("cpus-per-task", self.cpus_per_task), ("mem", self.mem), ("gres", self.gres)):
             if value is not None:
                 opts.append(f"--{flag}={value}")
         return [*opts, *self.extra]
@@ -67,15 +75,15 @@ def check_stage_args(stage_args: list[str]) -> None:
 
 
 def array_script(stage: str, stage_args: list[str], num_shards: int, opts: SbatchOptions,
-                 python: str = sys.executable) -> str:
+                 python: str = sys.executable, written_by: str | None = None) -> str:
     """An array job of `num_shards` tasks, task i running shard i of the stage."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     check_stage_args(stage_args)
     cmd = [python, "-m", "pipeline", stage, *stage_args]
     lines = _header(
-        f"gkd {stage} as a Slurm array: task i runs shard i of {num_shards}. Written by `gkd slurm {stage}`; "
-        "edit freely, then `sbatch [--array=I,J] THIS_FILE`.",
+        f"gkd {stage} as a Slurm array: task i runs shard i of {num_shards}. Written by "
+        f"{written_by or f'`gkd slurm {stage}`'}; edit freely, then `sbatch [--array=I,J] THIS_FILE`.",
         [f"--array=0-{num_shards - 1}", "--ntasks=1", *opts.directives(f"{opts.job_name}-%A_%a.log")],
     )
     lines += [
@@ -86,6 +94,23 @@ def array_script(stage: str, stage_args: list[str], num_shards: int, opts: Sbatc
         ' restart ${SLURM_RESTART_COUNT:-0}, $(date -Is)"',
         # exec: scancel's SIGTERM reaches the stage itself, not a waiting shell
         f'exec {shlex.join(cmd)} --shard "$SLURM_ARRAY_TASK_ID" --num-shards "$NUM_SHARDS"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def job_script(stage: str, stage_args: list[str], opts: SbatchOptions, python: str = sys.executable,
+               written_by: str | None = None) -> str:
+    """One task running `python -m pipeline <stage> <args>` once."""
+    lines = _header(
+        f"gkd {stage}: one task. Written by {written_by or f'`gkd slurm {stage}`'}; edit freely, then "
+        "`sbatch THIS_FILE`.",
+        ["--ntasks=1", *opts.directives(f"{opts.job_name}-%j.log")],
+    )
+    lines += [
+        *_threads(opts),
+        'echo "[slurm] job ${SLURM_JOB_ID} on $(hostname), restart ${SLURM_RESTART_COUNT:-0}, $(date -Is)"',
+        f"exec {shlex.join([python, '-m', 'pipeline', stage, *stage_args])}",
         "",
     ]
     return "\n".join(lines)
@@ -117,7 +142,9 @@ def train_script(train_args: list[str], opts: SbatchOptions, *, nodes: int = 1, 
     )
     lines += [
         *_threads(opts),
-        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed reads to the end: `head -n 1` may exit before scontrol's last write, and pipefail turns that SIGPIPE into
+        # a failed job
+        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"PORT={port}" if port else "PORT=$((29500 + SLURM_JOB_ID % 10000))",
         'echo "[slurm] job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST} (${SLURM_NNODES} node(s)),'
         ' rendezvous ${HEAD}:${PORT}, restart ${SLURM_RESTART_COUNT:-0}, $(date -Is)"',

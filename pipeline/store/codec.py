@@ -34,10 +34,15 @@ positions/s on one idle core at k=64 with 128-row batches, short of the 1M goal:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zstandard
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 NAME = "rank-grid-esc"
 MIN_LOGPROB = -1000.0
@@ -207,11 +212,7 @@ def encode(
         )
 
     all_ids = np.concatenate([x[0].ravel() for x in norm]) if norm else np.zeros(0, np.int64)
-    counts = np.bincount(all_ids, minlength=vocab_size)
-    used = np.flatnonzero(counts)
-    by_freq = used[np.argsort(-counts[used], kind="stable")]  # remapped index -> original id
-    remap = np.zeros(vocab_size, dtype=np.int64)
-    remap[by_freq] = np.arange(by_freq.size)
+    by_freq, remap = _id_table(all_ids, vocab_size)
     id_esc = _escape_params(max(by_freq.size - 1, 0))
     nb_rank = _nplanes(vocab_size)
 
@@ -233,9 +234,56 @@ def encode(
         b"gkd.codec.k": str(k).encode(),
         b"gkd.codec.vocab_size": str(vocab_size).encode(),
         b"gkd.codec.rank_planes": str(nb_rank).encode(),
-        b"gkd.codec.id_table": zstandard.ZstdCompressor(level=9).compress(by_freq.astype("<u4").tobytes()),
+        b"gkd.codec.id_table": _pack_id_table(by_freq),
     }
     return out
+
+
+def _id_table(all_ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shard's id remap: ids by descending frequency (ties by id) = remapped index -> id, and its inverse."""
+    counts = np.bincount(all_ids, minlength=vocab_size)
+    used = np.flatnonzero(counts)
+    by_freq = used[np.argsort(-counts[used], kind="stable")]
+    remap = np.zeros(vocab_size, dtype=np.int64)
+    remap[by_freq] = np.arange(by_freq.size)
+    return by_freq, remap
+
+
+def _pack_id_table(by_freq: np.ndarray) -> bytes:
+    return zstandard.ZstdCompressor(level=9).compress(by_freq.astype("<u4").tobytes())
+
+
+def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: str = "rows") -> tuple[pa.Table, dict[bytes, bytes]]:
+    """Encoded rows of several shards (each `(table, footer)`) as one table under one footer, values untouched.
+
+    Only the id column depends on its shard (the frequency remap in the footer): ids are mapped back to token ids
+    and re-indexed with one table built from all the rows, which is lossless. Every other column, the quantised
+    logprobs and the tail included, is copied byte for byte, so each row decodes exactly as it did in its own shard.
+    """
+    import pyarrow as pa
+
+    shared = (b"gkd.codec", b"gkd.codec.k", b"gkd.codec.vocab_size", b"gkd.codec.rank_planes")
+    parts = [(t, f) for t, f in parts if t.num_rows]
+    if not parts:
+        raise CodecError(f"{where}: no rows to concatenate")
+    first = parts[0][1]
+    row_ids: list[np.ndarray] = []
+    for table, footer in parts:
+        if any(footer.get(name) != first.get(name) for name in shared):
+            raise CodecError(f"{where}: shards encoded with different codec parameters cannot be concatenated")
+        decoder = Decoder(footer, where=where)
+        for batch in table.combine_chunks().to_batches():
+            num = batch.column("num_scored").to_numpy(zero_copy_only=False).astype(np.int64) * decoder.k
+            data, offsets = Decoder._column(batch, "topk_ids")
+            ids = decoder.id_table[_escape_decode(data, offsets, num, *decoder.id_esc)].astype(np.int64)
+            row_ids += np.split(ids, np.cumsum(num)[:-1])
+    vocab_size = int(first[b"gkd.codec.vocab_size"])
+    by_freq, remap = _id_table(np.concatenate(row_ids), vocab_size)
+    esc = _escape_params(max(by_freq.size - 1, 0))
+    merged = pa.concat_tables([t for t, _ in parts])
+    column = pa.array([_escape_encode(remap[ids], *esc) for ids in row_ids], pa.binary())
+    merged = merged.set_column(merged.schema.get_field_index("topk_ids"), "topk_ids", column)
+    return merged, {**first, b"gkd.codec.id_table": _pack_id_table(by_freq)}
 
 
 @dataclass

@@ -161,3 +161,20 @@ def test_lmbda0_equals_offpolicy_trainer(models, engines, tmp_path):
         dcp_to_torch_save(d / "step_0000004", tmp_path / name)
     wa, wb = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert all(torch.equal(wa[k], wb[k]) for k in wa if torch.is_tensor(wa[k]))
+
+
+def test_lora_student_ships_only_the_adapter(models, engines, tmp_path):
+    """lora_rank > 0: the trainer trains an adapter, each export is a peft folder (no full weights), the sampler
+    keeps the base and applies the newest adapter by a fresh LoRARequest; cycle 1 samples differ from cycle 0's."""
+    lines = run(_cfg(models, tmp_path, lora_rank=8, lora_alpha=16.0, lr=5e-2), engines)
+    export = tmp_path / "exports" / "step-0000004"
+    assert sorted(p.name for p in export.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"] == str(models["student"])
+    meta = json.loads((tmp_path / "train" / "step_0000004" / "trainer.json").read_text())
+    assert meta["lora"]["rank"] == 8
+    assert engines.sampler_lora_rank == 8 and engines.lora_request is not None
+    assert engines.lora_request.lora_path == str(tmp_path / "exports" / "step-0000002")  # cycle 1's policy
+    r0, r1 = _rollouts(tmp_path, 0), _rollouts(tmp_path, 1)
+    assert [r["prompt_id"] for r in r0] == [r["prompt_id"] for r in r1]
+    assert [r["completion_ids"] for r in r0] != [r["completion_ids"] for r in r1]  # the adapter reached the sampler
+    assert lines[-1]["heldout_kl"] < lines[0]["heldout_kl"]

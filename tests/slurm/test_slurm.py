@@ -1,4 +1,5 @@
-"""`gkd slurm` against a real local Slurm (tests/slurm/conftest.py) with real score tasks on a tiny vLLM teacher.
+"""`gkd slurm` against a real local Slurm (the `slurm_cluster` fixture, tests/conftest.py) with real score tasks on a
+tiny vLLM teacher.
 
     pytest -m slurm tests/slurm -s
 

@@ -1,0 +1,503 @@
+"""On-policy GKD, Slurm executor: each cycle's stages run as dependent Slurm jobs; the driver runs on the login node.
+
+    gkd onpolicy executor=slurm slurm_partition=gpu slurm_gres=gpu:1 slurm_generate_shards=8 slurm_score_shards=8
+
+An on-policy cycle c (optimizer steps [c*spg, (c+1)*spg)) is one chain of jobs, each `afterok` on the one before:
+
+    export    1 task   student weights of step c*spg -> OUT/exports/step-N (only when missing: never at step 0, and
+                       the previous cycle's eval normally wrote it already)
+    generate  N tasks  task i samples the cycle's prompts whose id hashes to i -> rollouts-i-of-N.parquet; the same
+                       samples as one task, since per-request seeds derive from (seed, prompt id)
+    score     M tasks  task i scores the rollouts whose content key hashes to i into the shared cache (incremental)
+    train     1 task   the cycle's view of the cache (its rollout keys, in prompt order), spg steps of `train()`,
+                       then eval (export of the new weights, held-out KL)
+An off-policy cycle is the train job alone. A run with held-out prompts or an off-policy dataset starts with one
+setup job (dataset import + score, held-out samples + score).
+
+Every job runs exactly one stage of one cycle with the local executor's own code (the `Run` stage methods, the same
+engine settings): `python -m pipeline onpolicy --config OUT/slurm/onpolicy.yaml --stage S --cycle C [--shard I
+--num-shards N]`. So both executors train the same weights.
+
+The driver submits a cycle's chain, polls squeue (not `sbatch --wait`, slow to notice), then checks the outputs on
+disk, which are the truth: rollout shards complete, every score task done (`gkd score --status`), the checkpoint at
+(c+1)*spg and the train job's result file. It records every job id in state.json (which only it writes; jobs read
+it and report through OUT/slurm/results/). Killed and rerun, it skips what is complete on disk, waits for jobs
+still queued or running (recorded, or found by their job name if the kill came between sbatch and the state
+write), and submits only the missing array tasks (the `gkd slurm resubmit` rule) or failed stages; a stage
+submitted again gets its later stages resubmitted after it, since their queued jobs wait on the old job id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import ConfigError
+from pipeline.onpolicy.config import STAGES, OnPolicyConfig
+from pipeline.onpolicy.engines import Engines
+from pipeline.onpolicy.run import Run, Stopped
+from pipeline.onpolicy.state import State, build_view, is_on_policy, rollout_keys
+from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
+from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
+from pipeline.store.rollouts import array_spec, assign_shard, rollout_shards, shard_name
+from pipeline.store.shards import atomic_write_bytes, is_complete
+
+JOB_STAGES = ("export", "generate", "score", "train")  # an on-policy cycle's chain; the train job also runs eval
+ARRAY_STAGES = ("generate", "score")
+TASK_STAGES = ("setup", *JOB_STAGES)
+WRITTEN_BY = "`gkd onpolicy executor=slurm`"
+
+
+class JobFailed(RuntimeError):
+    """A stage's jobs ended without its outputs; the message names the jobs, stage, cycle and logs."""
+
+
+# -- names and paths shared by the driver and the tasks -------------------------------------------------------------
+
+
+def run_tag(out: str | Path) -> str:
+    """Short id of a run (its output folder), so job names of two runs never collide in `squeue --name`."""
+    return hashlib.blake2b(str(Path(out).resolve()).encode(), digest_size=3).hexdigest()
+
+
+def job_name(tag: str, stage: str, cycle: int) -> str:
+    return f"gkd-onpolicy-{tag}-setup" if stage == "setup" else f"gkd-onpolicy-{tag}-c{cycle:04d}-{stage}"
+
+
+def cycle_jobs(on_policy: bool) -> tuple[str, ...]:
+    return JOB_STAGES if on_policy else ("train",)
+
+
+def num_tasks(cfg: OnPolicyConfig, stage: str) -> int | None:
+    """Array size of an array stage; None for a one-task job."""
+    return {"generate": cfg.slurm_generate_shards, "score": cfg.slurm_score_shards}.get(stage)
+
+
+def results_dir(cfg: OnPolicyConfig) -> Path:
+    return Path(cfg.out) / "slurm" / "results"
+
+
+def result_path(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None = None) -> Path:
+    name = "setup" if stage == "setup" else f"cycle-{cycle:04d}-{stage}"
+    return results_dir(cfg) / f"{name}{'' if shard is None else f'-{shard:05d}'}.json"
+
+
+def dependency(predecessors: dict[str, dict[int, str]]) -> str | None:
+    """`--dependency` of a job that must run after these still active jobs ({job id: {task index: state}}):
+    afterok on a job none of whose tasks failed; afterany on one that already has a failed task (its missing tasks
+    were submitted again as their own job, which is afterok; the job's own input check catches anything else)."""
+    ok = [j for j, states in predecessors.items() if all(s in ACTIVE or s == "COMPLETED" for s in states.values())]
+    done_any = [j for j in predecessors if j not in ok]
+    parts = ([f"afterok:{':'.join(ok)}"] if ok else []) + ([f"afterany:{':'.join(done_any)}"] if done_any else [])
+    return ",".join(parts) or None
+
+
+def exported(r: Run, step: int) -> bool:
+    """Whether the sampler's weights of `step` are on disk (step 0: the student folder itself)."""
+    return r.exported(step)
+
+
+def missing(r: Run, stage: str, cycle: int) -> list[int]:
+    """The tasks of `stage` in `cycle` whose outputs are not on disk: array indices, or [-1] for a one-task job;
+    [] when the stage is done (or not part of this cycle). Outputs are the truth, not job states."""
+    cfg, spg = r.cfg, r.cfg.steps_per_generation
+    if stage == "setup":
+        path = result_path(cfg, "setup", -1)
+        return [] if r.state.setup_done or path.exists() else [-1]
+    on_policy = is_on_policy(cfg.seed, cycle * spg, cfg.lmbda)
+    if stage == "export":  # needed only while the generate tasks still need the weights (eval removes old exports)
+        needed = on_policy and missing(r, "generate", cycle)
+        return [-1] if needed and not exported(r, cycle * spg) else []
+    if stage == "generate":
+        n = cfg.slurm_generate_shards
+        folder = r.rollouts(f"cycle-{cycle:04d}")
+        return [] if not on_policy else [
+            i for i in range(n) if not is_complete(folder / f"{shard_name('rollouts', i, n)}.parquet", "rollout")]
+    if stage == "score":
+        from pipeline.score.run import rollouts_tag, task_done, task_name
+
+        m = cfg.slurm_score_shards
+        if not on_policy:
+            return []
+        if missing(r, "generate", cycle):
+            return list(range(m))
+        tag = rollouts_tag(rollout_shards(r.rollouts(f"cycle-{cycle:04d}")))
+        return [i for i in range(m) if not task_done(Path(cfg.cache), task_name(tag, i, m))]
+    if stage == "train":
+        done = result_path(cfg, "train", cycle).exists() and r.latest_step() >= (cycle + 1) * spg
+        return [] if done else [-1]
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+# -- the tasks: one stage of one cycle inside a job ---------------------------------------------------------------
+
+
+class TaskRun(Run):
+    """The local executor's `Run`, inside a job: state.json is read, never written (the driver owns it). The setup
+    job keeps its state in its own file instead, so a rerun of that job continues where it stopped."""
+
+    def __init__(self, cfg: OnPolicyConfig, engines: Engines, state_file: Path | None = None) -> None:
+        super().__init__(cfg, engines)
+        self.state_file = state_file
+        if state_file is not None and state_file.exists():
+            self.state = State(**json.loads(state_file.read_text()))
+
+    def save(self) -> None:
+        if self.state_file is not None:
+            self.state_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.state_file, json.dumps(asdict(self.state), indent=1).encode())
+
+
+def _require(r: Run, stage: str, cycle: int) -> None:
+    """A job's input check: the stage before it is complete (a dependency mishap must not train on half a cycle)."""
+    todo = missing(r, stage, cycle)
+    if todo:
+        raise RuntimeError(f"cycle {cycle}: the {stage} stage is incomplete (tasks {array_spec(todo) or 'the job'} "
+                           "missing); its outputs must exist before this job runs")
+    if stage == "generate":  # exactly the expected shards: a stray one (another shard count) would join the score
+        n = r.cfg.slurm_generate_shards
+        folder = r.rollouts(f"cycle-{cycle:04d}")
+        stray = [p.name for p in rollout_shards(folder) if not p.name.endswith(f"-of-{n:05d}.parquet")]
+        if stray:
+            raise RuntimeError(f"{folder}: shards {stray} are not of this run's {n} generate tasks; remove them")
+
+
+def _setup(r: TaskRun, cycle: int, shard: int, n: int) -> dict:
+    r.setup()
+    return {"offpolicy_shards": r.state.offpolicy_shards}
+
+
+def _export(r: TaskRun, cycle: int, shard: int, n: int) -> dict:
+    return {"weights": str(r.weights(cycle * r.cfg.steps_per_generation))}
+
+
+def _generate(r: TaskRun, cycle: int, shard: int, n: int) -> dict | None:
+    step = cycle * r.cfg.steps_per_generation
+    if not exported(r, step):  # never export here: N tasks would write the same folder at once
+        raise RuntimeError(f"{r.export_dir(step)}: the student weights of step {step} are missing (the export job "
+                           "writes them)")
+    weights = r.weights(step)
+    prompts = [p for p in r.cycle_prompts(cycle) if assign_shard(p.prompt_id, n) == shard]
+    stats = r.sample(f"cycle-{cycle:04d}", prompts, weights, step, r.cycle_seed(cycle), r.cfg.n, shard, n)
+    return {"weights": str(weights), "prompts": len(prompts), **stats} if stats else None  # {}: complete before
+
+
+def _score(r: TaskRun, cycle: int, shard: int, n: int) -> dict | None:
+    from pipeline.score.run import score
+
+    _require(r, "generate", cycle)
+    scfg = r.cfg.score_config(r.rollouts(f"cycle-{cycle:04d}"), r.cfg.cache)
+    scfg.shard, scfg.num_shards = shard, n
+    s = score(scfg)  # opens the teacher only when the task has rows to score (same engine settings as Engines)
+    if s.get("done_before"):
+        return None
+    return {"scored": s.get("scored", 0), "score_tokens": s.get("tokens", 0),
+            "score_seconds": s.get("score_seconds"), "already_cached": s.get("skipped", {}).get("cached", 0)}
+
+
+def _train(r: TaskRun, cycle: int, shard: int, n: int) -> dict:
+    from pipeline.store import TeacherCache
+
+    cfg = r.cfg
+    info: dict = {"on_policy": is_on_policy(cfg.seed, cycle * cfg.steps_per_generation, cfg.lmbda), "seconds": {}}
+    if info["on_policy"]:
+        _require(r, "score", cycle)
+        cache = TeacherCache.open(cfg.cache)
+        # prompt order, not shard order: the view (hence the data order) the local executor's one task gives
+        order = [p.prompt_id for p in r.cycle_prompts(cycle)]
+        keys = rollout_keys(r.rollouts(f"cycle-{cycle:04d}"), cache, order)
+        shards, lost = build_view(cache, keys, r.out / "views" / f"cycle-{cycle:04d}")
+        info.update(view_shards=shards, view_rows=len(keys) - lost, view_missing=lost)
+    for stage in ("train", "eval"):
+        t0 = time.perf_counter()
+        getattr(r, f"stage_{stage}")(cycle, info)
+        info["seconds"][stage] = round(time.perf_counter() - t0, 2)
+    info["offpolicy_position"] = r.state.offpolicy_position  # stage_train moved it (off-policy cycles)
+    return info
+
+
+TASKS = {"setup": _setup, "export": _export, "generate": _generate, "score": _score, "train": _train}
+
+
+def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, num_shards: int | None,
+              status: bool = False) -> int:
+    """`gkd onpolicy --stage S --cycle C [--shard I --num-shards N] [--status]`: one stage of one cycle (a job's
+    command), or with --status the stage's missing tasks as an `--array=` list (exit 1 when any)."""
+    if stage not in TASK_STAGES:
+        raise ConfigError(f"--stage must be one of {TASK_STAGES}, got {stage!r}")
+    if stage != "setup" and not 0 <= cycle < cfg.num_cycles:
+        raise ConfigError(f"--cycle {cycle} is outside [0, num_cycles={cfg.num_cycles})")
+    n = num_tasks(cfg, stage)
+    if status:
+        todo = missing(Run(cfg, Engines()), stage, cycle)
+        where = "setup" if stage == "setup" else f"cycle {cycle} {stage}"
+        if not todo:
+            print(f"{where}: done")
+            return 0
+        print(f"{where}: {len(todo)} of {n or 1} tasks missing" + (f"; resubmit with:\n--array={array_spec(todo)}" if n else ""))
+        return 1
+    if n is not None:
+        shard = int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)) if shard is None else shard
+        if num_shards is not None and num_shards != n:
+            raise ConfigError(f"--num-shards {num_shards} differs from the config's {n} {stage} tasks")
+        if not 0 <= shard < n:
+            raise ConfigError(f"--shard {shard} is outside [0, {n})")
+    t0 = time.time()
+    engines = Engines()
+    try:
+        r = TaskRun(cfg, engines, results_dir(cfg) / "setup-state.json" if stage == "setup" else None)
+        result = TASKS[stage](r, cycle, shard or 0, n or 1)
+    finally:
+        engines.close()
+    path = result_path(cfg, stage, cycle, shard if n else None)
+    if result is not None or not path.exists():  # a rerun of a finished task keeps the first run's numbers
+        result = {**(result or {}), "task_seconds": round(time.time() - t0, 2)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(result, indent=1, default=str).encode())
+    print(f"[onpolicy] {'setup' if stage == 'setup' else f'cycle {cycle} {stage}'}"
+          f"{f' task {shard}/{n}' if n else ''} done in {time.time() - t0:.1f} s -> {path}")
+    return 0
+
+
+# -- the driver -----------------------------------------------------------------------------------------------------
+
+
+class SlurmDriver:
+    """Submits each cycle's chain, waits on squeue, checks outputs, records jobs in state.json; resumable."""
+
+    def __init__(self, cfg: OnPolicyConfig) -> None:
+        self.cfg = cfg
+        self.run = Run(cfg, Engines())  # the local executor's paths, state and metrics; no engine is opened here
+        self.state = self.run.state
+        self.tag = run_tag(cfg.out)
+        self.config_file = (Path(cfg.out) / "slurm" / "onpolicy.yaml").resolve()
+        self.log_dir = Path(cfg.slurm_log_dir or Path(cfg.out) / "slurm" / "logs").resolve()
+
+    # -- scripts ------------------------------------------------------------------------------------------------
+    def options(self, name: str) -> SbatchOptions:
+        cfg = self.cfg
+        # kill-on-invalid-dep: when a job fails, Slurm cancels the jobs waiting on it instead of keeping them
+        # pending forever (a rerun then submits them again after the replacement)
+        return SbatchOptions(job_name=name, log_dir=self.log_dir, chdir=Path.cwd(), partition=cfg.slurm_partition,
+                             time=cfg.slurm_time, cpus_per_task=cfg.slurm_cpus_per_task, mem=cfg.slurm_mem,
+                             gres=cfg.slurm_gres, extra=[*shlex.split(cfg.slurm_extra), "--kill-on-invalid-dep=yes"])
+
+    def script(self, stage: str, cycle: int) -> Path:
+        opts = self.options(job_name(self.tag, stage, cycle))
+        args = ["--config", str(self.config_file), "--stage", stage] + (["--cycle", str(cycle)] if cycle >= 0 else [])
+        n = num_tasks(self.cfg, stage)
+        text = (array_script("onpolicy", args, n, opts, written_by=WRITTEN_BY) if n
+                else job_script("onpolicy", args, opts, written_by=WRITTEN_BY))
+        return write_script(text, opts.script_path())
+
+    def preflight(self) -> None:
+        """Write the config every job reads, and let sbatch validate the job options before anything is queued."""
+        self.config_file.parent.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(asdict(self.cfg), sort_keys=False)
+        if not self.config_file.exists() or self.config_file.read_text() != text:
+            atomic_write_bytes(self.config_file, text.encode())
+        opts = self.options(f"gkd-onpolicy-{self.tag}-check")
+        path = write_script(job_script("onpolicy", ["--help"], opts, written_by=WRITTEN_BY), opts.script_path())
+        try:
+            check_script(path)
+        except SlurmError as e:
+            knobs = {k: v for k, v in asdict(self.cfg).items() if k in (
+                "slurm_partition", "slurm_time", "slurm_cpus_per_task", "slurm_mem", "slurm_gres", "slurm_extra") and v}
+            raise ConfigError(f"sbatch refuses the job options {knobs or '(cluster defaults)'} (checked with "
+                              f"`sbatch --test-only {path}`): {e}") from None
+
+    # -- submit --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def key(stage: str, cycle: int) -> str:
+        return "setup" if stage == "setup" else f"{cycle}:{stage}"
+
+    def record(self, stage: str, cycle: int, job: dict) -> None:
+        self.state.jobs.setdefault(self.key(stage, cycle), []).append(job)
+        self.run.save()
+
+    def submit_missing(self, stages: tuple[str, ...], cycle: int) -> None:
+        """Submit what is neither on disk nor queued, each stage after the previous stage's active jobs."""
+        prev: dict[str, dict[int, str]] = {}
+        replaced = False  # an earlier stage got a new job: later stages' queued jobs wait on replaced ids
+        for stage in stages:
+            todo = missing(self.run, stage, cycle)
+            if not todo:
+                prev = {}
+                continue
+            name = job_name(self.tag, stage, cycle)
+            active = active_jobs(name)
+            if replaced and active:
+                cancel(list(active))
+                active = {}
+            known = {j["id"] for j in self.state.jobs.get(self.key(stage, cycle), [])}
+            for job in sorted(set(active) - known):  # submitted by a driver killed before it wrote the id down
+                self.record(stage, cycle, {"id": job, "adopted": True})
+            busy = {i for states in active.values() for i in states}
+            todo = [i for i in todo if i not in busy]
+            after = dependency(prev)
+            prev = {job: task_states(job) or states for job, states in active.items()}
+            if todo:
+                job = self.submit(stage, cycle, todo, after)
+                prev[job] = {i: "PENDING" for i in todo}
+                replaced = True
+
+    def submit(self, stage: str, cycle: int, todo: list[int], after: str | None) -> str:
+        path = self.script(stage, cycle)
+        array = array_spec(todo) if num_tasks(self.cfg, stage) else None
+        try:
+            job = submit(path, array=array, dependency=after)
+        except SlurmError as e:
+            raise SlurmError(f"{self.where(stage, cycle)}: could not submit {path}: {e}") from None
+        self.record(stage, cycle, {"id": job, "array": array, "after": after, "submitted": round(time.time())})
+        print(f"[onpolicy] {self.where(stage, cycle)}: submitted job {job}{f' --array={array}' if array else ''}"
+              f"{f' after {after}' if after else ''}", file=sys.stderr)
+        return job
+
+    @staticmethod
+    def where(stage: str, cycle: int) -> str:
+        return "setup" if stage == "setup" else f"cycle {cycle}, stage {stage}"
+
+    # -- wait and check ------------------------------------------------------------------------------------------
+    def wait(self, stage: str, cycle: int, later: tuple[str, ...]) -> None:
+        """Poll until no job of the stage is queued or running, then require its outputs on disk."""
+        ids = [j["id"] for j in self.state.jobs.get(self.key(stage, cycle), [])]
+        t0 = time.time()
+        while True:
+            states = {j: task_states(j) for j in ids}
+            if not any(s in ACTIVE for tasks in states.values() for s in tasks.values()):
+                break
+            if self.cfg.slurm_stage_timeout_s is not None and time.time() - t0 > self.cfg.slurm_stage_timeout_s:
+                raise JobFailed(f"{self.where(stage, cycle)}: jobs {', '.join(ids)} still queued or running after "
+                                f"{self.cfg.slurm_stage_timeout_s:.0f} s ({states}); rerun to keep waiting")
+            time.sleep(self.cfg.slurm_poll_s)
+        todo = missing(self.run, stage, cycle)
+        if todo:
+            for stage_after in later:  # they could only fail on the missing inputs
+                cancel(list(active_jobs(job_name(self.tag, stage_after, cycle))))
+            raise JobFailed(self.failure(stage, cycle, ids, states, todo))
+
+    def failure(self, stage: str, cycle: int, ids: list[str], states: dict[str, dict[int, str]],
+                todo: list[int]) -> str:
+        opts = self.options(job_name(self.tag, stage, cycle))
+        tasks = f"tasks --array={array_spec(todo)}" if num_tasks(self.cfg, stage) else "its output"
+        # the tasks still missing, as their last attempt ended (earlier attempts' failures since fixed are left out)
+        last = {i: (j, s) for j in ids for i, s in sorted(states.get(j, {}).items()) if i in todo}
+        failed = [(j, i, s) for i, (j, s) in sorted(last.items()) if s != "COMPLETED"]
+        lines = []
+        for j, i, s in failed:
+            lines.append(f"job {j}{f'_{i}' if i >= 0 else ''} ended {s}; log: {opts.log_path(j, i)}")
+        if failed:
+            log = opts.log_path(failed[0][0], failed[0][1])
+            tail = log.read_text(errors="replace").splitlines()[-12:] if log.exists() else ["(no log file)"]
+            lines += [f"last lines of {log.name}:", *(f"    {x}" for x in tail)]
+        else:
+            lines.append(f"no job of it failed in the queue ({', '.join(ids) or 'none recorded'}: completed, or "
+                         f"already forgotten by Slurm); logs under {self.log_dir}")
+        head = f"{self.where(stage, cycle)}: " + (
+            f"job {failed[0][0]}{f'_{failed[0][1]}' if failed[0][1] >= 0 else ''} {failed[0][2]}, " if failed else "")
+        return (head + f"{tasks} missing\n  " + "\n  ".join(lines) + "\nFix the cause and rerun the same command: "
+                "finished work is kept, only the missing tasks and the stages after them are submitted again.")
+
+    # -- results into state / metrics ----------------------------------------------------------------------------
+    def collect(self, stage: str, cycle: int, info: dict) -> None:
+        """What the stage's tasks reported (result files) into the cycle's info, as the local executor records it."""
+        results = [json.loads(p.read_text()) for p in sorted(results_dir(self.cfg).glob(f"cycle-{cycle:04d}-{stage}*.json"))]
+        if stage == "generate":
+            step = cycle * self.cfg.steps_per_generation
+            info["weights"] = str(self.run.student if step == 0 else self.run.export_dir(step))
+            tokens = sum(x.get("generate_tokens", 0) for x in results)
+            busy = sum(x["generate_tokens"] / x["generate_tok_s"] for x in results if x.get("generate_tok_s"))
+            info.update(samples=sum(x.get("samples", 0) for x in results), generate_tokens=tokens,
+                        generate_tok_s=round(tokens / busy, 1) if busy else None,
+                        sync_s=max((x.get("sync_s", 0.0) for x in results), default=0.0))
+        elif stage == "score":
+            tokens = sum(x.get("score_tokens", 0) for x in results)
+            busy = sum(x.get("score_seconds") or 0.0 for x in results)
+            info.update(scored=sum(x.get("scored", 0) for x in results), score_tokens=tokens,
+                        already_cached=sum(x.get("already_cached", 0) for x in results),
+                        score_tok_s=round(tokens / busy, 1) if busy else None)
+        elif stage == "train":
+            (result,) = results
+            spg, step = self.cfg.steps_per_generation, self.run.latest_step()
+            if step != (cycle + 1) * spg:
+                raise JobFailed(f"{self.where(stage, cycle)}: the latest checkpoint is step {step}, expected "
+                                f"{(cycle + 1) * spg}")
+            if not result["on_policy"]:
+                self.state.offpolicy_position = int(result["offpolicy_position"])
+            info["job_seconds"] = result["seconds"]
+            info.update({k: v for k, v in result.items() if k not in ("on_policy", "seconds", "offpolicy_position",
+                                                                      "task_seconds")})
+
+    def mark_done(self, upto: str, cycle: int, info: dict) -> None:
+        """Record the stages up to `upto` as done (skipped ones included, as the local executor does)."""
+        for stage in STAGES[STAGES.index(self.state.stage): STAGES.index(upto) + 1]:
+            if stage not in info["done"]:
+                info["done"].append(stage)
+            nxt = STAGES.index(stage) + 1
+            self.state.stage = STAGES[nxt] if nxt < len(STAGES) else STAGES[0]
+            self.run.save()
+            if self.cfg.stop_after == f"{cycle}:{stage}" and stage != "eval":
+                raise Stopped(self.cfg.stop_after)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, st = self.cfg, self.state
+        if st.setup_done:
+            return
+        if not (cfg.heldout_prompts or cfg.offpolicy_dataset):
+            self.run.setup()  # only freezes the off-policy shard list: no engine, no job
+            return
+        self.submit_missing(("setup",), -1)
+        self.wait("setup", -1, ())
+        st.offpolicy_shards = json.loads(result_path(cfg, "setup", -1).read_text())["offpolicy_shards"]
+        st.setup_done = True
+        self.run.save()
+
+    def cycle(self, c: int, info: dict) -> None:
+        jobs = cycle_jobs(info["on_policy"])
+        self.submit_missing(jobs, c)
+        for i, stage in enumerate(jobs):
+            t0 = time.time()
+            self.wait(stage, c, jobs[i + 1:])
+            self.collect(stage, c, info)
+            info["seconds"][stage] = round(info["seconds"].get(stage, 0.0) + time.time() - t0, 2)
+            self.mark_done("eval" if stage == "train" else stage, c, info)
+        self.run.log_cycle(c, info)
+        self.state.cycle, self.state.stage = c + 1, STAGES[0]
+        self.run.save()
+        if self.cfg.stop_after == f"{c}:eval":
+            raise Stopped(self.cfg.stop_after)
+
+    def loop(self) -> list[dict]:
+        from tqdm import tqdm
+
+        cfg, st = self.cfg, self.state
+        self.preflight()
+        self.setup()
+        bar = tqdm(total=cfg.num_cycles, initial=min(st.cycle, cfg.num_cycles), desc="onpolicy (slurm)",
+                   unit="cycle", disable=not cfg.progress, file=sys.stderr)
+        try:
+            while st.cycle < cfg.num_cycles:
+                c = st.cycle
+                info = st.info(c)
+                info.setdefault("on_policy", is_on_policy(cfg.seed, c * cfg.steps_per_generation, cfg.lmbda))
+                self.cycle(c, info)
+                bar.update(1)
+                bar.set_postfix(loss=f"{info['loss']:.4f}", mode="on" if info["on_policy"] else "off")
+        finally:
+            bar.close()
+        path = Path(cfg.out) / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_slurm(cfg: OnPolicyConfig) -> list[dict]:
+    """Run (or resume) the on-policy loop as Slurm jobs; returns the metrics lines."""
+    return SlurmDriver(cfg).loop()
