@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,26 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def staging_dir(out: Path) -> Path:
+    """An empty `<out>.partial` folder beside `out`, to be filled and then `publish_dir`-ed."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def publish_dir(partial: Path, out: Path) -> None:
+    """fsync every file of a filled staging folder and rename it to `out`, replacing an older `out`: a reader sees
+    the old folder, no folder, or the complete new one, never a half-written file (exports polled by a sampler)."""
+    for f in partial.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    _fsync_dir(out.parent)
 
 
 def file_sha256(path: Path) -> str:

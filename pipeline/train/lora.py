@@ -295,19 +295,11 @@ def peft_config(spec: LoRASpec, base_model: str) -> dict:
 
 def write_peft_folder(tensors: dict[str, Tensor], spec: LoRASpec, base_model: str, out: Path) -> None:
     """adapter_model.safetensors + adapter_config.json, appearing atomically at `out` (replacing an older one)."""
-    import os
-    import shutil
-
     from safetensors.torch import save_file
 
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    from pipeline.store.shards import publish_dir, staging_dir
+
+    partial = staging_dir(out)
     save_file(tensors, str(partial / "adapter_model.safetensors"), {"format": "pt"})
     (partial / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")
-    for f in partial.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    publish_dir(partial, out)

@@ -22,7 +22,6 @@ must ignore columns >= `model.hf_vocab_size` (the original vocab). Export strips
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from collections.abc import Sequence
@@ -335,9 +334,9 @@ def export_adapter(model: GPTModel, base_model: str | Path, out_dir: str | Path)
 
 
 def _write_hf_folder(tensors: dict[str, Tensor], src: Path, out: Path) -> None:
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    from pipeline.store.shards import publish_dir, staging_dir
+
+    partial = staging_dir(out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "model.safetensors"), {"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     dtypes = {str(v.dtype).removeprefix("torch.") for v in tensors.values()}
@@ -346,9 +345,4 @@ def _write_hf_folder(tensors: dict[str, Tensor], src: Path, out: Path) -> None:
     for f in src.iterdir():  # tokenizer, generation config, chat template: everything but weights and config
         if f.is_file() and f.name != "config.json" and not _WEIGHT_FILE.match(f.name):
             shutil.copy2(f, partial / f.name)
-    for f in partial.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    publish_dir(partial, out)

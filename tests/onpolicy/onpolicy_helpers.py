@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+
 RG = "reasoning-gym:basic_arithmetic?size={size}&seed={seed}"
+
+
+def start_and_kill(cmd: list[str], cwd: Path, log: Path, ready: Callable[[], bool], timeout: float,
+                   poll: float = 0.1) -> None:
+    """Run `gkd onpolicy ...` (`cmd`) in a subprocess and SIGKILL it as soon as `ready()` holds; it must still be
+    running then (its log is shown otherwise)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + timeout
+            while proc.poll() is None and time.time() < deadline and not ready():
+                time.sleep(poll)
+            assert proc.poll() is None, log.read_text()[-3000:]
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def build_models(root: Path) -> dict:

@@ -6,16 +6,12 @@ Run: ``python -m pytest tests/onpolicy`` (~4-6 min on 2 loaded CPU cores; the en
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from onpolicy_helpers import RG, overrides
+from onpolicy_helpers import RG, overrides, start_and_kill
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
@@ -112,23 +108,10 @@ def _state(out: Path) -> tuple[int, str] | None:
 
 def test_sigkill_during_train_then_rerun_gives_the_same_weights(full, models, engines, tmp_path):
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides(models, tmp_path).items()]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "onpolicy", *args], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
     steps = tmp_path / "train" / "metrics.jsonl"
-    try:
-        # Kill once cycle 1's first optimizer step is logged: mid-train (step 4 and its checkpoint still to come).
-        deadline = time.time() + 420
-        while proc.poll() is None and time.time() < deadline and not (steps.exists() and '"step": 3,' in steps.read_text()):
-            time.sleep(0.02)
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    # Kill once cycle 1's first optimizer step is logged: mid-train (step 4 and its checkpoint still to come).
+    start_and_kill([sys.executable, "-m", "pipeline.cli", "onpolicy", *args], REPO, tmp_path / "killed.log",
+                   lambda: steps.exists() and '"step": 3,' in steps.read_text(), timeout=420, poll=0.02)
     assert _state(tmp_path) in ((1, "train"), (1, "eval"))  # "eval" only if the kill lost the race with step 4
     assert '"cycle": 1' not in (tmp_path / "metrics.jsonl").read_text()
     run(_cfg(models, tmp_path), engines)

@@ -12,9 +12,6 @@ of 2 generate and 2 score tasks.
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from onpolicy_helpers import RG, overrides
+from onpolicy_helpers import RG, overrides, start_and_kill
 from safetensors.torch import load_file
 from scored_rows import make_descriptor, make_row
 
@@ -213,20 +210,8 @@ def test_driver_killed_then_rerun(models, local_run, slurm_cluster, tmp_path, mo
     out = tmp_path / "run"
     kw = {**SLURM, "heldout_prompts": RG.format(size=2, seed=2)}
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides(models, out, **kw).items()]
-    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "onpolicy", *args], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 600
-        while proc.poll() is None and time.time() < deadline and "0:train" not in State.load(out).jobs:
-            time.sleep(0.1)
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    start_and_kill([sys.executable, "-m", "pipeline", "onpolicy", *args], tmp_path, tmp_path / "killed.log",
+                   lambda: "0:train" in State.load(out).jobs, timeout=600)
     state = State.load(out)
     (train,) = state.jobs.pop("0:train")
     assert any(s in ACTIVE for s in task_states(train["id"]).values())  # queued behind generate and score

@@ -16,32 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import SMALL, build_random_hf, random_peft
+from tiny_models import SMALL, random_peft
+from train_fixtures import ARCHS
+from train_fixtures import random_ids as _ids
 
 from pipeline.train.lora import LoRASpec, apply_lora, from_peft, load_lora_state, lora_state_dict, to_peft
 from pipeline.train.model import build_model, export_adapter, export_hf, load_hf_weights, read_hf_state_dict
 from pipeline.train.parallel import destroy_distributed, init_distributed
 
 REPO = Path(__file__).resolve().parents[2]
-ARCHS = ["llama", "qwen2"]
 SPEC = LoRASpec(rank=8, alpha=16.0, targets=("linear_qkv", "linear_fc1", "linear_proj", "linear_fc2"))
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf-lora")
-    return {arch: build_random_hf(arch, root / arch) for arch in ARCHS}
-
-
-@pytest.fixture
-def single_process():
-    init_distributed(tp=1, pp=1, seed=0)
-    yield
-    destroy_distributed()
-
-
-def _ids(batch: int = 2, seq: int = 24) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(7))
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import SMALL, build_random_hf
+from train_fixtures import ARCHS
+from train_fixtures import random_ids as _ids
 
 from pipeline.train import compat
 from pipeline.train.model import (
@@ -32,22 +33,6 @@ from pipeline.train.model import (
 from pipeline.train.parallel import destroy_distributed, init_distributed
 
 REPO = Path(__file__).resolve().parents[2]
-ARCHS = ["llama", "qwen2"]
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    return {arch: build_random_hf(arch, root / arch) for arch in ARCHS}
-
-
-@pytest.fixture
-def single_process():
-    init_distributed(tp=1, pp=1, seed=0)
-    yield
-    destroy_distributed()
-
-
-def _ids(batch: int = 2, seq: int = 24) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(7))
 
 
 def _hf_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
