@@ -38,7 +38,7 @@ def markdown(res: dict) -> str:
         "| trainer side (real SmolLM2 top-64 cache) | tokens/s | goal |",
         "|---|---|---|",
         f"| loader: scored shards → micro-batch tensors (k={ld['k']}, one core, no prefetch thread, "
-        f"{ld['epochs']} cold epochs of {ld['samples']} samples) | "
+        f"{ld['epochs']} epochs of {ld['samples']} samples, each decoded afresh) | "
         f"{ld['tokens_per_s']:.0f} ({ld['scored_tokens_per_s']:.0f} scored) | ≥ 1,000,000 |",
         f"| train step, SmolLM2 6-layer student, micro-batch {tr['micro_batch_size']}, seq ≤ {tr['seq_length']}, fp32 CPU | "
         f"{tr['tokens_per_s']:.0f} | (report) |",
