@@ -113,9 +113,8 @@ def markdown(r: dict) -> str:
         "|---|---|---|",
         *rows,
         "",
-        f"Held-out KL {kl0:.3f} → on-policy **{on_end:.3f}** ({100 * (1 - on_end / kl0):.0f}% lower), off-policy "
-        f"**{off_end:.3f}** ({100 * (1 - off_end / kl0):.0f}% lower): on-policy ends at "
-        f"**{on_end / off_end:.2f}×** the off-policy KL.",
+        f"Held-out KL {kl0:.3f} → on-policy **{on_end:.3f}** ({_change(on_end, kl0)}), off-policy "
+        f"**{off_end:.3f}** ({_change(off_end, kl0)}): on-policy ends at **{on_end / off_end:.2f}×** the off-policy KL.",
         "",
         "| wall time per stage, seconds (whole run) | " + " | ".join(stages) + " | run total |",
         "|---|" + "---|" * (len(stages) + 1),
@@ -133,7 +132,16 @@ def markdown(r: dict) -> str:
         "|---|---|---|",
         *(f"| {who} student | {fs[f'{who} on onpolicy']:.4f} | {fs[f'{who} on offpolicy']:.4f} |"
           for who in ("onpolicy", "offpolicy")),
+        "",
+        f"On its own samples the on-policy student's KL is **{fs['onpolicy on onpolicy'] / fs['offpolicy on offpolicy']:.2f}×** "
+        "the off-policy student's on its own samples (below 1 would mean on-policy wins where the GKD claim says it "
+        "should).",
     ])
+
+
+def _change(new: float, old: float) -> str:
+    pct = 100 * (1 - new / old)
+    return f"{abs(pct):.0f}% {'lower' if pct >= 0 else 'higher'}"
 
 
 if __name__ == "__main__":

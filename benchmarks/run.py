@@ -65,13 +65,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=DEFAULT, help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--loss-tokens", type=int, default=4096)
+    ap.add_argument("--onpolicy-cycles", type=int, default=6, help="cycles (of 2 steps) per run in the onpolicy bench")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     args = ap.parse_args()
     only = set(args.only.split(","))
     if only - set(SECTIONS):
         ap.error(f"--only: unknown {sorted(only - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
     command = "python -m benchmarks.run" + (f" --only {args.only}" if args.only != DEFAULT else "") + (
-        f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "")
+        f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "") + (
+        f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "")
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     sections = _old_sections(Path(args.out))
@@ -103,7 +105,7 @@ def main() -> int:
     if "onpolicy" in only:
         from benchmarks import onpolicy_bench
 
-        res = onpolicy_bench.run(work / "onpolicy")
+        res = onpolicy_bench.run(work / "onpolicy", cycles=args.onpolicy_cycles)
         sections["onpolicy"] = _section("onpolicy", onpolicy_bench.markdown(res), res, command, started)
     text = "\n".join([
         "# Benchmarks", "",
