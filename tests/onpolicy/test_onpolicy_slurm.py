@@ -202,6 +202,22 @@ def test_slurm_executor_equals_local(models, local_run, slurm_cluster, tmp_path,
 
 
 @pytest.mark.slurm
+def test_lora_student_under_slurm_equals_local(models, engines, slurm_cluster, tmp_path, monkeypatch):
+    """lora_rank > 0 through the Slurm jobs: the export job writes the peft adapter, the generate tasks sample with
+    it (LoRARequest on the base), and the final adapter equals the local executor's bit for bit."""
+    monkeypatch.chdir(tmp_path)
+    lora = {"lora_rank": 8, "lora_alpha": 16.0, "lr": 5e-2}
+    run(_cfg(models, tmp_path / "local", heldout_prompts=None, **lora), engines)
+    run(_cfg(models, tmp_path / "run", **SLURM, **lora))
+    adapters = [load_file(str(tmp_path / name / "exports" / "step-0000004" / "adapter_model.safetensors"))
+                for name in ("local", "run")]
+    assert adapters[0] and _same_weights(*adapters)
+    assert not (tmp_path / "run" / "exports" / "step-0000004" / "model.safetensors").exists()
+    for c in (0, 1):
+        assert _sample_ids(tmp_path / "run", c) == _sample_ids(tmp_path / "local", c)
+
+
+@pytest.mark.slurm
 def test_driver_killed_then_rerun(models, local_run, slurm_cluster, tmp_path, monkeypatch):
     """SIGKILL the driver right after it queued cycle 0's chain (jobs queued and running), forget the train job's id
     as if the kill had come between sbatch and the state write, rerun: the rerun adopts the queued jobs instead of
