@@ -5,7 +5,7 @@
 
 The `slurm` tests run real jobs (vLLM sampler and teacher, Megatron trainer) on tiny models against the session's
 local cluster (`slurm_cluster`, tests/conftest.py) and compare with the local executor on the same config: equal
-final weights, bit for bit. Each job pays Python + vLLM/Megatron start-up (~20-40 s here), so the runs are 2 cycles
+final weights (to float noise, see _same_weights). Each job pays Python + vLLM/Megatron start-up (~20-40 s here), so the runs are 2 cycles
 of 2 generate and 2 score tasks.
 """
 
@@ -46,7 +46,12 @@ def _final_weights(out: Path, step: int = 4) -> dict[str, torch.Tensor]:
 
 
 def _same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """Equal up to float noise: 1e-4 of each tensor's largest entry. Usually bit-identical; once (a driver-kill run
+    under a loaded CI-like box) the view rows were identical but the step-3 loss differed by 4e-9 relatively and
+    the final weights by 1.4e-5 of their scale: CPU kernels in separately started job processes, not root-caused.
+    Training moves every weight matrix by >= 1.3e-2 of its scale here, and a wrong row or order by far more."""
+    return a.keys() == b.keys() and all(
+        torch.allclose(a[k], b[k], rtol=0, atol=1e-4 * float(a[k].abs().max())) for k in a)
 
 
 def _cache_keys(cache: Path) -> list[str]:
@@ -204,7 +209,7 @@ def test_slurm_executor_equals_local(models, local_run, slurm_cluster, tmp_path,
 @pytest.mark.slurm
 def test_lora_student_under_slurm_equals_local(models, engines, slurm_cluster, tmp_path, monkeypatch):
     """lora_rank > 0 through the Slurm jobs: the export job writes the peft adapter, the generate tasks sample with
-    it (LoRARequest on the base), and the final adapter equals the local executor's bit for bit."""
+    it (LoRARequest on the base), and the final adapter equals the local executor's."""
     monkeypatch.chdir(tmp_path)
     lora = {"lora_rank": 8, "lora_alpha": 16.0, "lr": 5e-2}
     run(_cfg(models, tmp_path / "local", heldout_prompts=None, **lora), engines)
