@@ -36,7 +36,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train.yaml"
 
 @dataclass
 class TrainConfig:
-    student: str = "default"  # HF Llama/Qwen2 folder; "default" = the SmolLM2 6-layer student (pipeline.assets)
+    student: str = "default"  # HF folder (llama, mistral, qwen2, qwen3; see README); "default" = the SmolLM2 6-layer student
     cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
     seed: int = 1234
     micro_batch_size: int = 8
@@ -205,8 +205,11 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the last step's metrics. Every rank calls it."""
+    from pipeline.train.families import check_trainable, read_hf_arch
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
+    hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
+    check_trainable(read_hf_arch(hf_dir), cfg.seq_length, hf_dir / "config.json")
     init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed)
     try:
         return _train(cfg)
