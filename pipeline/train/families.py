@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config import ConfigError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -31,8 +33,9 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_ex
 _SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
-class UnsupportedModelError(ValueError):
-    """config.json describes something the GPTModel mapping cannot express exactly."""
+class UnsupportedModelError(ConfigError):
+    """config.json describes something the GPTModel mapping cannot express exactly (a ConfigError: the CLIs print
+    it as a message, not a traceback)."""
 
 
 @dataclass(frozen=True)

@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides)
+        cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides, section="train")
     except ConfigError as e:
         print(f"gkd train: {e}", file=sys.stderr)
         return 2
