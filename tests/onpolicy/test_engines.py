@@ -26,7 +26,7 @@ def _prompt_logprobs(llm, ids: list[int]) -> list[dict]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_in_place_reload_serves_the_new_weights(family, tmp_path):
     """Bound 1e-4 nat: vLLM CPU fp32 against a transformers fp32 forward, measured 3.1-5.0e-6 over the six families
-    (and <= 5e-5 on SmolLM2, docs/architecture.md). The old weights are another random draw: 6.6-7.9 nat away."""
+    (docs/architecture.md, "Student model families"). The old weights are another random draw: 6.6-7.9 nat away."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.onpolicy.config import OnPolicyConfig

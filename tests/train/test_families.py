@@ -34,6 +34,19 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {f: build_family(f, root / f) for f in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def family_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache scored (transformers forward) by a Qwen3 teacher with the test tokenizer, so every family's student
+    (same tokenizer) trains on it: 16 samples of 20-40 tokens."""
+    root = tmp_path_factory.mktemp("family-cache")
+    teacher = build_family("qwen3", root / "teacher", seed=5)
+    rng = np.random.default_rng(0)
+    samples = [(rng.integers(3, 384, int(n)).astype(np.int32), int(p), "dataset" if i % 2 else "student")
+               for i, (n, p) in enumerate(zip(rng.integers(20, 40, 16), rng.integers(2, 10, 16), strict=True))]
+    score_into_cache(teacher, root / "cache", samples)
+    return root / "cache"
+
+
 def _ids(batch: int = 2, seq: int = SEQ, vocab: int = 384) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(11))
 
@@ -114,7 +127,7 @@ def test_export_round_trip_is_bit_identical(families, single_process, tmp_path, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_loads_the_export(families, single_process, tmp_path, family):
     """vLLM (CPU, fp32) loads the Megatron export and its prompt logprobs equal a transformers forward of it.
-    Bound 1e-4 nat: measured 2.8-4.8e-6 over the six families (<= 5e-5 on SmolLM2, docs/architecture.md)."""
+    Bound 1e-4 nat: measured 2.8-4.8e-6 over the six families (docs/architecture.md, "Student model families")."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -133,6 +146,35 @@ def test_vllm_loads_the_export(families, single_process, tmp_path, family):
     worst = max(abs(lp.logprob - ref[j - 1, tok].item())
                 for j, pos in enumerate(out.prompt_logprobs) if pos for tok, lp in pos.items())
     assert len(out.prompt_logprobs) == SEQ and worst < 1e-4, worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_checkpoint_export(families, family_cache, tmp_path, family):
+    """`train` (2 steps, checkpoint) then `gkd export` of that checkpoint: the HF folder holds the trained weights
+    (every tensor of the source, q/k norms included, moved) and transformers' forward of it equals the Megatron
+    forward of the checkpoint loaded back (same bound as the logits test)."""
+    from pipeline.train import checkpoint
+    from pipeline.train.export import export
+    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.run import TrainConfig, train
+
+    cfg = TrainConfig(student=str(families[family]), cache=[str(family_cache)], micro_batch_size=2, global_batch_size=4,
+                      seq_length=64, train_steps=2, warmup_steps=0, lr=1e-3, min_lr=1e-3, save_dir=str(tmp_path / "run"),
+                      save_interval=2, progress=False, prefetch=0)
+    assert train(cfg)["step"] == 2
+    export(tmp_path / "run", tmp_path / "hf")
+    src, out = read_hf_state_dict(families[family]), read_hf_state_dict(tmp_path / "hf")
+    assert sorted(out) == sorted(src)
+    assert all(not torch.equal(out[k], v) for k, v in src.items()), [k for k, v in src.items() if torch.equal(out[k], v)]
+    init_distributed(tp=1, pp=1, seed=0)
+    try:
+        model = build_model(families[family])
+        checkpoint.load(checkpoint.latest(tmp_path / "run"), model)
+        ids = _ids(1, 64)
+        ref = _hf_logits(tmp_path / "hf", ids)
+        torch.testing.assert_close(_megatron_logits(model, ids), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    finally:
+        destroy_distributed()
 
 
 def test_mistral_window_is_checked_against_seq_length(families):
@@ -155,19 +197,14 @@ def test_trainer_refuses_a_short_window_before_any_work(families, tmp_path):
 
 
 @pytest.mark.distributed
-def test_qwen3_tp2_step_matches_tp1(families, tmp_path):
+def test_qwen3_tp2_step_matches_tp1(families, family_cache, tmp_path):
     """One trainer step of a Qwen3 student at TP=2 vs TP=1: q/k norms act on each rank's heads, so their gradients
     are partial per rank until finalize_model_grads sums them (TransformerConfig.qk_layernorm). Compared by the
     cross-layout rule of tests/tolerance.py."""
     from tolerance import assert_layout_close
 
-    teacher = build_family("qwen3", tmp_path / "teacher", seed=5)
-    rng = np.random.default_rng(0)
-    samples = [(rng.integers(3, 384, int(n)).astype(np.int32), int(p), "dataset" if i % 2 else "student")
-               for i, (n, p) in enumerate(zip(rng.integers(20, 40, 16), rng.integers(2, 10, 16), strict=True))]
-    score_into_cache(teacher, tmp_path / "cache", samples)
     worker = str(Path(__file__).with_name("_train_tp_worker.py"))
-    args = [str(families["qwen3"]), str(tmp_path / "cache"), str(tmp_path)]
+    args = [str(families["qwen3"]), str(family_cache), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, worker, *args, "1"], check=True, env=env, cwd=REPO, timeout=300)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
