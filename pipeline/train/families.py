@@ -86,7 +86,8 @@ def read_hf_arch(hf_dir: str | Path) -> HFArch:
         if raw.get(key) is not None:
             raise _refuse(key, raw[key], "logit softcapping has no Megatron-Core local-spec equivalent (supported: "
                           "null / absent)", path)
-    if any(not flag for flag in raw.get("no_rope_layers") or ()):
+    nope = raw.get("no_rope_layers")
+    if nope is not None and (not isinstance(nope, list) or not all(nope)):
         raise _refuse("no_rope_layers", raw["no_rope_layers"], "layers without RoPE (NoPE) are not mapped: every "
                       "layer must use RoPE (all entries 1, or no such key)", path)
     model_type = raw.get("model_type")
