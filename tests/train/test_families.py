@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import score_into_cache
 from tiny_models import FAMILIES, LLAMA3_ROPE, MISTRAL_WINDOW, build_family
+from train_fixtures import score_into_cache
 
 from pipeline.train.families import Llama3Rope, check_trainable, llama3_inv_freq
 from pipeline.train.model import build_model, export_hf, load_hf_weights, read_hf_arch, read_hf_state_dict
@@ -212,6 +212,7 @@ def test_qwen3_tp2_step_matches_tp1(families, family_cache, tmp_path):
     one, two = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
     assert one["counts"] == two["counts"]
     assert_layout_close(two["sums"], one["sums"], "loss sums")
+    assert_layout_close(torch.tensor(two["grad_norm"]), torch.tensor(one["grad_norm"]), "grad norm")
     norms = [k for k in one["grads"] if k.endswith(("q_norm.weight", "k_norm.weight"))]
     assert len(norms) == 4 and all(one["grads"][k].abs().max() > 0 for k in norms)
     assert_layout_close(two["grads"], one["grads"], "grads")
