@@ -29,14 +29,15 @@ def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None)
     bin: the trainer's `tail` loss at beta=0, T=1, with the same teacher bins (the stored top-k and tail,
     `pipeline.train.loss.teacher_bins`). The student side is a plain transformers forward of the exported folder
     (`model` is the folder or an already loaded HF model), in float64: independent of Megatron and of vLLM.
-    `keys=None` evaluates every row of the cache."""
+    Also the top-1 agreement: the fraction of those positions where the student's most likely next token (argmax
+    over its full vocab) is the teacher's (its rank-1 id). `keys=None` evaluates every row of the cache."""
     import torch
 
     from pipeline.store import read_cache
     from pipeline.train.loss import divergence, student_bins, teacher_bins
 
     model = load_hf(model) if isinstance(model, str | Path) else model
-    total, tokens = 0.0, 0
+    total, tokens, agree = 0.0, 0, 0
     with torch.no_grad():
         for s in read_cache(cache_dir, keys=keys):
             ids = torch.as_tensor(s.input_ids[None], dtype=torch.long)
@@ -47,4 +48,5 @@ def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None)
             kl = divergence(a, student_bins(z.gather(1, top), lse_rest, None, 1.0, "tail"), 0.0)
             total += float(kl.sum())
             tokens += kl.numel()
-    return {"heldout_kl": total / max(tokens, 1), "heldout_tokens": tokens}
+            agree += int((z.argmax(-1) == top[:, 0]).sum())
+    return {"heldout_kl": total / max(tokens, 1), "heldout_tokens": tokens, "top1_agreement": agree / max(tokens, 1)}

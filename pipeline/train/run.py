@@ -151,6 +151,15 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _init_sgd_state(opt: torch.optim.Optimizer, config=None) -> None:
+    """Momentum buffers for every parameter (what torch's SGD creates on its first step), so a checkpoint's
+    buffers have somewhere to load into."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if group.get("momentum", 0):
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
 def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
     """GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR scheduler."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -190,6 +199,10 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
+    if cfg.optimizer == "sgd":
+        # Megatron gives SGD no init_state_fn, which loading a checkpoint calls to create the state it fills in.
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt.init_state_fn = _init_sgd_state
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
         lr_decay_steps=cfg.train_steps, lr_decay_style="cosine", start_wd=cfg.weight_decay,

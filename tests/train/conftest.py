@@ -1,30 +1,12 @@
 """Fixtures for the train-stage tests: a tiny random Llama with a real fast tokenizer, and a teacher cache scored
-from it by a plain transformers forward (log_softmax -> top-k), standing in for the score stage."""
+from it by a plain transformers forward (tests/tiny_cache.py), standing in for the score stage."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-from train_fixtures import score_into_cache
-
-
-def build_tiny(out: Path, seed: int = 0) -> Path:
-    from tiny_models import build_llama, build_tokenizer
-
-    tok = build_tokenizer(out)
-    return build_llama(out, vocab_size=len(tok), layers=2, hidden=64, heads=2, kv_heads=2, seed=seed, scale=25.0)  # sharp, context-dependent distributions
-
-
-def random_samples(n: int, vocab: int, seed: int = 0, lengths=(12, 40)) -> list[tuple[np.ndarray, int, str]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        length = int(rng.integers(*lengths))
-        p = int(rng.integers(1, length // 2))
-        out.append((rng.integers(3, vocab, size=length).astype(np.int32), p, "dataset" if i % 2 else "student"))
-    return out
+from tiny_cache import build_tiny, random_samples, score_into_cache
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_cache import score_into_cache
 from tiny_models import FAMILIES, LLAMA3_ROPE, MISTRAL_WINDOW, build_family
-from train_fixtures import score_into_cache
 
 from pipeline.train.families import Llama3Rope, check_trainable, llama3_inv_freq
 from pipeline.train.model import build_model, export_hf, load_hf_weights, read_hf_arch, read_hf_state_dict

@@ -1,57 +1,12 @@
-"""Shared pieces of the train-stage tests (imported by name; the fixtures are in conftest.py): the SMALL model archs,
-random ids, and `score_into_cache`, a transformers forward standing in for the score stage."""
+"""Shared pieces of the Megatron model tests (test_model.py, test_lora.py); the fixtures are in conftest.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import torch
 from tiny_models import SMALL
-
-from pipeline.store import Descriptor, TeacherCache
-from pipeline.store.fingerprint import content_key, sample_id, teacher_fingerprint, tokenizer_fingerprint
-
-K = 8  # top-k of the caches the train tests score
 
 ARCHS = ["llama", "qwen2"]  # the SMALL GQA Llama (tied) and Qwen2 (qkv bias, untied) of tiny_models.build_random_hf
 
 
 def random_ids(batch: int = 2, seq: int = 24) -> torch.Tensor:
     return torch.randint(0, SMALL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(7))
-
-
-def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]], *, k: int = K,
-                     shard_rows: int = 8) -> TeacherCache:
-    """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    desc = Descriptor(
-        teacher_fingerprint=teacher_fingerprint(model_dir), tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
-        k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size,
-    )
-    cache = TeacherCache.create_or_open(cache_dir, desc)
-    rows = []
-    for ids, p, source in samples:
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.as_tensor(ids[None], dtype=torch.long)).logits[0].float(), -1)
-        dist = lp[p - 1 : len(ids) - 1]  # logits at t predict token t + 1
-        top = dist.topk(k, dim=-1)
-        actual = torch.as_tensor(ids[p:], dtype=torch.long)
-        actual_lp = dist.gather(1, actual[:, None])[:, 0]
-        rows.append({
-            "key": content_key(desc.teacher_fingerprint, ids, p, k, desc.logprob_mode),
-            "sample_id": sample_id("p", ids[:p], ids[p:]),
-            "source": source,
-            "policy_version": None if source == "dataset" else 0,
-            "input_ids": ids,
-            "first_scored": p,
-            "topk_ids": top.indices.numpy().astype(np.int32),
-            "topk_logprobs": top.values.numpy().astype(np.float32),
-            "actual_ranks": ((dist > actual_lp[:, None]).sum(1) + 1).numpy().astype(np.int32),
-            "actual_logprobs": actual_lp.numpy().astype(np.float32),
-        })
-    for i in range(0, len(rows), shard_rows):
-        cache.write_shard(f"scored-{i // shard_rows:05d}", rows[i : i + shard_rows])
-    return cache
