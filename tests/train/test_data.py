@@ -58,7 +58,9 @@ def test_alignment_matches_hand_computation(tmp_path):
                 assert mb.teacher_ids[i, t].tolist() == r["topk_ids"][j - p].tolist()
                 np.testing.assert_allclose(mb.teacher_logprobs[i, t], r["topk_logprobs"][j - p], atol=1 / 64)
                 assert mb.labels[i, t] == ids[j]
-            assert bool(mb.is_dataset[i]) == (r["source"] == "dataset")
+            assert mb.sft_mask[i].tolist() == (expect & (r["source"] == "dataset")).tolist()
+            assert mb.doc_ids[i].tolist() == [0] * n + [-1] * (mb.doc_ids.shape[1] - n)
+            assert mb.teacher_valid[i].any(-1).tolist() == expect.tolist()
         assert mb.input_ids.shape[1] % 8 == 0 or mb.input_ids.shape[1] == 64
 
 
