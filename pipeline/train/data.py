@@ -67,6 +67,8 @@ from pipeline.train.packing import pack, row_offsets
 
 IGNORE_INDEX = -100
 _PAD_MULTIPLE = 8
+# what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
+_COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
 
 
 class TokenizerMismatchError(ValueError):
@@ -333,10 +335,10 @@ class ScoredLoader:
             pf, decoder = self._file(s)
             path = self.shards[s].path
             try:
-                table = pf.read_row_group(rg).combine_chunks()
+                table = pf.read_row_group(rg, columns=_COLUMNS, use_threads=False).combine_chunks()
                 batch = table.to_batches(max_chunksize=table.num_rows)[0] if table.num_rows else None
                 num_scored = table.column("num_scored").to_numpy()
-                topk = decoder.decode(batch, num_scored)
+                topk = decoder.decode(batch, num_scored, actual=False)
                 ids = table.column("input_ids").chunk(0)
                 offsets = ids.offsets.to_numpy().astype(np.int64)
                 first = table.column("first_scored").to_numpy().astype(np.int64)
