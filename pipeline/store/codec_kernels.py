@@ -24,11 +24,6 @@ import numpy as np
 class CodecError(ValueError):
     """Input the codec cannot store faithfully (NaN, wrong shapes, ids outside the vocabulary), or damaged data."""
 
-try:  # noqa: SIM105 - the fallback below is the documented behaviour, not an error
-    import numba
-except ImportError:  # pragma: no cover - numba ships with vLLM in every environment we set up
-    numba = None
-
 _BAD_ESCAPES, _PAST_TABLE = -1, -2
 
 
@@ -71,7 +66,20 @@ def _lookup_loop(buf, offsets, counts, t, nb, k, table, out):  # pragma: no cove
     return 0
 
 
-_kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_lookup_loop) if numba is not None else None
+_kernel = None  # compiled on first use (numba's import alone costs ~0.3 s: the stages that never decode skip it)
+
+
+def _get_kernel():
+    """The compiled kernel (machine code cached on disk by numba), or None without numba: the numpy path."""
+    global _kernel
+    if _kernel is None:
+        try:
+            import numba
+        except ImportError:  # pragma: no cover - numba comes with vLLM in every environment we set up
+            _kernel = False
+        else:
+            _kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_lookup_loop)
+    return _kernel or None
 
 
 class _Workspace(threading.local):
@@ -146,10 +154,11 @@ def lookup(buf: np.ndarray, offsets: np.ndarray, counts: np.ndarray, t: int, nb:
     k entries and their running sums are looked up. Returns the flat array, or -2 if a number is past the table.
     `use_kernel=False` forces the numpy path."""
     check_blobs(offsets, counts, nb)
-    if _kernel is None or not use_kernel:
+    kernel = _get_kernel() if use_kernel else None
+    if kernel is None:
         return _numpy_lookup(buf, offsets, counts, t, nb, k, table)
     out = np.empty(int(counts.sum()), table.dtype)
-    rc = _kernel(buf, offsets, counts, t, nb, k, table, out)
+    rc = kernel(buf, offsets, counts, t, nb, k, table, out)
     if rc == _BAD_ESCAPES:
         raise CodecError("escape-coded column: a row's escapes disagree with its low bytes")
     return rc if rc < 0 else out
