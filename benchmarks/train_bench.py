@@ -111,18 +111,33 @@ def _steady(metrics: list[dict]) -> dict:
             "samples_per_step": sum(m["samples"] for m in steady) / len(steady)}
 
 
+def padded_rows(cache: Path, micro_batch_size: int, seq_length: int) -> int:
+    """Rows per padded micro-batch whose positions (rows x padded width, over an epoch) come closest to the packed
+    micro-batch's micro_batch_size x seq_length: both variants then compute on the same number of positions per
+    step, and the ratio of real tokens/s measures the padding removed, not a larger batch."""
+    budget = micro_batch_size * seq_length
+    best = (float("inf"), micro_batch_size)
+    for rows in range(micro_batch_size, 8 * micro_batch_size + 1):
+        p = padding(cache, rows, seq_length)
+        best = min(best, (abs(p["positions_per_micro_batch"] - budget), rows))
+    return best[1]
+
+
 def packed_vs_padded(cache: Path, work: Path, steps: int, micro_batch_size: int, seq_length: int,
                      rounds: int) -> dict:
-    """Interleaved subprocess runs, padded then packed, `rounds` times; real tokens/s of each (steady steps)."""
+    """Interleaved subprocess runs, padded then packed, `rounds` times; real tokens/s of each (steady steps).
+    Packed: micro_batch_size rows of seq_length; padded: as many rows as give the same positions per step."""
+    rows = {"padded": padded_rows(cache, micro_batch_size, seq_length), "packed": micro_batch_size}
     runs: dict[str, list[dict]] = {"padded": [], "packed": []}
     for r in range(rounds):
         for name in runs:
             save = work / f"{cache.name}-{name}-{r}"
-            metrics = _train(cache, save, steps, micro_batch_size, seq_length, [f"packing={name == 'packed'}"])
+            metrics = _train(cache, save, steps, rows[name], seq_length, [f"packing={name == 'packed'}"])
             runs[name].append(_steady(metrics))
     out = {name: {"real_tokens_per_s": float(np.median([x["real_tokens_per_s"] for x in v])),
                   "padding_fraction": float(np.mean([x["padding_fraction"] for x in v])),
-                  "samples_per_step": float(np.mean([x["samples_per_step"] for x in v])), "runs": v}
+                  "samples_per_step": float(np.mean([x["samples_per_step"] for x in v])),
+                  "micro_batch_size": rows[name], "runs": v}
            for name, v in runs.items()}
     out["ratio"] = out["packed"]["real_tokens_per_s"] / out["padded"]["real_tokens_per_s"]
     out["ceiling"] = 1 / (1 - out["padded"]["padding_fraction"])
@@ -140,18 +155,21 @@ def padding(cache: Path, micro_batch_size: int, seq_length: int) -> dict:
                               packing=packing)
         it = loader.iter_from(0, prefetch=0)
         tokens = positions = 0
+        count = 0
         while True:
             mb = next(it)
-            tokens, positions = tokens + mb.tokens, positions + mb.positions
+            tokens, positions, count = tokens + mb.tokens, positions + mb.positions, count + 1
             if mb.end >= loader.num_samples:
                 break
         out["packed" if packing else "padded"] = 1 - tokens / positions
+        if not packing:
+            out["positions_per_micro_batch"] = positions / count
     out.update(micro_batch_size=micro_batch_size, seq_length=seq_length, samples=loader.num_samples)
     return out
 
 
 def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8, seq_length: int = 512,
-        pack_steps: int = 4, pack_micro_batch_size: int = 4, rounds: int = 1) -> dict:
+        pack_steps: int = 4, pack_micro_batch_size: int = 4, rounds: int = 2) -> dict:
     """`cache`: the prose cache of the score bench (loader, train step); the packing caches are built here."""
     from pipeline.train.data import benchmark
 
@@ -185,7 +203,8 @@ def markdown(res: dict) -> str:
         return (f"**{p['ratio']:.2f}×** (packed {p['packed']['real_tokens_per_s']:.0f} vs padded "
                 f"{p['padded']['real_tokens_per_s']:.0f} real tokens/s; padding {pct(p['padded']['padding_fraction'])}"
                 f" → {pct(p['packed']['padding_fraction'])}; {p['packed']['samples_per_step']:.1f} vs "
-                f"{p['padded']['samples_per_step']:.0f} samples per step)")
+                f"{p['padded']['samples_per_step']:.0f} samples in {p['packed']['micro_batch_size']} vs "
+                f"{p['padded']['micro_batch_size']} rows per step)")
 
     return "\n".join([
         "| trainer side (real SmolLM2 top-64 caches) | measured | goal |",
@@ -207,9 +226,11 @@ def markdown(res: dict) -> str:
         f"| same, LoRA rank 16 on all linear layers (base frozen) | {res['train_lora']['tokens_per_s']:.0f} tokens/s "
         f"({res['train_lora']['tokens_per_s'] / tr['tokens_per_s']:.2f}× full) | (report) |",
         "",
-        f"Packed vs padded: embedded student, fp32 CPU, micro-batch {mixed['micro_batch_size']} rows of "
-        f"{mixed['seq_length']} tokens, {mixed['steps']} steps per run (the first left out), subprocess runs "
-        f"interleaved, {mixed['rounds']} round(s). Both caches scored here by the teacher (benchmarks/train_bench.py).",
+        f"Packed vs padded: embedded student, fp32 CPU, packed micro-batch {mixed['micro_batch_size']} rows of "
+        f"{mixed['seq_length']} tokens; the padded runs get as many rows as give the same positions per step (so the "
+        f"ratio is the padding removed, not a larger batch); {mixed['steps']} steps per run (the first left out), "
+        f"subprocess runs interleaved, {mixed['rounds']} round(s). Both caches scored here by the teacher "
+        "(benchmarks/train_bench.py).",
         "",
         f"Checkpoint size (model + optimizer state): full {tr['checkpoint_bytes'] / 2**20:.0f} MiB, LoRA "
         f"{res['train_lora']['checkpoint_bytes'] / 2**20:.1f} MiB (adapter and its Adam moments only).",

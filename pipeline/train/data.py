@@ -58,65 +58,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, Decoder
 from pipeline.store.shards import ShardError, verify_shard
+from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
 from pipeline.train.packing import pack, row_offsets
 
-IGNORE_INDEX = -100
-_PAD_MULTIPLE = 8
+__all__ = ["IGNORE_INDEX", "MicroBatch", "ScoredLoader", "TokenizerMismatchError", "benchmark"]
+
 # what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
 _COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
 
 
 class TokenizerMismatchError(ValueError):
     """The cache was scored with another tokenizer than the student's."""
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # int64 [B, S]
-    position_ids: torch.Tensor  # int64 [B, S]: 0..S-1 per row (what Megatron's RoPE uses, packed or not)
-    labels: torch.Tensor  # int64 [B, S]: x_{t+1}, IGNORE_INDEX where there is none
-    loss_mask: torch.Tensor  # bool [B, S]: t in [P-1, L-2] of each sample
-    sft_mask: torch.Tensor  # bool [B, S]: loss_mask on dataset-sourced samples (SFT applies to these only)
-    doc_ids: torch.Tensor  # int32 [B, S]: sample index within its row, -1 for padding
-    teacher_ids: torch.Tensor  # int32 [B, S, k]: teacher top-k of token t+1 (zeros where inactive or invalid)
-    teacher_logprobs: torch.Tensor  # float32 [B, S, k] (-inf where invalid)
-    teacher_valid: torch.Tensor  # bool [B, S, k]: a real teacher entry the student can represent
-    teacher_tail: torch.Tensor  # float32 [B, S]: log teacher mass outside the valid top-k entries
-    keys: list[str]  # content keys of the samples, in order
-    packed: bool  # several samples per row: the trainer passes packing.attention_mask(doc_ids) to the model
-    end: int  # global sample position right after this micro-batch's round (the resume state at a step end)
-    tokens: int  # real (non-pad) tokens
-    positions: int  # B * S: real tokens + padding
-    samples: int
-    truncated: int  # samples longer than seq_length (cut)
-    folded_positions: int  # active positions with teacher entries past the student's vocab (mass folded into the tail)
-
-    def to(self, device: torch.device | str) -> MicroBatch:
-        """The tensors moved to `device` (a no-op on CPU)."""
-        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return MicroBatch(**{**vars(self), **moved})
-
-
-@dataclass
-class _Decoded:
-    """A decoded row group: what micro-batches are cut from. Rows' tokens and teacher rows are concatenated."""
-
-    token_offsets: np.ndarray  # int64 [rows + 1]
-    tokens: np.ndarray  # int64
-    first_scored: np.ndarray  # int64 [rows]
-    is_dataset: np.ndarray  # bool [rows]
-    keys: list[str]
-    row_offsets: np.ndarray  # int64 [rows + 1]: teacher rows of row i are [row_offsets[i], row_offsets[i + 1])
-    topk_ids: np.ndarray  # int32 [positions, k]
-    topk_logprobs: np.ndarray  # float32 [positions, k]
-    tail: np.ndarray  # float32 [positions]
-    valid: np.ndarray | None  # bool [positions, k]; None: all valid
-    folded: np.ndarray | None  # bool [positions]; None: none folded
 
 
 @dataclass
@@ -147,22 +103,6 @@ def _resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descript
         else:
             raise FileNotFoundError(f"{src}: neither a teacher cache directory nor a .parquet shard")
     return out
-
-
-def fold_past_vocab(ids: np.ndarray, lps: np.ndarray, tail: np.ndarray, vocab_size: int):
-    """Top-k entries with ids >= vocab_size -> invalid (id 0, logprob -inf), their mass log-added to the tail in
-    float64. Returns (ids, lps, tail, valid [P, k], folded [P]); the inputs are not modified."""
-    bad = ids >= vocab_size
-    folded = bad.any(axis=1)
-    if not folded.any():
-        return ids, lps, tail, None, None
-    ids, lps, tail = ids.copy(), lps.copy(), tail.copy()
-    rows = np.flatnonzero(folded)
-    extra = np.where(bad[rows], lps[rows].astype(np.float64), -np.inf)
-    with np.errstate(divide="ignore"):  # log(0) = -inf where a part holds no mass
-        tail[rows] = np.logaddexp(tail[rows].astype(np.float64), np.log(np.exp(extra).sum(axis=1)))
-    ids[bad], lps[bad] = 0, -np.inf
-    return ids, lps, tail, ~bad, folded
 
 
 class ScoredLoader:
@@ -206,7 +146,7 @@ class ScoredLoader:
         self.k = ks.pop()
         self._build_index(resolved, verify_checksums)
         self._files: OrderedDict[int, tuple[pq.ParquetFile, Decoder]] = OrderedDict()
-        self._blocks: OrderedDict[int, _Decoded] = OrderedDict()
+        self._blocks: OrderedDict[int, Block] = OrderedDict()
         self._orders: OrderedDict[int, np.ndarray] = OrderedDict()
         self._plans: OrderedDict[int, tuple[int, np.ndarray, np.ndarray]] = OrderedDict()
         self._bounds = [0]  # packed: start positions of global micro-batches 0, 1, ... (for micro_batch(m))
@@ -326,7 +266,7 @@ class ScoredLoader:
         self._files.move_to_end(s)
         return self._files[s]
 
-    def _block(self, b: int) -> _Decoded:
+    def _block(self, b: int) -> Block:
         """One row group, decoded whole (decoding row by row costs ~5x more); an LRU of a window's blocks bounds
         memory to about `window_rows` decoded rows."""
         if b not in self._blocks:
@@ -352,7 +292,7 @@ class ScoredLoader:
             tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
             if self.shards[s].fold:
                 tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
-            self._blocks[b] = _Decoded(
+            self._blocks[b] = Block(
                 token_offsets=offsets - offsets[0], tokens=ids.values.to_numpy().astype(np.int64)[offsets[0]:],
                 first_scored=first, is_dataset=is_dataset, keys=table.column("key").to_pylist(),
                 row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
@@ -363,7 +303,7 @@ class ScoredLoader:
         self._blocks.move_to_end(b)
         return self._blocks[b]
 
-    def _fetch(self, rows: np.ndarray) -> list[tuple[_Decoded, int]]:
+    def _fetch(self, rows: np.ndarray) -> list[tuple[Block, int]]:
         """(decoded block, row within it) for the given global rows, in their given order."""
         blocks = np.searchsorted(self._block_starts, rows, side="right") - 1
         return [(self._block(b), r - self._block_starts[b]) for b, r in zip(blocks.tolist(), rows.tolist(), strict=True)]
@@ -380,68 +320,9 @@ class ScoredLoader:
 
     def _assemble(self, start: int, row_of: np.ndarray, offsets: np.ndarray, round_end: int) -> MicroBatch:
         """Samples [start, start + len(row_of)) laid out at (row_of, offsets) into one micro-batch."""
-        B, S, k = self.B, self.S, self.k
         rows = self.sample_rows(start, len(row_of))
-        fetched = self._fetch(rows)
-        full = self.lengths[rows]
-        lengths = np.minimum(full, S)
-        width = min(S, -(-int((offsets + lengths).max()) // _PAD_MULTIPLE) * _PAD_MULTIPLE)
-        ids = np.full((B, width), self.pad_id, np.int64)
-        doc = np.full((B, width), -1, np.int32)
-        mask = np.zeros((B, width), bool)
-        dataset = np.zeros((B, width), bool)
-        t_ids = np.zeros((B, width, k), np.int32)
-        t_lp = np.zeros((B, width, k), np.float32)
-        t_valid = np.zeros((B, width, k), bool)
-        t_tail = np.zeros((B, width), np.float32)
-        in_row = np.zeros(B, np.int32)
-        folded = 0
-        for (blk, j), r, o, n in zip(fetched, row_of.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
-            a = blk.token_offsets[j]
-            ids[r, o : o + n] = blk.tokens[a : a + n]
-            doc[r, o : o + n] = in_row[r]
-            in_row[r] += 1
-            p = int(blk.first_scored[j])
-            lo = int(blk.row_offsets[j])
-            # teacher row q is token p + q; it pairs with logits at t = p + q - 1, kept while p + q < n
-            # (truncation) and t >= 0 (a row for token 0 has no student position to predict it).
-            q0, q1 = max(0, 1 - p), max(0, n - p)
-            if q1 > q0:
-                t0, t1 = o + p + q0 - 1, o + p + q1 - 1
-                mask[r, t0:t1] = True
-                dataset[r, t0:t1] = blk.is_dataset[j]
-                t_ids[r, t0:t1] = blk.topk_ids[lo + q0 : lo + q1]
-                t_lp[r, t0:t1] = blk.topk_logprobs[lo + q0 : lo + q1]
-                t_tail[r, t0:t1] = blk.tail[lo + q0 : lo + q1]
-                if blk.valid is None:
-                    t_valid[r, t0:t1] = True
-                else:
-                    t_valid[r, t0:t1] = blk.valid[lo + q0 : lo + q1]
-                    folded += int(blk.folded[lo + q0 : lo + q1].sum())
-        # x_{t+1} where t and t+1 belong to the same sample: no label crosses a sample boundary or enters padding
-        labels = np.full((B, width), IGNORE_INDEX, np.int64)
-        same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0)
-        labels[:, :-1][same] = ids[:, 1:][same]
-        return MicroBatch(
-            input_ids=torch.from_numpy(ids),
-            position_ids=torch.arange(width).expand(B, width),
-            labels=torch.from_numpy(labels),
-            loss_mask=torch.from_numpy(mask),
-            sft_mask=torch.from_numpy(dataset),
-            doc_ids=torch.from_numpy(doc),
-            teacher_ids=torch.from_numpy(t_ids),
-            teacher_logprobs=torch.from_numpy(t_lp),
-            teacher_valid=torch.from_numpy(t_valid),
-            teacher_tail=torch.from_numpy(t_tail),
-            keys=[blk.keys[j] for blk, j in fetched],
-            packed=self.packing,
-            end=round_end,
-            tokens=int(lengths.sum()),
-            positions=B * width,
-            samples=len(rows),
-            truncated=int((full > S).sum()),
-            folded_positions=folded,
-        )
+        return assemble(self._fetch(rows), row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
+                        k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:
         """This rank's micro-batches from global sample position `start`, forever: rounds of dp micro-batches, the
