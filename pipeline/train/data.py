@@ -14,8 +14,8 @@ the resume position do not depend on seq_length). Truncated samples are counted 
 
 Micro-batches, two layouts (`packing`):
 - **packed** (the trainer's default): a micro-batch is `micro_batch_size` rows of `seq_length` tokens, a token
-  budget. It holds the longest run of samples from its start position that `packing.pack` fits into those rows
-  (first-fit, repacked first-fit-decreasing when a sample fits nowhere; lengths only, see pipeline/train/packing.py).
+  budget; a step's rows hold the longest run of samples from its start position that `packing.pack` fits into
+  them (first-fit, repacked first-fit-decreasing when a sample fits nowhere; lengths only, see packing.py).
   `doc_ids` numbers the samples of each row (-1 = padding) and the trainer turns it into a block-diagonal causal
   mask (`packing.attention_mask`), so no token sees another sample and no label crosses a sample boundary.
 - **padded** (`packing: false`): micro-batch m = samples [mB, (m+1)B), one per row.
@@ -29,11 +29,14 @@ rows, and rows are shuffled within each window, so a reader holds about two wind
 never the cache (the shuffle of mosaicml streaming's py1b, simplified). Blocks are decoded whole: decoding the few
 rows of one micro-batch at a time measured ~5x slower (per-call overhead).
 
-Data parallelism and resume: micro-batches follow each other in that order (packed: each starts where the one
-before ended; its plan is a pure function of its start position, computed from the cheap length columns, so every
-rank computes the same plan); micro-batch m goes to data-parallel rank m % dp, a step is dp * grad_accum
-consecutive micro-batches, and the resume state is one integer, the global sample position after the step's last
-micro-batch (= (epoch, index) via divmod), equal on every rank.
+Data parallelism and resume: padded, micro-batch m goes to data-parallel rank m % dp and a step is dp * grad_accum
+consecutive micro-batches. Packed, the plan is made per optimizer step: the longest run of samples from the step's
+start that fits into `global_batch_size` rows (`rows_per_step`), cut into micro-batches of `micro_batch_size` rows,
+micro-batch q of the step going to rank q % dp; it is a pure function of the step's start position, computed from
+the cheap length columns, so every rank computes the same plan, and the samples of a step — hence its loss and
+gradient — do not depend on how it is split over accumulation steps and ranks (tests/train/test_dp.py). Either way
+the resume state is one integer, the global sample position after the step (= (epoch, index) via divmod), equal on
+every rank.
 
 Teacher vocab larger than the student's (same tokenizer, extra embedding rows, e.g. Qwen2.5-7B -> 0.5B): top-k
 entries with ids >= the student's vocab cannot be represented. They are marked `teacher_valid = False` (id 0,
@@ -123,9 +126,16 @@ class ScoredLoader:
         window_rows: int = 512,
         verify_checksums: bool = True,
         packing: bool = False,
+        rows_per_step: int | None = None,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
+        # Packed: one plan per optimizer step (global_batch_size rows), cut into micro-batches of B rows, so the
+        # samples of a step do not depend on how it is split across accumulation steps and data-parallel ranks.
+        self.G = rows_per_step or micro_batch_size * dp_size
+        if self.G % (micro_batch_size * dp_size):
+            raise ValueError(f"rows_per_step {self.G} is not a multiple of micro_batch_size * dp = "
+                             f"{micro_batch_size * dp_size}")
         self.vocab_size = vocab_size
         resolved = _resolve_sources(sources)
         for where, desc in {p.parent.parent: d for p, d in resolved}.items():
@@ -149,7 +159,7 @@ class ScoredLoader:
         self._blocks: OrderedDict[int, Block] = OrderedDict()
         self._orders: OrderedDict[int, np.ndarray] = OrderedDict()
         self._plans: OrderedDict[int, tuple[int, np.ndarray, np.ndarray]] = OrderedDict()
-        self._bounds = [0]  # packed: start positions of global micro-batches 0, 1, ... (for micro_batch(m))
+        self._bounds = [0]  # packed: start positions of steps 0, 1, ... counted from position 0 (for micro_batch(m))
 
     # -- index: cheap columns only ----------------------------------------------------------------------------
     def _build_index(self, resolved: list[tuple[Path, Descriptor]], verify_checksums: bool) -> None:
@@ -226,12 +236,13 @@ class ScoredLoader:
 
     # -- the packing plan: lengths only ------------------------------------------------------------------------
     def plan(self, start: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """Packed micro-batch starting at global sample `start`: (end position, row of each sample in
-        [start, end), its first column). A pure function of (seed, shards, start, micro_batch_size, seq_length)."""
+        """Packed step starting at global sample `start`: (end position, row in [0, G) of each sample in
+        [start, end), its first column). A pure function of (seed, shards, start, G, seq_length); micro-batch q of
+        the step is its rows [qB, (q+1)B)."""
         if start in self._plans:
             return self._plans[start]
-        budget = self.B * self.S
-        count = int(2 * budget / self._mean_length) + self.B
+        budget = self.G * self.S
+        count = int(2 * budget / self._mean_length) + self.G
         while True:
             lengths = np.minimum(self.lengths[self.sample_rows(start, count)], self.S)
             over = np.flatnonzero(np.cumsum(lengths) > budget)
@@ -239,18 +250,26 @@ class ScoredLoader:
                 lengths = lengths[: over[0] + 1]
                 break
             count *= 2
-        row_of = pack(lengths, self.B, self.S)
+        row_of = pack(lengths, self.G, self.S)
         out = (start + len(row_of), row_of, row_offsets(row_of, lengths[: len(row_of)]))
         self._plans[start] = out
-        while len(self._plans) > 4 * self.dp_size:
+        while len(self._plans) > 4:
             self._plans.popitem(last=False)
         return out
 
-    def _start_of(self, m: int) -> int:
-        """Packed: start position of global micro-batch m counted from position 0."""
-        while len(self._bounds) <= m + self.dp_size:
+    def _step_start(self, step: int) -> int:
+        """Packed: start position of step `step` counted from position 0."""
+        while len(self._bounds) <= step + 1:
             self._bounds.append(self.plan(self._bounds[-1])[0])
-        return self._bounds[m]
+        return self._bounds[step]
+
+    def _packed_micro_batch(self, start: int, q: int) -> MicroBatch:
+        """Micro-batch q (rows [qB, (q+1)B)) of the packed step starting at `start`."""
+        end, row_of, offsets = self.plan(start)
+        sel = np.flatnonzero(row_of // self.B == q)
+        rows = self.sample_rows(start, len(row_of))[sel]
+        return assemble(self._fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
+                        seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
 
     # -- reading ----------------------------------------------------------------------------------------------
     def _file(self, s: int) -> tuple[pq.ParquetFile, Decoder]:
@@ -314,9 +333,8 @@ class ScoredLoader:
         if not self.packing:
             round_end = (m - m % self.dp_size + self.dp_size) * self.B
             return self._assemble(m * self.B, np.arange(self.B), np.zeros(self.B, np.int64), round_end)
-        start = self._start_of(m)
-        _, row_of, offsets = self.plan(start)
-        return self._assemble(start, row_of, offsets, self._bounds[m - m % self.dp_size + self.dp_size])
+        step, q = divmod(m, self.G // self.B)
+        return self._packed_micro_batch(self._step_start(step), q)
 
     def _assemble(self, start: int, row_of: np.ndarray, offsets: np.ndarray, round_end: int) -> MicroBatch:
         """Samples [start, start + len(row_of)) laid out at (row_of, offsets) into one micro-batch."""
@@ -325,9 +343,10 @@ class ScoredLoader:
                         k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:
-        """This rank's micro-batches from global sample position `start`, forever: rounds of dp micro-batches, the
-        rank's one of each. With prefetch > 0 a background thread reads, decodes and packs ahead into a bounded
-        queue (order unchanged), off the training step's critical path."""
+        """This rank's micro-batches from global sample position `start` (a step boundary), forever. Padded: rounds
+        of dp micro-batches, the rank's one of each. Packed: per step, its micro-batches q = rank, rank + dp, ...
+        With prefetch > 0 a background thread reads, decodes and packs ahead into a bounded queue (order
+        unchanged), off the training step's critical path."""
 
         def padded() -> Iterator[MicroBatch]:  # from a multiple of B * dp these are micro_batch(m), m = rank mod dp
             pos, rows, zeros = start, np.arange(self.B), np.zeros(self.B, np.int64)
@@ -337,13 +356,10 @@ class ScoredLoader:
 
         def packed() -> Iterator[MicroBatch]:
             pos = start
-            while True:
-                starts = []
-                for _ in range(self.dp_size):  # every rank plans the whole round, assembles its own micro-batch
-                    starts.append(pos)
-                    pos = self.plan(pos)[0]
-                _, row_of, offsets = self.plan(starts[self.dp_rank])
-                yield self._assemble(starts[self.dp_rank], row_of, offsets, pos)
+            while True:  # every rank plans the whole step and assembles its own micro-batches of it
+                for q in range(self.dp_rank, self.G // self.B, self.dp_size):
+                    yield self._packed_micro_batch(pos, q)
+                pos = self.plan(pos)[0]
 
         it = packed() if self.packing else padded()
         return it if prefetch <= 0 else _prefetched(it, prefetch)

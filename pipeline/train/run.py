@@ -320,6 +320,7 @@ def _train(cfg: TrainConfig) -> dict:
         cfg.cache, micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id,
         dp_rank=dp_rank, dp_size=dp, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         vocab_size=model.hf_vocab_size, window_rows=cfg.window_rows, packing=cfg.packing,
+        rows_per_step=cfg.global_batch_size,
     )
 
     step, position = 0, 0

@@ -142,15 +142,19 @@ def test_resume_and_data_parallel_plans(packed_cache):
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "labels", "doc_ids",
                                                                           "teacher_logprobs", "teacher_ids"))
     resumed.close()
-    # dp = 2: rank r takes micro-batches r, r + 2, ... of the same plan; ends are the round's end on both ranks
-    ranks = [_loader(packed_cache["cache"], dp_rank=r, dp_size=2).iter_from(0, prefetch=0) for r in range(2)]
-    for i in range(6):
-        r0, r1 = next(ranks[0]), next(ranks[1])
-        assert r0.keys == whole[2 * i].keys and r1.keys == whole[2 * i + 1].keys
-        assert r0.end == r1.end == whole[2 * i + 1].end
-        assert not set(r0.keys) & set(r1.keys)
     # global micro-batch numbering agrees with iteration
     assert _loader(packed_cache["cache"]).micro_batch(7).keys == whole[7].keys
+    # a step of 4 rows (2 micro-batches): one plan per step, so dp = 2 (rank r takes micro-batch r of each step)
+    # sees exactly what dp = 1 with 2 accumulation steps sees; ends are the step's end on both ranks
+    acc = _loader(packed_cache["cache"], rows_per_step=4).iter_from(0, prefetch=0)
+    steps = [next(acc) for _ in range(12)]
+    ranks = [_loader(packed_cache["cache"], dp_rank=r, dp_size=2, rows_per_step=4).iter_from(0, prefetch=0)
+             for r in range(2)]
+    for i in range(6):
+        r0, r1 = next(ranks[0]), next(ranks[1])
+        assert r0.keys == steps[2 * i].keys and r1.keys == steps[2 * i + 1].keys
+        assert r0.end == r1.end == steps[2 * i + 1].end == steps[2 * i].end
+        assert not set(r0.keys) & set(r1.keys)
 
 
 # ---------------------------------------------------------------- the student on packed rows
