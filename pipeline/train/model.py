@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors import safe_open
@@ -103,11 +102,19 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None) -> GPTModel:
+def build_model(
+    hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None, *, attention: str = "sdpa", recompute: str = "none"
+) -> GPTModel:
     """Build an (uninitialised-weights) fp32 GPTModel matching the HF config, for this rank's TP/PP slice.
 
+    `attention`: "sdpa" (torch's fused kernels) or "local" (Megatron's unfused DotProductAttention), see
+    attention.py; `recompute`: "none", "selective" or "full" activation recompute, see recompute.py.
     Needs `init_distributed` first. Sets `model.hf_arch` and `model.hf_vocab_size` for the loader/exporter/loss.
     """
+    from pipeline.train.attention import layer_spec
+    from pipeline.train.recompute import keep_inputs_differentiable, recompute_options
+
+    spec, recompute_kw = layer_spec(attention), recompute_options(recompute)  # bad names fail before any work
     arch = read_hf_arch(hf_dir)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config = TransformerConfig(
@@ -130,10 +137,11 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None)
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,  # required by TransformerConfig when pp > 1 (p2p buffer dtype)
         use_cpu_initialization=not torch.cuda.is_available(),
+        **recompute_kw,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab(arch.vocab_size, pad_vocab_to_multiple_of or tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -142,6 +150,8 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None)
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
     )
+    if recompute == "full":
+        keep_inputs_differentiable(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.hf_arch = arch

@@ -53,6 +53,10 @@ class TrainConfig:
     topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
     tensor_model_parallel_size: int = 1
+    # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
+    # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/attention.py.
+    attention: str = "sdpa"
+    recompute: str = "none"  # none | selective (core attention) | full (every layer): activation memory for compute
     # LoRA (pipeline/train/lora.py): lora_rank > 0 trains adapters on the frozen student; checkpoints hold the
     # adapter only. Dotted keys work too: lora.rank=16 lora.alpha=32 lora.targets=[qkv,proj]
     lora_rank: int = 0
@@ -85,6 +89,10 @@ class TrainConfig:
             p.append("temperature must be > 0")
         if self.topk_mode not in ("tail", "renorm"):
             p.append("topk_mode must be tail or renorm")
+        if self.attention not in ("sdpa", "local"):
+            p.append(f"attention must be sdpa or local, got {self.attention!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            p.append(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.sft_alpha < 0:
             p.append("sft_alpha must be >= 0")
         if not 0 <= self.min_lr <= self.lr:
@@ -140,7 +148,7 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
 
     from pipeline.train.model import build_model, load_hf_weights
 
-    model = build_model(hf_dir)
+    model = build_model(hf_dir, attention=cfg.attention, recompute=cfg.recompute)
     load_hf_weights(model, hf_dir)
     spec = cfg.lora_spec()
     if spec is not None:
