@@ -13,9 +13,11 @@ from pathlib import Path
 
 
 def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8, seq_length: int = 512) -> dict:
+    from benchmarks import step_bench
     from pipeline.train.data import benchmark
 
     res = {"loader": benchmark([cache], micro_batch_size=micro_batch_size, seq_length=seq_length)}
+    res["compute"] = step_bench.run(cache)  # attention backend; our step vs a plain transformers loop
     for name, extra in (("train", []), ("train_lora", ["lora.rank=16", "lora.alpha=32"])):
         save = work / f"{name}-bench"
         cmd = [sys.executable, "-m", "pipeline", "train", "student=default", f"cache=[{cache}]",
@@ -33,6 +35,8 @@ def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8
 
 
 def markdown(res: dict) -> str:
+    from benchmarks import step_bench
+
     ld, tr = res["loader"], res["train"]
     return "\n".join([
         "| trainer side (real SmolLM2 top-64 cache) | tokens/s | goal |",
@@ -47,4 +51,8 @@ def markdown(res: dict) -> str:
         "",
         f"Checkpoint size (model + optimizer state): full {tr['checkpoint_bytes'] / 2**20:.0f} MiB, LoRA "
         f"{res['train_lora']['checkpoint_bytes'] / 2**20:.1f} MiB (adapter and its Adam moments only).",
+        "",
+        "| trainer compute (SmolLM2 6-layer student, fp32 CPU, benchmarks/step_bench.py) | ratio | goal |",
+        "|---|---|---|",
+        *step_bench.markdown(res["compute"]),
     ])

@@ -208,6 +208,31 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
     return logits, partial(loss_func, batch, counts, cfg, vocab_size)
 
 
+def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_size: int):
+    """One optimizer step over this rank's micro-batches `micro` (the loop's body, without data and logging; the
+    benchmarks time exactly this). Returns (global [KD, SFT, token] counts, per-micro-batch reports, lr, grad norm)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # Global active counts of this step, known before any backward: the loss's denominators.
+    counts = torch.tensor(
+        [float(sum(int(b.loss_mask.sum()) for b in micro)),
+         float(sum(int((b.loss_mask & b.is_dataset[:, None]).sum()) for b in micro)),
+         float(sum(b.tokens for b in micro))], dtype=torch.float64, device=_device())
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, vocab_size),
+        data_iterator=iter(micro), model=ddp, num_microbatches=len(micro), seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size, forward_only=False,
+    )
+    lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after the step)
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    return counts, reports, lr, grad_norm
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -225,7 +250,6 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig) -> dict:
     """setup -> steps -> checkpoints, inside an initialised process group."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from transformers import AutoTokenizer
 
     from pipeline.store.fingerprint import tokenizer_fingerprint
@@ -275,7 +299,6 @@ def _train(cfg: TrainConfig) -> dict:
               f"dp={dp} tp={cfg.tensor_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
 
     batches = loader.iter_from(position, prefetch=cfg.prefetch)
-    forward_backward = get_forward_backward_func()
     dp_group = parallel_state.get_data_parallel_group()
     last: dict = {}
     steps_this_run = 0
@@ -283,22 +306,7 @@ def _train(cfg: TrainConfig) -> dict:
         while step < cfg.train_steps:
             t0 = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
-            # Global active counts of this step, known before any backward: the loss's denominators.
-            counts = torch.tensor(
-                [float(sum(int(b.loss_mask.sum()) for b in micro)),
-                 float(sum(int((b.loss_mask & b.is_dataset[:, None]).sum()) for b in micro)),
-                 float(sum(b.tokens for b in micro))], dtype=torch.float64, device=_device())
-            dist.all_reduce(counts, group=dp_group)
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            reports = forward_backward(
-                forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, model.hf_vocab_size),
-                data_iterator=iter(micro), model=ddp, num_microbatches=accum, seq_length=cfg.seq_length,
-                micro_batch_size=cfg.micro_batch_size, forward_only=False,
-            )
-            lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after the step)
-            _, grad_norm, _ = optimizer.step()
-            scheduler.step(increment=1)
+            counts, reports, lr, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size)
             step += 1
             steps_this_run += 1
             position = micro[-1].end
