@@ -1,7 +1,11 @@
-"""Loss benchmark: our GKD ``tail`` / ``renorm`` loss vs an ms-swift-style renorm and a TRL-style full-vocab JSD.
+"""Loss benchmark: the fused output layer + GKD loss (``fused_tail``, ``fused_renorm``: pipeline/train/fused_loss.py)
+vs the unfused ``tail`` / ``renorm`` (Megatron's full logits, then pipeline/train/loss.py), an ms-swift-style renorm
+and a TRL-style full-vocab JSD.
 
 Run: ``python benchmarks/loss_bench.py --tokens 1024`` (prints a markdown table; 4096 tokens takes many minutes and,
 for the TRL-style variant, more memory than a 23 GB machine has: it is skipped when it would not fit).
+``--memory-tokens 16384`` adds peak-memory rows at that length (unfused variants that would not fit in this
+machine's memory are measured at the largest power-of-two length that does, and say so).
 
 Time: forward+backward in one process, variants interleaved (order rotated each round) so shared-CPU noise hits all
 alike; median and min of ``repeats`` after ``warmup`` rounds. "with output layer": hidden [T, H] @ W[V, H]^T -> logits -> loss
@@ -25,12 +29,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pipeline.train.fused_loss import fused_gkd_loss
 from pipeline.train.loss import gkd_loss
 
-VARIANTS = ("tail", "renorm", "swift_renorm", "trl_full_jsd")
+VARIANTS = ("fused_tail", "fused_renorm", "tail", "renorm", "swift_renorm", "trl_full_jsd")
+FUSED = ("fused_tail", "fused_renorm")
 REFERENCE = "swift_renorm"
-# [T, V] fp32 buffers alive at the TRL-style variant's peak (measured ≈ 11 at 256 tokens; rounded up for safety).
-_TRL_TV_BUFFERS = 12
+# [T, V] fp32 buffers alive at each unfused variant's peak (TRL measured ≈ 11 at 256 tokens; ours: logits + their
+# gradient; rounded up for safety), to skip a measurement that would not fit in memory.
+_TV_BUFFERS = {"trl_full_jsd": 12, "tail": 3, "renorm": 3, "swift_renorm": 5}
 
 
 def make_inputs(tokens: int, vocab: int, hidden: int, k: int, seed: int = 0) -> dict:
@@ -43,7 +50,8 @@ def make_inputs(tokens: int, vocab: int, hidden: int, k: int, seed: int = 0) -> 
     ids = (torch.randint(0, vocab, (tokens, 1), generator=g) + gaps.cumsum(-1)) % vocab
     ell = torch.log_softmax(torch.randn(tokens, k, generator=g) * 2, -1) + math.log(0.95)
     ell = ell.sort(-1, descending=True).values
-    return {"h": h, "w": w, "ids": ids, "ell": ell, "mask": torch.ones(tokens, dtype=torch.bool)}
+    tail = torch.full((tokens,), math.log(0.05))  # what the score stage stores: the mass outside the top-k
+    return {"h": h, "w": w, "ids": ids, "ell": ell, "tail": tail, "mask": torch.ones(tokens, dtype=torch.bool)}
 
 
 def _jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
@@ -80,7 +88,7 @@ def trl_full_jsd_loss(logits, ids, ell, mask, beta: float, tau: float) -> torch.
 def _loss(variant: str, logits: torch.Tensor, inp: dict, beta: float, tau: float) -> torch.Tensor:
     args = (logits, inp["ids"], inp["ell"], inp["mask"])
     if variant in ("tail", "renorm"):
-        return gkd_loss(*args, beta=beta, temperature=tau, mode=variant)[0]
+        return gkd_loss(*args, beta=beta, temperature=tau, mode=variant, teacher_tail=inp["tail"])[0]
     if variant == "swift_renorm":
         return swift_renorm_loss(*args, beta, tau)
     if variant == "trl_full_jsd":
@@ -90,7 +98,14 @@ def _loss(variant: str, logits: torch.Tensor, inp: dict, beta: float, tau: float
 
 def _step(variant: str, inp: dict, output_layer: bool, beta: float, tau: float, logits: torch.Tensor | None = None):
     """One forward+backward; returns seconds."""
-    if output_layer:
+    if variant in FUSED:
+        h = inp["h"].detach().requires_grad_()
+        w = inp["w"].detach().requires_grad_()
+        t0 = time.perf_counter()
+        loss = fused_gkd_loss(h, w, inp["ids"], inp["ell"], inp["mask"], beta=beta, temperature=tau,
+                              mode=variant.removeprefix("fused_"), teacher_tail=inp["tail"]).loss
+        loss.backward()
+    elif output_layer:
         h = inp["h"].detach().requires_grad_()
         w = inp["w"].detach().requires_grad_()
         t0 = time.perf_counter()
@@ -132,11 +147,17 @@ def _peak_memory(variant: str, tokens: int, vocab: int, hidden: int, k: int, bet
 
 
 def _fits(variant: str, tokens: int, vocab: int) -> bool:
-    if variant != "trl_full_jsd":
+    if variant not in _TV_BUFFERS:
         return True
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    return _TRL_TV_BUFFERS * tokens * vocab * 4 < 0.7 * avail
+    return _TV_BUFFERS[variant] * tokens * vocab * 4 < 0.7 * avail
+
+
+def _largest_fitting(variant: str, tokens: int, vocab: int) -> int | None:
+    while tokens >= 256 and not _fits(variant, tokens, vocab):
+        tokens //= 2
+    return tokens if tokens >= 256 else None
 
 
 def run(
@@ -150,31 +171,26 @@ def run(
     beta: float = 0.5,
     temperature: float = 1.0,
     variants: tuple[str, ...] = VARIANTS,
-    memory: bool = True,
+    memory_tokens: tuple[int, ...] = (4096,),
 ) -> dict:
-    """Time (and measure peak memory of) each variant; ratios are against the ms-swift-style renorm reference."""
-    variants = tuple(v for v in variants if _fits(v, tokens, vocab))
-    skipped = [v for v in VARIANTS if v not in variants]
+    """Time each variant (forward + backward incl. the output layer; unfused ones also loss-only) at `tokens`, and
+    measure the peak memory of each at every length in `memory_tokens`; ratios are against the ms-swift-style renorm."""
+    timed = tuple(v for v in variants if _fits(v, tokens, vocab))
     inp = make_inputs(tokens, vocab, hidden, k)
-    with torch.no_grad():
-        logits = inp["h"] @ inp["w"].t()
     results: dict = {
-        "config": {
-            "tokens": tokens,
-            "vocab": vocab,
-            "hidden": hidden,
-            "k": k,
-            "beta": beta,
-            "temperature": temperature,
-            "repeats": repeats,
-            "threads": torch.get_num_threads(),
-        },
-        "skipped_for_memory": skipped,
+        "config": {"tokens": tokens, "vocab": vocab, "hidden": hidden, "k": k, "beta": beta,
+                   "temperature": temperature, "repeats": repeats, "threads": torch.get_num_threads()},
+        "skipped_for_memory": [v for v in variants if v not in timed],
     }
+    logits = None
     for section, output_layer in (("with_output_layer", True), ("loss_only", False)):
-        times: dict[str, list[float]] = {v: [] for v in variants}
+        names = timed if output_layer else tuple(v for v in timed if v not in FUSED)
+        if not output_layer:
+            with torch.no_grad():
+                logits = inp["h"] @ inp["w"].t()
+        times: dict[str, list[float]] = {v: [] for v in names}
         for r in range(warmup + repeats):
-            order = variants[r % len(variants) :] + variants[: r % len(variants)]
+            order = names[r % len(names):] + names[: r % len(names)]  # rotated: shared-CPU noise hits all alike
             for v in order:
                 dt = _step(v, inp, output_layer, beta, temperature, logits)
                 if r >= warmup:
@@ -182,45 +198,83 @@ def run(
         med = {v: statistics.median(ts) for v, ts in times.items()}
         low = {v: min(ts) for v, ts in times.items()}
         results[section] = {
-            v: {
-                "time_s": med[v],
-                "min_s": low[v],
-                "times_s": times[v],
+            v: {"time_s": med[v], "min_s": low[v], "times_s": times[v],
                 "time_ratio": med[v] / med[REFERENCE] if REFERENCE in med else None,
-                "min_ratio": low[v] / low[REFERENCE] if REFERENCE in low else None,
-            }
-            for v in variants
+                "min_ratio": low[v] / low[REFERENCE] if REFERENCE in low else None}
+            for v in names
         }
-    if memory:
-        del logits
-        peaks = {v: _peak_memory(v, tokens, vocab, hidden, k, beta, temperature) for v in variants}
-        ref = peaks.get(REFERENCE)
+    del logits, inp
+    results["memory"] = {}
+    for t in memory_tokens:
+        row = {}
         for v in variants:
-            results["with_output_layer"][v]["peak_bytes"] = peaks[v]
-            results["with_output_layer"][v]["mem_ratio"] = peaks[v] / ref if peaks[v] and ref else None
+            at = _largest_fitting(v, t, vocab)
+            peak = _peak_memory(v, at, vocab, hidden, k, beta, temperature) if at else None
+            row[v] = {"peak_bytes": peak, "measured_at": at}
+        results["memory"][str(t)] = row
     return results
+
+
+def _ratio_rows(results: dict) -> list[str]:
+    """The issue's rows (exact first cells, headline figure first) read back by ../shared/tools/bench-rows."""
+    timed, mem = results["with_output_layer"], results["memory"]
+    lines = ["| fused output layer + loss (goal rows) | result | goal |", "|---|---|---|"]
+    parts = []
+    for t, row in mem.items():
+        f, u = row["fused_tail"], row["tail"]
+        if f["peak_bytes"] and u["peak_bytes"] and u["measured_at"] == int(t):
+            parts.append((t, f"**{f['peak_bytes'] / u['peak_bytes']:.3f}×** at {int(t):,} tokens "
+                             f"({f['peak_bytes'] / 2**30:.2f} vs {u['peak_bytes'] / 2**30:.2f} GB)"))
+        elif f["peak_bytes"]:
+            unf = (f"; unfused did not fit beside this machine's other work at {int(t):,}: it needs "
+                   f"{u['peak_bytes'] / 2**30:.2f} GB at {u['measured_at']:,}" if u["peak_bytes"] else "")
+            parts.append((t, f"fused {f['peak_bytes'] / 2**30:.2f} GB at {int(t):,} tokens{unf}"))
+    lines.append("| fused vs unfused peak memory | " + "; ".join(p for _, p in parts)
+                 + " | ≤ 0.20× at 4,096, ≤ 0.10× at 16,384 |")
+    if "fused_tail" in timed and "tail" in timed:
+        f, u = timed["fused_tail"], timed["tail"]
+        lines.append(f"| fused vs unfused time | **{f['time_s'] / u['time_s']:.2f}×** (tail mode, median "
+                     f"{f['time_s']:.1f} s vs {u['time_s']:.1f} s; min {f['min_s'] / u['min_s']:.2f}×) | ≤ 1.05× |")
+    if "fused_tail" in timed and "fused_renorm" in timed:
+        f, r = timed["fused_tail"], timed["fused_renorm"]
+        ref = timed.get(REFERENCE)
+        vs_ref = (f"; fused tail vs the ms-swift-style renorm on full logits: {f['time_s'] / ref['time_s']:.2f}×"
+                  if ref else "")
+        lines.append(f"| tail vs renorm time | **{f['time_s'] / r['time_s']:.1f}×** (both fused: {f['time_s']:.1f} s vs "
+                     f"{r['time_s']:.2f} s — fused renorm needs only the k logits at the teacher's ids, so it "
+                     f"gathers k rows of W instead of the vocab matmul{vs_ref}) | ≤ 1.10× |")
+    return lines
 
 
 def to_markdown(results: dict) -> str:
     c = results["config"]
-    lines = [
-        f"T={c['tokens']} V={c['vocab']} H={c['hidden']} k={c['k']} β={c['beta']} τ={c['temperature']} "
-        f"threads={c['threads']}, median and min of {c['repeats']} (min is the steadier one on a shared CPU)",
-        "",
-        "| variant | fwd+bwd incl. output layer: median s (× ref) | min s (× ref) | peak RSS growth GB (× ref) "
-        "| loss only: median s (× ref) | min s (× ref) |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = [*_ratio_rows(results), "",
+             f"T={c['tokens']} V={c['vocab']} H={c['hidden']} k={c['k']} β={c['beta']} τ={c['temperature']} "
+             f"threads={c['threads']}, fp32, median and min of {c['repeats']} (min is the steadier one on a shared CPU)",
+             "",
+             "| variant | fwd+bwd incl. output layer: median s (× ref) | min s (× ref) "
+             "| loss only: median s (× ref) | min s (× ref) |",
+             "|---|---|---|---|---|"]
     for v, row in results["with_output_layer"].items():
-        lo = results["loss_only"][v]
-        peak = row.get("peak_bytes")
-        mem = f"{peak / 2**30:.2f} ({row['mem_ratio']:.2f})" if peak and row.get("mem_ratio") else "n/a"
-        lines.append(
-            f"| {v} | {row['time_s']:.2f} ({row['time_ratio']:.2f}) | {row['min_s']:.2f} ({row['min_ratio']:.2f}) "
-            f"| {mem} | {lo['time_s']:.2f} ({lo['time_ratio']:.2f}) | {lo['min_s']:.2f} ({lo['min_ratio']:.2f}) |"
-        )
+        lo = results["loss_only"].get(v)
+        only = (f"{lo['time_s']:.2f} ({lo['time_ratio']:.2f}) | {lo['min_s']:.2f} ({lo['min_ratio']:.2f})"
+                if lo else "— (fused: no logits) | —")
+        lines.append(f"| {v} | {row['time_s']:.2f} ({row['time_ratio']:.2f}) | {row['min_s']:.2f} "
+                     f"({row['min_ratio']:.2f}) | {only} |")
+    lines += ["", "| variant | " + " | ".join(f"peak RSS growth at {int(t):,} tokens, GB" for t in results["memory"])
+              + " |", "|---|" + "---|" * len(results["memory"])]
+    for v in VARIANTS:
+        cells = []
+        for t, row in results["memory"].items():
+            m = row.get(v, {})
+            if not m.get("peak_bytes"):
+                cells.append("n/a")
+            else:
+                at = "" if m["measured_at"] == int(t) else f" (at {m['measured_at']:,}: {int(t):,} would not fit)"
+                cells.append(f"{m['peak_bytes'] / 2**30:.2f}{at}")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
     if results["skipped_for_memory"]:
-        lines.append(f"\nskipped (would not fit in memory): {', '.join(results['skipped_for_memory'])}")
+        lines.append(f"\nnot timed (would not fit in memory): {', '.join(results['skipped_for_memory'])}")
     return "\n".join(lines)
 
 
@@ -233,10 +287,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--beta", type=float, default=0.5)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--memory-tokens", default="4096", help="comma-separated lengths for the peak-memory rows")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the issue's figures are one thread)")
     p.add_argument("--json", help="also write the results dict here")
     p.add_argument("--_memory-of", dest="memory_of", help=argparse.SUPPRESS)
     a = p.parse_args()
+    torch.set_num_threads(a.threads)
     if a.memory_of:
         _memory_child(a.memory_of, a.tokens, a.vocab, a.hidden, a.k, a.beta, a.temperature)
         return
@@ -248,7 +304,7 @@ def main() -> None:
         repeats=a.repeats,
         beta=a.beta,
         temperature=a.temperature,
-        memory=not a.no_memory,
+        memory_tokens=tuple(int(t) for t in a.memory_tokens.split(",") if t),
     )
     print(to_markdown(results))
     if a.json:

@@ -26,25 +26,27 @@ def load_hf(model_dir: str | Path) -> Any:
 
 def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None) -> dict:
     """Mean KL(teacher || student) per scored token over the held-out rows, on the teacher's top-k plus one tail
-    bin (the `tail` loss's divergence at beta=0, T=1). The student side is a plain transformers forward of the
-    exported folder (`model` is the folder or an already loaded HF model): independent of Megatron and of vLLM.
-    `keys=None` evaluates every row of the cache."""
+    bin: the trainer's `tail` loss at beta=0, T=1, with the same teacher bins (the stored top-k and tail,
+    `pipeline.train.loss.teacher_bins`). The student side is a plain transformers forward of the exported folder
+    (`model` is the folder or an already loaded HF model), in float64: independent of Megatron and of vLLM.
+    Also the top-1 agreement: the fraction of those positions where the student's most likely next token (argmax
+    over its full vocab) is the teacher's (its rank-1 id). `keys=None` evaluates every row of the cache."""
     import torch
 
     from pipeline.store import read_cache
+    from pipeline.train.loss import divergence, student_bins, teacher_bins
 
     model = load_hf(model) if isinstance(model, str | Path) else model
-    total, tokens = 0.0, 0
+    total, tokens, agree = 0.0, 0, 0
     with torch.no_grad():
         for s in read_cache(cache_dir, keys=keys):
             ids = torch.as_tensor(s.input_ids[None], dtype=torch.long)
-            logp = torch.log_softmax(model(ids).logits[0].double(), -1)[s.first_scored - 1: len(s.input_ids) - 1]
-            t_lp = torch.as_tensor(s.topk_logprobs, dtype=torch.float64)
-            s_lp = logp.gather(1, torch.as_tensor(s.topk_ids, dtype=torch.long))
-            t_tail = torch.as_tensor(s.tail_logprobs, dtype=torch.float64)
-            s_tail = torch.log1p(-torch.exp(torch.logsumexp(s_lp, -1)).clamp(max=1 - 1e-12))
-            p_tail = t_tail.exp()  # zero when the top-k holds all the mass: 0 * log 0 counts as 0
-            kl = (t_lp.exp() * (t_lp - s_lp)).sum(-1) + torch.where(p_tail > 0, p_tail * (t_tail - s_tail), 0.0)
+            z = model(ids).logits[0].double()[s.first_scored - 1: len(s.input_ids) - 1]  # logits at t predict t+1
+            top = torch.as_tensor(s.topk_ids, dtype=torch.long)
+            lse_rest = z.scatter(1, top, -torch.inf).logsumexp(-1)  # the student's mass outside the teacher's top-k
+            a = teacher_bins(torch.as_tensor(s.topk_logprobs), torch.as_tensor(s.tail_logprobs), None, 1.0, "tail")
+            kl = divergence(a, student_bins(z.gather(1, top), lse_rest, None, 1.0, "tail"), 0.0)
             total += float(kl.sum())
             tokens += kl.numel()
-    return {"heldout_kl": total / max(tokens, 1), "heldout_tokens": tokens}
+            agree += int((z.argmax(-1) == top[:, 0]).sum())
+    return {"heldout_kl": total / max(tokens, 1), "heldout_tokens": tokens, "top1_agreement": agree / max(tokens, 1)}

@@ -30,12 +30,14 @@ import numpy as np
 
 from pipeline.config import ConfigError, load_config, parse_overrides
 from pipeline.store import Descriptor, TeacherCache
+from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import content_key, teacher_fingerprint, tokenizer_fingerprint
 from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
 from pipeline.store.shards import ShardError, atomic_write_bytes, read_marker, verify_shard
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
+CODECS = ("rank-grid-esc", "exact-f32")
 
 
 @dataclass
@@ -49,6 +51,7 @@ class ScoreConfig:
     num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
     on_overlong: str = "error"  # error | skip
     logprob_mode: str = "raw_logprobs"
+    codec: str = "rank-grid-esc"  # rank-grid-esc: compact, logprobs within 1/64 nat | exact-f32: lossless, larger
     # vLLM engine pass-through
     tensor_parallel_size: int = 1
     dtype: str = "float32"
@@ -73,6 +76,8 @@ class ScoreConfig:
             p.append(f"on_overlong must be 'error' or 'skip', got {self.on_overlong!r}")
         if self.logprob_mode not in LOGPROB_MODES:
             p.append(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
+        if self.codec not in CODECS:
+            p.append(f"codec must be one of {CODECS}, got {self.codec!r}")
         if self.batch_tokens < 1 or self.part_rows < 1:
             p.append("batch_tokens and part_rows must be >= 1")
         return p
@@ -266,6 +271,7 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
         teacher=str(teacher),
         vocab_size=vocab_size,
         engine=engine_version(),
+        codec=codec_params(cfg.codec),
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k first
 

@@ -88,7 +88,7 @@ class Descriptor:
             if getattr(self, name) != getattr(other, name)
         ]
         if self.codec.get("name") != other.codec.get("name"):
-            out.append(f"codec: cache has {self.codec.get('name')!r}, this code writes {other.codec.get('name')!r}")
+            out.append(f"codec: cache has {self.codec.get('name')!r}, this run writes {other.codec.get('name')!r}")
         return out
 
 
@@ -193,7 +193,7 @@ class TeacherCache:
                     f"expected len(input_ids) - first_scored = {n}"
                 )
             enc_rows.append((r["topk_ids"], r["topk_logprobs"], ids[int(r["first_scored"]) :], r["actual_ranks"], r["actual_logprobs"]))
-        enc = codec.encode(enc_rows, k=d.k, vocab_size=d.vocab_size)
+        enc = codec.encode(enc_rows, k=d.k, vocab_size=d.vocab_size, name=d.codec.get("name", codec.NAME))
         table = pa.table(
             {
                 "key": [r["key"] for r in rows],
@@ -224,7 +224,7 @@ class TeacherCache:
         """Stream decoded batches of `batch_rows` sequences; memory is bounded by one batch."""
         for p in paths if paths is not None else self.shard_paths():
             pf = open_shard(p, "scored", checksum=checksum)
-            decoder = codec.Decoder(pf.schema_arrow.metadata or {}, where=str(p))
+            decoder = codec.open_decoder(pf.schema_arrow.metadata or {}, where=str(p))
             try:
                 for batch in pf.iter_batches(batch_size=batch_rows):
                     num = batch.column("num_scored").to_numpy(zero_copy_only=False)
@@ -289,8 +289,10 @@ class TeacherCache:
         """Every problem in the cache, each naming its file: descriptor, markers, checksums, schema, codec, keys."""
         problems: list[str] = []
         d = self.descriptor
-        if d.codec.get("name") != codec.NAME:
-            problems.append(f"{self.root / DESCRIPTOR}: codec {d.codec.get('name')!r} is not {codec.NAME!r}")
+        try:
+            codec.params(d.codec.get("name", ""))
+        except codec.CodecError as e:
+            problems.append(f"{self.root / DESCRIPTOR}: {e}")
         for orphan in sorted(self.shard_dir.glob("*.parquet")):
             if read_marker(orphan) is None:
                 problems.append(f"{orphan}: no completion marker (an interrupted write); delete it or rerun its task")

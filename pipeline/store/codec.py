@@ -56,7 +56,14 @@ class CodecError(ValueError):
     """Input the codec cannot store faithfully (NaN, wrong shapes, ids outside the vocabulary)."""
 
 
-def params() -> dict[str, str]:
+def params(name: str = NAME) -> dict[str, str]:
+    """The codec's descriptor entry (cache.json `codec`); `name` is NAME (the default) or "exact-f32"."""
+    if name != NAME:
+        from pipeline.store import exact_codec
+
+        if name != exact_codec.NAME:
+            raise CodecError(f"unknown codec {name!r}: choose {NAME!r} (default, compact) or {exact_codec.NAME!r}")
+        return exact_codec.params()
     return {
         "name": NAME,
         "grid": "1/128 nat to -3.5, 1/64 to -5, 1/32 below",
@@ -184,11 +191,18 @@ def encode(
     *,
     k: int,
     vocab_size: int,
+    name: str = NAME,
 ) -> EncodedRows:
     """Encode rows of (topk_ids [n,k], topk_logprobs [n,k], actual_ids [n], actual_ranks [n], actual_logprobs [n]).
 
-    Entries of a position are put in rank order (stable sort by descending logprob) before encoding.
+    Entries of a position are put in rank order (stable sort by descending logprob) before encoding. `name`
+    selects the codec: this module's (default) or the lossless `exact_codec`.
     """
+    if name != NAME:
+        params(name)  # refuses an unknown name
+        from pipeline.store import exact_codec
+
+        return exact_codec.encode(rows, k=k, vocab_size=vocab_size)
     norm = []
     for r, (ids, lps, aid, arank, alp) in enumerate(rows):
         ids = np.asarray(ids, dtype=np.int64)
@@ -267,6 +281,11 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
     if not parts:
         raise CodecError(f"{where}: no rows to concatenate")
     first = parts[0][1]
+    if first.get(b"gkd.codec") != NAME.encode():  # the exact codec's columns do not depend on their shard
+        if any(footer.get(name) != first.get(name) for _, footer in parts for name in shared):
+            raise CodecError(f"{where}: shards encoded with different codec parameters cannot be concatenated")
+        open_decoder(first, where)  # refuses an unknown codec
+        return pa.concat_tables([t for t, _ in parts]), dict(first)
     row_ids: list[np.ndarray] = []
     for table, footer in parts:
         if any(footer.get(name) != first.get(name) for name in shared):
@@ -360,3 +379,12 @@ class Decoder:
         if from_topk.size:
             alp[from_topk] = lps[from_topk, np.clip(ranks[from_topk] - 1, 0, k - 1)]
         return DecodedBatch(pos_off, ids, lps, tail, ranks, alp)
+
+
+def open_decoder(footer: dict[bytes, bytes], where: str = "shard"):
+    """The decoder of a shard, by the codec its footer names (this module's, or the exact codec)."""
+    from pipeline.store import exact_codec
+
+    if footer.get(b"gkd.codec") == exact_codec.NAME.encode():
+        return exact_codec.ExactDecoder(footer, where=where)
+    return Decoder(footer, where=where)

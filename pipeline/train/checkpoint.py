@@ -1,7 +1,7 @@
 """Trainer checkpoints: model + optimizer through `megatron.core.dist_checkpointing`, a small JSON beside them.
 
     SAVE_DIR/step_0000020/            one checkpoint (dist_checkpointing files + trainer.json)
-    SAVE_DIR/step_0000020/trainer.json  step, data position, LR scheduler state, RNG states, config (nanochat-style)
+    SAVE_DIR/step_0000020/trainer.json  step, data position, LR scheduler state, RNG states, precision, config
     SAVE_DIR/latest                   name of the newest complete checkpoint, written last (atomically)
 
 A LoRA run (trainer.json has "lora") saves only the adapter and its optimizer state; loading rebuilds the base
@@ -29,6 +29,11 @@ from megatron.core.tensor_parallel import random as mpu_random
 from pipeline.store.shards import atomic_write_bytes
 
 LATEST = "latest"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that this run cannot continue: another LoRA setting or another precision."""
+
 META = "trainer.json"
 
 
@@ -86,11 +91,16 @@ def _sharded(model, optimizer, *, is_loading: bool) -> dict:
     return out
 
 
+def precision_of(model) -> str:
+    """'bf16' when the model's parameters are bfloat16 (mixed precision), else 'fp32'."""
+    return "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+
+
 def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) and `lora` added."""
     from pipeline.train.lora import is_lora
 
-    meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None}
+    meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None, "precision": precision_of(model)}
     final = step_dir(save_dir, step)
     tmp = final.with_name(f".{final.name}.partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -122,8 +132,13 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
 
     saved_lora, own_lora = meta.get("lora"), model.lora_spec.to_json() if is_lora(model) else None
     if saved_lora != own_lora:
-        raise ValueError(f"{ckpt}: checkpoint LoRA settings {saved_lora} differ from this model's {own_lora} "
+        raise CheckpointMismatchError(f"{ckpt}: checkpoint LoRA settings {saved_lora} differ from this model's {own_lora} "
                          "(lora_rank / lora_alpha / lora_targets must match the run that saved it)")
+    saved_precision = meta.get("precision", "fp32")  # checkpoints from before bf16 support are fp32
+    if optimizer is not None and saved_precision != precision_of(model):
+        raise CheckpointMismatchError(f"{ckpt}: checkpoint trained in {saved_precision}, this run is {precision_of(model)}; "
+                         f"resume with bf16={str(saved_precision == 'bf16').lower()} (the optimizer's main weights "
+                         "and moments are kept per precision), or start a new save_dir")
     state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(ckpt))
     if own_lora is not None:
         load_lora_state(model, state["model"])

@@ -13,9 +13,9 @@ CPU generator, and whose tensor factories map `device="cuda"` to the CPU. Nothin
 scoped to a single call, is described below).
 Every patched call would have raised on this machine, so no working behaviour changes either.
 
-Three spots are not module-level `torch` lookups and get function-level patches instead: the RNG tracker's
-state helpers, grad clipping's `param.grad.type() == 'torch.cuda.FloatTensor'` assert, and the `.cuda()` in the
-tied-embedding setup under pipeline parallelism. One patch is for speed, not for CUDA: the frozen-weight linear's
+Four spots are not module-level `torch` lookups and get function-level patches instead: the RNG tracker's
+state helpers, grad clipping's `param.grad.type() == 'torch.cuda.FloatTensor'` assert, the `.cuda()` in the
+tied-embedding setup under pipeline parallelism, and the bf16 optimizer's `param.type()` sort of its parameters. One patch is for speed, not for CUDA: the frozen-weight linear's
 backward (LoRA students) as a 2-D GEMM, see `_patch_frozen_linear`. Known limits: DistributedOptimizer state does not load on CPU
 (use the plain optimizer) and sequence parallelism needs Transformer Engine (DESIGN.md). On CPU the tracker's
 "default" stream is the global CPU generator, so `model_parallel_cuda_manual_seed(seed)` reseeds torch itself.
@@ -197,6 +197,32 @@ def _patch_frozen_linear(layers: types.ModuleType) -> None:
     layers.LinearWithFrozenWeight.backward = staticmethod(backward)
 
 
+def _patch_float16_optimizer(optimizer_mod: types.ModuleType) -> None:
+    """Float16OptimizerWithFloat16Params.__init__ (optimizer.py L671-L700, bf16 mixed precision) sorts parameters by
+    `param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']` and raises TypeError for anything else,
+    so CPU bf16 parameters ('torch.BFloat16Tensor') are refused. For the length of that call only, `Tensor.type()`
+    (no arguments) answers with the CUDA name of the same dtype; the fp32 main copies it makes are ordinary tensors."""
+    cls = optimizer_mod.Float16OptimizerWithFloat16Params
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        saved = torch.Tensor.type
+
+        def cuda_named_type(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+            name = saved(t, *a, **k)
+            if a or k or not isinstance(name, str) or t.is_cuda:
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = cuda_named_type
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = saved
+
+    cls.__init__ = __init__
+
+
 def apply_cpu_compat() -> bool:
     """Patch the megatron modules above when CUDA is absent. Returns True if the patches are (now) active.
 
@@ -216,6 +242,7 @@ def apply_cpu_compat() -> bool:
     _patch_rng_tracker(importlib.import_module("megatron.core.tensor_parallel.random"))
     _patch_tied_embedding_setup(importlib.import_module("megatron.core.models.common.language_module.language_module"))
     _patch_frozen_linear(importlib.import_module("megatron.core.tensor_parallel.layers"))
+    _patch_float16_optimizer(importlib.import_module("megatron.core.optimizer.optimizer"))
     # optimizer.py imports the clip function by name (L50), so rebind it there as well as at its source.
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32

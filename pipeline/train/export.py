@@ -4,6 +4,7 @@
     gkd export --checkpoint runs/train/step_0000100 --out DIR      # a given one
     gkd export --checkpoint runs/lora --out DIR --adapter-only     # LoRA run: peft adapter (MBs) for LoRARequest
     gkd export --checkpoint runs/lora --out DIR --merged           # LoRA run: base + adapter as one HF folder
+    gkd export --checkpoint runs/train --out DIR --dtype bfloat16  # weights dtype (default: the student's config)
 
 One process at TP=1: dist_checkpointing reshards a checkpoint saved at any TP degree on load. The architecture and
 tokenizer come from the student folder recorded in the checkpoint's trainer.json (override with --student); a
@@ -17,10 +18,23 @@ import argparse
 import sys
 from pathlib import Path
 
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"}
+
+
+def student_dtype(hf_dir: Path) -> str:
+    """The dtype a student folder's config.json declares (`dtype`, or the older `torch_dtype`); float32 if none."""
+    import json
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    return DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "float32")
+
 
 def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path | None = None,
-           adapter_only: bool = False) -> Path:
-    """Write the checkpoint's model as an HF folder (or, with `adapter_only`, its LoRA adapter in peft format)."""
+           adapter_only: bool = False, dtype: str | None = None) -> Path:
+    """Write the checkpoint's model as an HF folder (or, with `adapter_only`, its LoRA adapter in peft format), in
+    `dtype` (float32 | bfloat16 | float16; None: the student's config dtype)."""
+    import torch
+
     from pipeline.train import checkpoint
     from pipeline.train.lora import LoRASpec, apply_lora
     from pipeline.train.model import build_model, export_adapter, export_hf, load_hf_weights
@@ -35,9 +49,14 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
     if adapter_only and lora is None:
         raise ValueError(f"{ckpt}: --adapter-only needs a LoRA run (trainer.json has no lora settings); "
                          "this checkpoint holds full weights, export it without --adapter-only")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
+    out_dtype = getattr(torch, DTYPES[dtype] if dtype else student_dtype(hf_dir))
+    # Built in the checkpoint's precision, so its tensors load as they were saved; cast on writing.
+    params_dtype = torch.bfloat16 if meta.get("precision") == "bf16" else torch.float32
     init_distributed(tp=1, pp=1, seed=0)
     try:
-        model = build_model(hf_dir)
+        model = build_model(hf_dir, params_dtype=params_dtype)
         if lora is not None:
             load_hf_weights(model, hf_dir)  # the frozen base; the checkpoint has the adapter only
             apply_lora(model, LoRASpec(lora["rank"], lora["alpha"], tuple(lora["targets"])))
@@ -45,7 +64,7 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
         if adapter_only:
             export_adapter(model, hf_dir, out_dir)
         else:
-            export_hf(model, hf_dir, out_dir)
+            export_hf(model, hf_dir, out_dir, dtype=out_dtype)
     finally:
         destroy_distributed()
     return Path(out_dir)
@@ -59,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--adapter-only", action="store_true", help="LoRA run: write the peft adapter only")
     mode.add_argument("--merged", action="store_true", help="LoRA run: write base + adapter merged (the default)")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="weights dtype of the HF folder (default: the student's config.json dtype)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only)
+        out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only, dtype=args.dtype)
     except (FileNotFoundError, ValueError) as e:
         print(f"gkd export: {e}", file=sys.stderr)
         return 2

@@ -1,22 +1,26 @@
 """GKD loss on a vocab-parallel shard of student logits, against a sparse top-k teacher.
 
-Per active position t (DESIGN.md, "Loss"): teacher top-k ids ``K_t`` with logprobs ``ℓ`` stored at temperature 1,
+Per active position t (docs/architecture.md, "Loss"): teacher top-k ids ``K_t`` with logprobs ``ℓ`` stored at temperature 1,
 student logits ``z`` over the full vocab, temperature ``τ``, JSD weight ``β``.
 
 * ``renorm``: teacher ``softmax(ℓ/τ)`` and student ``softmax(z_K/τ)``, both restricted to ``K_t``
   (what ms-swift, twinkle and NeMo-RL do). Exact at any τ; blind to student mass outside ``K_t``.
-* ``tail``: k+1 bins, the k ids plus one bin holding the rest of the mass on each side. The student side is exact
+* ``tail``: k+1 bins, the k ids plus one bin holding the rest of the mass on each side. The teacher's tail bin is
+  the log tail mass the score stage stored (computed there from unquantised logprobs; recomputing ``1 − Σp`` from the
+  quantised top-k goes ≤ 0 at confident positions), so training and held-out evaluation (``pipeline/evaluate.py``)
+  see one teacher distribution. The student side is exact
   at any τ: its tail bin is ``logsumexp`` of ``z/τ`` over the vocab *minus* ``K_t`` (computed directly, not as
   ``1 − Σ``, so a confident student's tiny tail does not cancel away). The teacher side at τ ≠ 1 uses one-bin-tail
   tempering (DistillKit's choice): bins ``p_i^(1/τ)`` and ``p_tail^(1/τ)`` renormalised, because the full-vocab
   tempered teacher is not recoverable from the top-k alone. At τ = 1 it is exact.
 * ``β = 0``: KL(p‖s); ``β = 1``: KL(s‖p); else ``β·KL(p‖m) + (1−β)·KL(s‖m)`` with ``m = β·p + (1−β)·s``.
 
-Numerics: teacher bin probabilities (including the tail ``1 − Σp``, computed in float64) are floored at
-``TEACHER_EPS`` and the bins renormalised, so a ``-inf`` logprob or a tail that rounds to ≤ 0 (quantised logprobs can
-sum past 1) gives a finite loss; under reverse KL this caps the penalty for student mass there at
+Numerics: teacher bin probabilities (float64) are floored at ``TEACHER_EPS`` and the bins renormalised (the stored
+top-k and tail are quantised, so they sum to 1 only within the codec's bound), so a ``-inf`` logprob or an empty
+tail gives a finite loss; under reverse KL this caps the penalty for student mass there at
 ``-log(TEACHER_EPS)`` ≈ 27.6 nats per unit of mass instead of +inf. Active positions must have distinct ids in
-``[0, V)``; inactive positions are never read.
+``[0, V)``; inactive positions are never read. Entries marked not ``valid`` (teacher ids past the student's vocab,
+whose mass the loader folds into the tail; shorter rows of a variable-k cache) are not bins on either side.
 
 Tensor parallel (Megatron convention: the loss is replicated on every rank of ``tp_group``, gradients are local):
 the raw logits at ``K_t`` are gathered by a masked gather + SUM all-reduce, and the log-normaliser by all-reducing
@@ -25,6 +29,8 @@ gradients.
 
 Memory: the only full-vocab pass (the tail ``logsumexp``) runs over chunks of ``chunk_size`` tokens in forward and
 is recomputed in backward, so beyond the logits and their gradient only ``[chunk_size, V_local]`` temporaries exist.
+The trainer's default (``fused_loss: true``) does better: ``fused_loss.py`` never builds the logits at all; this
+module is its reference (``fused_loss: false``).
 
 Test: ``python -m pytest tests/train/test_loss.py``; benchmark: ``python benchmarks/loss_bench.py``.
 """
@@ -68,7 +74,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, rows, ids, tau, group, chunk_size, with_tail, vocab_size):
+    def forward(ctx, logits, rows, ids, tau, group, chunk_size, with_tail, vocab_size, valid=None):
         rank, _ = _tp(group)
         v_local = logits.shape[-1]
         # Columns at or past the real vocab (Megatron pads it to a multiple of TP) are skipped, not copied and masked.
@@ -76,6 +82,8 @@ class _TopkAndTailLSE(torch.autograd.Function):
         cdtype = torch.promote_types(logits.dtype, torch.float32)
         local = ids - rank * v_local
         inrange = (local >= 0) & (local < v_local)
+        if valid is not None:  # an entry that is not a bin neither gathers nor leaves the complement
+            inrange = inrange & valid
         idx = local.clamp(0, v_local - 1)
         # Ids owned by another rank read a clamped local entry that is zeroed before the SUM all-reduce.
         zk = logits[rows.unsqueeze(-1), idx].to(cdtype) * inrange
@@ -120,7 +128,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
         if not ctx.with_tail or g_tail is None:
             grad = torch.zeros_like(logits)
             grad.index_put_((rows.unsqueeze(-1).expand_as(idx), idx), g_zk.to(logits.dtype), accumulate=True)
-            return grad, None, None, None, None, None, None, None
+            return grad, None, None, None, None, None, None, None, None
         all_rows = rows.numel() == logits.shape[0]
         grad = torch.empty_like(logits) if all_rows else torch.zeros_like(logits)
         fill = torch.where(inrange, -math.inf, math.inf).to(cdtype)
@@ -147,29 +155,62 @@ class _TopkAndTailLSE(torch.autograd.Function):
                 grad[s:e] = x
             elif not all_rows:
                 grad[rows[s:e]] = x.to(logits.dtype)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
-def _teacher_logprobs(ell: Tensor, temperature: float, mode: str) -> Tensor:
-    """Teacher log-probabilities over the bins (k for renorm, k+1 for tail), float64."""
+def teacher_bins(ell: Tensor, tail: Tensor | None, valid: Tensor | None, temperature: float, mode: str) -> Tensor:
+    """Teacher log-probabilities over the bins (k for renorm, k+1 for tail: the stored log tail mass last), float64.
+
+    ``tail``: the score stage's stored log mass outside the top-k; None recomputes ``1 − Σ exp(ℓ)``, which goes
+    <= 0 where quantised top-k logprobs sum past 1 (the stored tail is computed from unquantised values: use it).
+    ``valid``: entries to keep (False: not a bin at all — a teacher id the student cannot represent, whose mass the
+    loader has already folded into the tail)."""
     log_eps = math.log(TEACHER_EPS)
     ell = ell.double().clamp_min(log_eps)
+    if valid is not None:
+        ell = torch.where(valid, ell, -math.inf)
     if mode == "renorm":
         return torch.log_softmax(ell / temperature, dim=-1)
-    # 1 − Σp via -expm1(log Σp): accurate when the top-k holds almost all the mass.
-    log_tail = torch.log((-torch.expm1(torch.logsumexp(ell, dim=-1))).clamp_min(TEACHER_EPS))
-    bins = torch.cat([ell, log_tail.unsqueeze(-1)], dim=-1)
+    if tail is None:
+        # 1 − Σp via -expm1(log Σp): accurate when the top-k holds almost all the mass.
+        tail = torch.log((-torch.expm1(torch.logsumexp(ell, dim=-1))).clamp_min(TEACHER_EPS))
+    bins = torch.cat([ell, tail.double().clamp_min(log_eps).unsqueeze(-1)], dim=-1)
     return torch.log_softmax(bins / temperature, dim=-1)  # one-bin-tail tempering (exact at τ = 1)
 
 
-def _divergence(a: Tensor, b: Tensor, beta: float) -> Tensor:
-    """Per-position generalised JSD between teacher log-probs ``a`` and student log-probs ``b`` (both [A, bins])."""
+def student_bins(zk: Tensor, lse_tail: Tensor | None, valid: Tensor | None, temperature: float, mode: str) -> Tensor:
+    """Student log-probabilities over the bins from its raw logits at the teacher ids ``zk`` [A, k] and (tail) the
+    logsumexp of ``z/τ`` over the vocab minus the valid ids."""
+    zt = zk / temperature
+    if valid is not None:
+        zt = torch.where(valid, zt, -math.inf)
+    if mode == "tail":
+        # Floor the tail "logit" relative to the row (empty/underflowed complement): finite loss, zero gradient there.
+        top = zt.detach().amax(-1)
+        floor = (torch.where(torch.isfinite(top), top, 0.0) + _LOG_TINY).to(zt.dtype)
+        zt = torch.cat([zt, torch.maximum(lse_tail, floor).unsqueeze(-1)], dim=-1)
+    return torch.log_softmax(zt, dim=-1)  # the tail bin's logit is the complement's logsumexp: log s over k+1 bins
+
+
+def divergence(a: Tensor, b: Tensor, beta: float, valid: Tensor | None = None, mode: str = "tail") -> Tensor:
+    """Per-position generalised JSD between teacher log-probs ``a`` and student log-probs ``b`` ([A, bins]).
+    Bins that are not ``valid`` (and the rows of renorm mode with no valid bin at all) contribute exactly 0."""
+    if valid is not None:
+        keep = torch.cat([valid, valid.new_ones(valid.shape[0], 1)], -1) if mode == "tail" else valid
+        if mode == "renorm":  # a row with no representable teacher id has nothing to renormalise
+            keep = keep & keep.any(-1, keepdim=True)
+        a = torch.where(keep, a, 0.0)  # finite stand-ins, so masked terms have finite gradients (then zeroed)
+        b = torch.where(keep, b, 0.0)
     if beta == 0.0:
-        return (a.exp() * (a - b)).sum(-1)
-    if beta == 1.0:
-        return (b.exp() * (b - a)).sum(-1)
-    log_m = torch.logsumexp(torch.stack([a + math.log(beta), b + math.log1p(-beta)]), dim=0)
-    return beta * (a.exp() * (a - log_m)).sum(-1) + (1.0 - beta) * (b.exp() * (b - log_m)).sum(-1)
+        terms = a.exp() * (a - b)
+    elif beta == 1.0:
+        terms = b.exp() * (b - a)
+    else:
+        log_m = torch.logsumexp(torch.stack([a + math.log(beta), b + math.log1p(-beta)]), dim=0)
+        terms = beta * a.exp() * (a - log_m) + (1.0 - beta) * b.exp() * (b - log_m)
+    if valid is not None:
+        terms = torch.where(keep, terms, 0.0)
+    return terms.sum(-1)
 
 
 def gkd_loss(
@@ -181,6 +222,8 @@ def gkd_loss(
     beta: float,
     temperature: float = 1.0,
     mode: Literal["tail", "renorm"] = "tail",
+    teacher_tail: Tensor | None = None,
+    teacher_valid: Tensor | None = None,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     vocab_size: int | None = None,
@@ -188,11 +231,14 @@ def gkd_loss(
     """Sum of the per-position GKD divergence over active positions, and the active count.
 
     ``logits``: ``[..., V_local]``, this TP rank's vocab slice (vocab_start = rank · V_local); ``teacher_ids``:
-    ``[..., k]`` global vocab ids; ``teacher_logprobs``: ``[..., k]`` at temperature 1; ``mask``: ``[...]`` bool.
+    ``[..., k]`` global vocab ids; ``teacher_logprobs``: ``[..., k]`` at temperature 1; ``mask``: ``[...]`` bool;
+    ``teacher_tail``: ``[...]`` the stored log teacher mass outside the top-k (None: recomputed as ``1 − Σp``);
+    ``teacher_valid``: ``[..., k]`` bool, False for entries that are not bins (see :func:`teacher_bins`).
     Leading dims are flattened. The sum is differentiable w.r.t. ``logits``; divide by the *global* active count
     (across micro-batches, grad-accum and DP ranks) where it is known. ``tp_group=None`` means no tensor parallelism.
     ``vocab_size``: the real (global) vocab size; logits columns at or past it (Megatron's padding to a multiple of
     TP) are left out of the student's distribution and get zero gradient, without a masked copy of the logits.
+    This is the reference the fused output-layer loss (``fused_loss.fused_gkd_loss``) is tested against.
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
@@ -205,17 +251,14 @@ def gkd_loss(
     rows = mask.reshape(-1).nonzero().squeeze(-1)
     count = torch.tensor(rows.numel(), dtype=torch.long, device=logits.device)
     ids = teacher_ids.reshape(-1, k)[rows].long()
-    a = _teacher_logprobs(teacher_logprobs.reshape(-1, k)[rows], temperature, mode)
+    valid = teacher_valid.reshape(-1, k)[rows] if teacher_valid is not None else None
+    tail = teacher_tail.reshape(-1)[rows] if teacher_tail is not None else None
+    a = teacher_bins(teacher_logprobs.reshape(-1, k)[rows], tail, valid, temperature, mode)
     zk, lse_tail = _TopkAndTailLSE.apply(
-        logits, rows, ids, temperature, tp_group, chunk_size, mode == "tail", vocab_size
+        logits, rows, ids, temperature, tp_group, chunk_size, mode == "tail", vocab_size, valid
     )
-    zt = zk / temperature
-    if mode == "tail":
-        # Floor the tail "logit" relative to the row (empty/underflowed complement): finite loss, zero gradient there.
-        floor = (zt.detach().amax(-1) + _LOG_TINY).to(zt.dtype)
-        zt = torch.cat([zt, torch.maximum(lse_tail, floor).unsqueeze(-1)], dim=-1)
-    b = torch.log_softmax(zt, dim=-1)  # the tail bin's logit is the complement's logsumexp: b = log s over k+1 bins
-    div = _divergence(a.to(b.dtype), b, beta)
+    b = student_bins(zk, lse_tail, valid, temperature, mode)
+    div = divergence(a.to(b.dtype), b, beta, valid, mode)
     return div.sum(), count
 
 

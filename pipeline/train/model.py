@@ -102,14 +102,15 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_model(
-    hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None, *, attention: str = "sdpa", recompute: str = "none"
-) -> GPTModel:
-    """Build an (uninitialised-weights) fp32 GPTModel matching the HF config, for this rank's TP/PP slice.
+def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None, *,
+                params_dtype: torch.dtype = torch.float32, attention: str = "sdpa", recompute: str = "none") -> GPTModel:
+    """Build an (uninitialised-weights) GPTModel matching the HF config, for this rank's TP/PP slice.
 
-    `attention`: "sdpa" (torch's fused kernels) or "local" (Megatron's unfused DotProductAttention), see
-    attention.py; `recompute`: "none", "selective" or "full" activation recompute, see recompute.py.
-    Needs `init_distributed` first. Sets `model.hf_arch` and `model.hf_vocab_size` for the loader/exporter/loss.
+    `params_dtype=torch.bfloat16` builds it for bf16 mixed precision (the trainer wraps it in Megatron's
+    Float16Module and keeps fp32 main weights in the optimizer). `attention`: "sdpa" (torch's fused kernels) or
+    "local" (Megatron's unfused DotProductAttention), see attention.py; `recompute`: "none", "selective" or "full"
+    activation recompute, see recompute.py. Needs `init_distributed` first. Sets `model.hf_arch` and
+    `model.hf_vocab_size` for the loader/exporter/loss.
     """
     from pipeline.train.attention import layer_spec
     from pipeline.train.recompute import keep_inputs_differentiable, recompute_options
@@ -134,8 +135,9 @@ def build_model(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,  # required by TransformerConfig when pp > 1 (p2p buffer dtype)
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,  # required by TransformerConfig when pp > 1 (p2p buffer dtype)
         use_cpu_initialization=not torch.cuda.is_available(),
         **recompute_kw,
     )
@@ -308,8 +310,9 @@ def gather_shards(model: GPTModel, adapter_only: bool = False) -> list[dict[str,
     return [by_tp[r] for r in sorted(by_tp)]
 
 
-def export_hf(model: GPTModel, src_hf_dir: str | Path, out_dir: str | Path) -> None:
-    """Write `model` as an HF folder (model.safetensors, config.json, tokenizer files of `src_hf_dir`).
+def export_hf(model: GPTModel, src_hf_dir: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write `model` as an HF folder (model.safetensors, config.json, tokenizer files of `src_hf_dir`), in `dtype`
+    (None: the model's own) — config.json's dtype says which.
 
     Collective: every rank calls it; TP shards and PP stages are gathered to global rank 0, which writes.
     A LoRA model is written merged (W + scale * B A). The folder appears atomically (written as
@@ -321,9 +324,11 @@ def export_hf(model: GPTModel, src_hf_dir: str | Path, out_dir: str | Path) -> N
     shards = gather_shards(model)
     if shards is not None:
         spec = getattr(model, "lora_spec", None)
-        if spec is not None:
-            shards = [merge_into(s, spec.scale) for s in shards]
-        _write_hf_folder(megatron_to_hf_state_dict(shards, model.hf_arch), Path(src_hf_dir), Path(out_dir))
+        if spec is not None:  # merged in float32 (a bf16 W + B·A would round twice), then cast
+            shards = [merge_into({k: v.float() for k, v in s.items()}, spec.scale) for s in shards]
+        tensors = megatron_to_hf_state_dict(shards, model.hf_arch)
+        dtype = dtype or next(model.parameters()).dtype
+        _write_hf_folder({k: v.to(dtype) for k, v in tensors.items()}, Path(src_hf_dir), Path(out_dir))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 

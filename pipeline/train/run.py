@@ -48,9 +48,19 @@ class TrainConfig:
     warmup_steps: int = 10  # linear from 0 (Megatron's convention: step 1 runs at lr 0), then cosine to min_lr
     weight_decay: float = 0.0
     clip_grad: float = 1.0
+    optimizer: str = "adam"  # adam (AdamW, betas 0.9/0.95) | sgd (momentum 0.9: an update linear in the gradient)
     beta: float = 0.5  # 0 forward KL, 1 reverse KL, else generalised JSD
     temperature: float = 1.0
     topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
+    # The loss applies the output layer itself, chunk by chunk: no [tokens, vocab] logits (pipeline/train/fused_loss.py).
+    # false: Megatron's output layer makes the full logits and pipeline/train/loss.py takes them (the reference).
+    fused_loss: bool = True
+    # bf16 mixed precision (Megatron's Float16Module; fp32 main weights and grads in the optimizer; the loss in fp32
+    # within each chunk). null: on where CUDA is available, off on CPU (where it works, for tests and laptops).
+    bf16: bool | None = None
+    # Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks): CUDA only, since its
+    # checkpoint state does not load on CPU (docs/architecture.md).
+    use_distributed_optimizer: bool = False
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
     tensor_model_parallel_size: int = 1
     # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
@@ -93,6 +103,8 @@ class TrainConfig:
             p.append(f"attention must be sdpa or local, got {self.attention!r}")
         if self.recompute not in ("none", "selective", "full"):
             p.append(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.optimizer not in ("adam", "sgd"):
+            p.append(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.sft_alpha < 0:
             p.append("sft_alpha must be >= 0")
         if not 0 <= self.min_lr <= self.lr:
@@ -103,6 +115,8 @@ class TrainConfig:
             p.append("exit_after must be >= 1")
         if self.data_position is not None and self.data_position < 0:
             p.append("data_position must be >= 0")
+        if self.use_distributed_optimizer and not torch.cuda.is_available():
+            p.append("use_distributed_optimizer needs CUDA (its checkpoint state does not load on CPU); set it false")
         if self.lora_rank < 0:
             p.append("lora_rank must be >= 0 (0: train all weights)")
         if self.lora_rank > 0:
@@ -115,6 +129,11 @@ class TrainConfig:
             except ValueError as e:
                 p.append(str(e))
         return p
+
+    def precision(self) -> str:
+        """'bf16' or 'fp32' for this machine (bf16: null means on where CUDA is available)."""
+        on = torch.cuda.is_available() if self.bf16 is None else self.bf16
+        return "bf16" if on else "fp32"
 
     def lora_spec(self):
         """The LoRASpec of this run, or None for full fine-tuning."""
@@ -140,6 +159,15 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _init_sgd_state(opt: torch.optim.Optimizer, config=None) -> None:
+    """Momentum buffers for every parameter (what torch's SGD creates on its first step), so a checkpoint's
+    buffers have somewhere to load into."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if group.get("momentum", 0):
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
 def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
     """GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR scheduler."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -148,8 +176,14 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
 
     from pipeline.train.model import build_model, load_hf_weights
 
-    model = build_model(hf_dir, attention=cfg.attention, recompute=cfg.recompute)
+    bf16 = cfg.precision() == "bf16"
+    model = build_model(hf_dir, params_dtype=torch.bfloat16 if bf16 else torch.float32, attention=cfg.attention,
+                        recompute=cfg.recompute)
     load_hf_weights(model, hf_dir)
+    if cfg.fused_loss:
+        from pipeline.train.fused_loss import output_hidden_states
+
+        output_hidden_states(model)  # the loss applies the output layer (its weight stays in the model)
     spec = cfg.lora_spec()
     if spec is not None:
         from pipeline.train.lora import apply_lora
@@ -159,13 +193,25 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
     config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
     # DDP sums grads over DP ranks (per-token loss); num_tokens=None: no second normalisation.
     config.finalize_model_grads_func = lambda models, num_tokens, **kw: finalize_model_grads(models, None, **kw)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    wrapped = model
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = Float16Module(config, model)  # bf16 inputs in, fp32 outputs out (last stage)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer), wrapped)
     config.no_sync_func = ddp.no_sync
     opt_config = OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=0.9,
-        adam_beta2=0.95, adam_eps=1e-8, clip_grad=cfg.clip_grad, use_distributed_optimizer=False,  # no CPU load
+        optimizer=cfg.optimizer, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=0.9,
+        adam_beta2=0.95, adam_eps=1e-8, clip_grad=cfg.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
+    if cfg.optimizer == "sgd":
+        # Megatron gives SGD no init_state_fn, which loading a checkpoint calls to create the state it fills in.
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt.init_state_fn = _init_sgd_state
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
         lr_decay_steps=cfg.train_steps, lr_decay_style="cosine", start_wd=cfg.weight_decay,
@@ -177,26 +223,48 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
 # ---------------------------------------------------------------- one micro-batch
 
 
-def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: int, output_tensor: torch.Tensor):
-    """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step."""
+def _unwrap(model):
+    """The GPTModel inside DDP / Float16Module."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: int, gpt, output_tensor: torch.Tensor):
+    """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step.
+
+    `output_tensor` is the final hidden states with `fused_loss` (the loss applies the output layer itself, chunk
+    by chunk: pipeline/train/fused_loss.py), the logits otherwise."""
     from megatron.core import parallel_state
 
-    from pipeline.train.loss import gkd_loss, vocab_parallel_ce
-
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    logits = output_tensor.float()
-    # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
-    # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
-    kd_sum, kd_n = gkd_loss(
-        logits, batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask,
-        beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, tp_group=tp_group, vocab_size=vocab_size,
-    )
-    loss = kd_sum / max(counts[0], 1.0)
-    sft_sum = torch.zeros((), device=logits.device)
-    if cfg.sft_alpha > 0:
-        sft_mask = batch.loss_mask & batch.is_dataset[:, None]
-        sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
-        loss = loss + cfg.sft_alpha * sft_sum / max(counts[1], 1.0)
+    sft_mask = batch.loss_mask & batch.is_dataset[:, None] if cfg.sft_alpha > 0 else None
+    kd_weight, sft_weight = 1.0 / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=getattr(batch, "teacher_valid", None))
+    if cfg.fused_loss:
+        from pipeline.train.fused_loss import fused_gkd_loss, output_weight
+
+        out = fused_gkd_loss(
+            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask,
+            beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
+            sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
+        )
+        loss, kd_sum, kd_n, sft_sum = out.loss, out.kd_sum, out.kd_count, out.sft_sum
+    else:
+        from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+
+        logits = output_tensor.float()
+        # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
+        # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
+        kd_sum, kd_n = gkd_loss(
+            logits, batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask, beta=cfg.beta,
+            temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
+        )
+        loss = kd_weight * kd_sum
+        sft_sum = torch.zeros((), device=logits.device)
+        if sft_mask is not None:
+            sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
+            loss = loss + sft_weight * sft_sum
     report = torch.stack([kd_sum.detach(), sft_sum.detach().to(kd_sum.dtype)]).double()
     return loss, kd_n.int(), {"sums": report}
 
@@ -204,8 +272,9 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
 def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model):
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward."""
     batch = next(data_iterator).to(_device())
-    logits = model(batch.input_ids, batch.position_ids, None)  # [B, S, V/tp]: causal mask built inside
-    return logits, partial(loss_func, batch, counts, cfg, vocab_size)
+    # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss; causal mask built inside
+    out = model(batch.input_ids, batch.position_ids, None)
+    return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))
 
 
 def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_size: int):
@@ -329,7 +398,7 @@ def _train(cfg: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
             done = step >= cfg.train_steps or (cfg.exit_after is not None and steps_this_run >= cfg.exit_after)
             if step % cfg.save_interval == 0 or done:
-                checkpoint.save(save_dir, step, ddp.module, optimizer, {
+                checkpoint.save(save_dir, step, model, optimizer, {
                     "data_position": position, "data_fingerprint": loader.fingerprint,
                     "scheduler": scheduler.state_dict(), "config": to_dict(cfg), "student": str(hf_dir.resolve()),
                 })
@@ -354,11 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gkd train: {e}", file=sys.stderr)
         return 2
     from pipeline.store import SchemaError, ShardError
+    from pipeline.train.checkpoint import CheckpointMismatchError
     from pipeline.train.data import TokenizerMismatchError
 
     try:
         train(cfg)
-    except (FileNotFoundError, ShardError, SchemaError, TokenizerMismatchError, ConfigError) as e:
+    except (FileNotFoundError, ShardError, SchemaError, TokenizerMismatchError, ConfigError,
+            CheckpointMismatchError) as e:
         print(f"gkd train: {e}", file=sys.stderr)  # a bad cache/student/config: a message, not a traceback
         return 2
     return 0

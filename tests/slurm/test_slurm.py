@@ -193,3 +193,28 @@ def test_train_torchrun_one_node(tmp_path, slurm_cluster):
     assert env["TORCHELASTIC_RUN_ID"] == job and env["SLURM_NNODES"] == "1" and env["allreduce"] == 1.0
     assert env["MASTER_PORT"] and slurm_cluster.node in log  # rendezvous on the first host of the allocation
     assert not any(s in ACTIVE for s in task_states(job).values())
+
+
+def test_train_step_under_slurm_torchrun(tmp_path, slurm_cluster):
+    """The real trainer as a Slurm job (`gkd slurm train`, torchrun from Slurm's variables, 1 node, 1 process): two
+    optimizer steps on a tiny cache, their metrics and the final checkpoint on disk, the job COMPLETED."""
+    from tiny_cache import build_tiny, random_samples, score_into_cache
+    from transformers import AutoConfig
+
+    teacher, student = build_tiny(tmp_path / "teacher"), build_tiny(tmp_path / "student", seed=1)
+    score_into_cache(teacher, tmp_path / "cache", random_samples(8, AutoConfig.from_pretrained(teacher).vocab_size))
+    save = tmp_path / "run"
+    args = [f"student={student}", f"cache=[{tmp_path / 'cache'}]", "micro_batch_size=2", "global_batch_size=4",
+            "seq_length=32", "train_steps=2", "warmup_steps=1", "lr=1e-3", f"save_dir={save}", "progress=false"]
+    res = subprocess.run([sys.executable, "-m", "pipeline", "slurm", "train", "--nodes", "1", "--nproc-per-node", "1",
+                          "--cpus-per-task", "1", "--log-dir", str(tmp_path / "logs"), "--", *args],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip()
+    states = wait(job, 600)
+    log = (tmp_path / "logs" / f"gkd-train-{job}.log").read_text()
+    assert states == {-1: "COMPLETED"}, log[-3000:]
+    metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["loss"] > 0 and m["active_tokens"] > 0 for m in metrics)
+    assert (save / "latest").read_text().strip() == "step_0000002"
+    assert json.loads((save / "step_0000002" / "trainer.json").read_text())["step"] == 2

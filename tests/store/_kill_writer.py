@@ -18,5 +18,6 @@ for i in range(n_shards):
         continue
     rng = np.random.default_rng(i)
     rows = [make_row(rng, d, length=60, prompt_len=10) for _ in range(40)]
+    print("writing", name, flush=True)  # the test kills between this line and the shard's marker
     cache.write_shard(name, rows)
 print("done", flush=True)

@@ -133,3 +133,35 @@ def test_damaged_data_and_footer_refused() -> None:
         codec.Decoder({**enc.footer, b"gkd.codec": b"other"})
     with pytest.raises(codec.CodecError, match="damaged"):
         codec.Decoder({**enc.footer, b"gkd.codec.id_table": b"junk"})
+
+
+def test_exact_codec_round_trip_is_lossless(tmp_path):
+    """codec=exact-f32: ids, float32 logprobs, the actual token's rank and logprob come back bit for bit; the tail
+    is the float64 computation from those float32 values; the shard goes through the cache and the loader's reader."""
+    from scored_rows import make_descriptor, make_row
+
+    from pipeline.store import TeacherCache, read_cache
+    from pipeline.store.exact_codec import NAME
+
+    d = make_descriptor(k=8, vocab=500)
+    d = type(d)(**{**d.__dict__, "codec": codec.params(NAME)})
+    cache = TeacherCache.create_or_open(tmp_path / "c", d)
+    rng = np.random.default_rng(0)
+    rows = [make_row(rng, d, length=30, prompt_len=5) for _ in range(6)]
+    cache.write_shard("exact", rows)
+    assert cache.verify() == []
+    got = {s.key: s for s in read_cache(tmp_path / "c")}
+    for r in rows:
+        s = got[r["key"]]
+        order = np.argsort(-np.asarray(r["topk_logprobs"], np.float32), axis=1, kind="stable")
+        assert np.array_equal(s.topk_ids, np.take_along_axis(np.asarray(r["topk_ids"]), order, 1))
+        assert np.array_equal(s.topk_logprobs, np.take_along_axis(np.asarray(r["topk_logprobs"], np.float32), order, 1))
+        assert np.array_equal(s.actual_logprobs, np.asarray(r["actual_logprobs"], np.float32))
+        assert np.array_equal(s.actual_ranks, np.asarray(r["actual_ranks"]))
+        np.testing.assert_array_equal(s.tail_logprobs, codec.tail_logprob(s.topk_logprobs).astype(np.float32))
+    with pytest.raises(codec.CodecError, match="unknown codec"):
+        codec.params("zip")
+    from pipeline.store.cache import CacheMismatchError
+
+    with pytest.raises(CacheMismatchError, match="codec: cache has 'exact-f32', this run writes 'rank-grid-esc'"):
+        TeacherCache.create_or_open(tmp_path / "c", make_descriptor(k=8, vocab=500))  # mixing codecs is refused

@@ -86,26 +86,45 @@ def test_schema_files_build_arrow_schemas():
 
 
 def test_sigkill_leaves_no_partial_shard_and_rerun_completes(tmp_path):
-    """Kill the writer at several points; readers only ever see complete shards; a rerun finishes the set."""
+    """Kill the writer inside write_shard (it announces each shard just before writing it): half the kills as soon
+    as the shard's temporary file appears, half at random offsets after the announcement. At least one kill must
+    have left a half-written temporary file behind (proof that it landed mid-write); readers only ever see complete
+    shards; a rerun finishes the set and removes the leftovers."""
+    import random
+
     root, n = tmp_path / "cache", 6
+    shard_dir = root / "shards"
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     cmd = [sys.executable, str(HERE / "_kill_writer.py"), str(root), str(n)]
-    for delay in (0.8, 1.2, 1.6, 2.0):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE)
-        time.sleep(delay)
+    rng, mid_write = random.Random(0), 0
+    for attempt in range(10):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline().split()
+        if line[:1] != ["writing"]:  # nothing left to write
+            proc.wait()
+            break
+        name = line[1]
+        if attempt % 2 == 0:  # as soon as the temporary file of this shard exists
+            deadline = time.time() + 10
+            while time.time() < deadline and not list(shard_dir.glob(f".{name}.parquet.tmp-*")):
+                time.sleep(0.0005)
+        else:
+            time.sleep(rng.uniform(0.0, 0.2))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        if not (root / "shards").exists():
-            continue
+        if list(shard_dir.glob(f".{name}.parquet.tmp-*")) and not is_complete(shard_dir / f"{name}.parquet", "scored"):
+            mid_write += 1
         cache = TeacherCache.open(root)
         for p in cache.shard_paths():  # everything a reader can see verifies
             assert verify_shard(p, "scored") == [], p
             open_shard(p, "scored")
-        visible = [p.name for p in (root / "shards").iterdir() if not p.name.startswith(".")]
+        visible = [p.name for p in shard_dir.iterdir() if not p.name.startswith(".")]
         assert all(name.endswith((".parquet", ".ok")) for name in visible)
+    print(f"[sigkill] {mid_write} kills landed mid-write", file=sys.stderr)
+    assert mid_write >= 1, "no kill landed while a shard was being written: the test proved nothing"
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     cache = TeacherCache.open(root)
     assert len(cache.shard_paths()) == n
     assert cache.verify() == []
-    assert not [p for p in (root / "shards").iterdir() if p.name.startswith(".")]
+    assert not [p for p in shard_dir.iterdir() if p.name.startswith(".")]

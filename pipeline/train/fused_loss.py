@@ -1,0 +1,289 @@
+"""Fused output layer + GKD loss: final hidden states and the (vocab-parallel) output weight in, the loss out,
+without any ``[tokens, vocab]`` tensor.
+
+The unfused path (``loss.gkd_loss`` on Megatron's logits) keeps the logits, their gradient and the loss's
+temporaries alive at once: 4.7 GB of peak growth at 4,096 tokens with a 151,936 vocab, ~19 GB at 16k (BENCHMARKS.md).
+Here the logits exist one chunk of tokens at a time, ``[chunk, V_local]``:
+
+    for each chunk of active rows:   z = h_c · W_localᵀ           (the output layer, this TP rank's vocab slice)
+        teacher-id logits z_K, the tail logsumexp over the vocab minus K, and (SFT rows) the full logsumexp and z_y,
+        each all-reduced over the TP group exactly as ``loss._TopkAndTailLSE`` does;
+        the divergence over the k(+1) bins and its gradient w.r.t. those few numbers (a tiny autograd graph);
+        ∂loss/∂z for the chunk from them (softmax of the complement, scattered id gradients, CE's softmax − onehot);
+        ∂h_c = ∂z · W_local,   ∂W_local += ∂zᵀ · h_c
+
+so the gradients are computed in the forward pass (as Liger-Kernel's fused linear losses do): the same three
+matmuls as the unfused path, and ``backward`` only scales the stored ``∂h``, ``∂W`` by the incoming gradient. The
+loss is therefore the weighted total ``kd_weight · Σ D + sft_weight · Σ CE`` (the trainer knows both weights, the
+inverse global active counts, before the step), returned with the plain sums and counts for reporting.
+
+``renorm`` needs only the student's logits at the teacher's ids, so a chunk without SFT rows gathers the k rows of
+``W`` it needs instead of computing the vocab matmul (``[chunk, k, H]`` instead of ``[chunk, V]``).
+
+Numerics: the matmul runs in the weight's dtype (bf16 under mixed precision), everything after it — logsumexps,
+divergences, ∂z — in float32 (float64 inputs stay float64) inside each chunk; ∂W is accumulated in float32 across
+chunks. TP: ∂h is the sum of every rank's vocab slice (one all-reduce at the end: what Megatron's
+``copy_to_tensor_model_parallel_region`` does in the unfused output layer's backward).
+
+Test: ``python -m pytest tests/train/test_fused_loss.py`` (against ``loss.gkd_loss`` on ``h @ Wᵀ``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipeline.train.loss import divergence, student_bins, teacher_bins
+
+# Each [chunk, V_local] float32 buffer is about this big (a few exist at once); at V = 151,936 that is 110 rows.
+CHUNK_BYTES = 64 << 20
+
+
+def chunk_rows(v_local: int, budget: int = CHUNK_BYTES) -> int:
+    return int(min(1024, max(16, budget // (4 * max(1, v_local)))))
+
+
+def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _sum(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _global_lse(m: Tensor, s: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """logsumexp over all TP ranks of per-rank (max m, sum of exp(x - m)); -inf rows (nothing to sum) stay -inf."""
+    if group is None or dist.get_world_size(group) == 1:
+        return m + s.log()
+    lse = m + s.log()
+    g = lse.clone()
+    dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
+    g = torch.where(torch.isfinite(g), g, 0.0)
+    return g + _sum((lse - g).exp(), group).log()
+
+
+def _exp_sum(x: Tensor) -> tuple[Tensor, Tensor]:
+    """In place x <- exp(x - m) per row; returns (m, Σ exp(x - m)). Rows that are all -inf get m = 0, sum 0."""
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    x.sub_(m).exp_()
+    return m.squeeze(-1), x.sum(-1)
+
+
+@dataclass
+class FusedOut:
+    loss: Tensor  # kd_weight * kd_sum + sft_weight * sft_sum: the differentiable output
+    kd_sum: Tensor  # Σ D over KD-active positions (detached)
+    kd_count: Tensor
+    sft_sum: Tensor  # Σ CE over SFT-active positions (detached)
+    sft_count: Tensor
+
+
+class _FusedLinearGKD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, rows, ids, valid, a, kd_on, labels, sft_on, kd_weight, sft_weight, opts):
+        beta, tau, mode, group, chunk, n_vocab = opts
+        rank, _ = _tp(group)
+        v_local = weight.shape[0]
+        n_valid = v_local if n_vocab is None else min(max(n_vocab - rank * v_local, 0), v_local)
+        cdtype = torch.promote_types(hidden.dtype, torch.float32)
+        want_h, want_w = hidden.requires_grad, weight.requires_grad
+        grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if want_w else None
+        kd_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
+        sft_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
+        local = ids - rank * v_local
+        owned = (local >= 0) & (local < n_valid) & valid
+        idx = local.clamp(0, max(v_local - 1, 0))
+        y_local = labels - rank * v_local
+        y_owned = (y_local >= 0) & (y_local < n_valid) & sft_on
+        y_idx = y_local.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
+        fill = torch.where(owned, -math.inf, math.inf).to(cdtype)  # amin-scatter: only owned ids leave the tail
+        for s in range(0, rows.numel(), chunk):
+            e = min(s + chunk, rows.numel())
+            hc = hidden[rows[s:e]]
+            any_sft = bool(sft_on[s:e].any())
+            dense = mode == "tail" or any_sft
+            if dense:
+                z = (hc.to(weight.dtype) @ weight.t()).to(cdtype)
+                if n_valid < v_local:
+                    z[:, n_valid:] = -math.inf
+                zk = z.gather(1, idx[s:e]) * owned[s:e]
+            else:  # renorm without SFT rows: only the k rows of W at the teacher's ids
+                wk = weight[idx[s:e]]  # [c, k, H]
+                zk = torch.einsum("ch,ckh->ck", hc.to(weight.dtype), wk).to(cdtype) * owned[s:e]
+            zk = _sum(zk, group)
+            lse_tail = ex = None
+            if mode == "tail":
+                ex = z / tau if tau != 1.0 else z.clone()
+                ex.scatter_reduce_(1, idx[s:e], fill[s:e], "amin")
+                m_t, s_t = _exp_sum(ex)  # ex <- exp(x - m_t): reused for the gradient
+                lse_tail = _global_lse(m_t, s_t, group)
+            lse_full = ef = zy = None
+            if any_sft:
+                ef = z.clone()
+                m_f, s_f = _exp_sum(ef)
+                lse_full = _global_lse(m_f, s_f, group)
+                zy = _sum(z.gather(1, y_idx[s:e]).squeeze(-1) * y_owned[s:e], group)
+            # The divergence (and CE) of this chunk as a function of the few gathered numbers; their gradients.
+            with torch.enable_grad():
+                zk_l = zk.detach().requires_grad_()
+                tail_l = lse_tail.detach().requires_grad_() if lse_tail is not None else None
+                b = student_bins(zk_l, tail_l, valid[s:e], tau, mode)
+                d = torch.where(kd_on[s:e], divergence(a[s:e].to(b.dtype), b, beta, valid[s:e], mode), 0.0)
+                total = kd_weight * d.sum()
+                leaves = [zk_l] + ([tail_l] if tail_l is not None else [])
+                if any_sft:
+                    full_l, zy_l = lse_full.detach().requires_grad_(), zy.detach().requires_grad_()
+                    ce = torch.where(sft_on[s:e], full_l - zy_l, 0.0)
+                    total = total + sft_weight * ce.sum()
+                    leaves += [full_l, zy_l]
+                    sft_sum += ce.detach().sum()
+                grads = torch.autograd.grad(total, leaves, allow_unused=True)
+            kd_sum += d.detach().sum()
+            if not (want_h or want_w):
+                continue
+            g_zk = grads[0] if grads[0] is not None else torch.zeros_like(zk)
+            g_zk = g_zk * owned[s:e]  # each rank owns its ids' entries; the loss is replicated across TP
+            if dense:
+                if mode == "tail":  # ∂ lse_tail / ∂z_v = softmax over the complement / τ
+                    g_tail = grads[1] if grads[1] is not None else torch.zeros_like(lse_tail)
+                    scale = torch.where(torch.isfinite(lse_tail), (m_t - lse_tail).exp(), 0.0) * g_tail / tau
+                    gz = ex.mul_(scale.unsqueeze(-1))
+                else:
+                    gz = torch.zeros_like(z)
+                if any_sft:  # CE: g · (softmax − onehot(y))
+                    g_full, g_zy = grads[-2], grads[-1]
+                    gz.add_(ef.mul_(((m_f - lse_full).exp() * g_full).unsqueeze(-1)))
+                    gz.scatter_add_(1, y_idx[s:e], (g_zy * y_owned[s:e]).unsqueeze(-1))
+                gz.scatter_add_(1, idx[s:e], g_zk)
+                if n_valid < v_local:
+                    gz[:, n_valid:] = 0.0
+                if want_h:
+                    grad_h[rows[s:e]] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+                if want_w:
+                    if gz.dtype == weight.dtype and hc.dtype == weight.dtype:
+                        grad_w.addmm_(gz.t(), hc)
+                    else:
+                        grad_w.add_(gz.t().to(weight.dtype) @ hc.to(weight.dtype))
+            else:
+                if want_h:
+                    grad_h[rows[s:e]] = torch.einsum("ck,ckh->ch", g_zk.to(weight.dtype), wk).to(hidden.dtype)
+                if want_w:
+                    contrib = g_zk.to(cdtype).unsqueeze(-1) * hc.to(cdtype).unsqueeze(1)  # [c, k, H]
+                    grad_w.index_add_(0, idx[s:e].reshape(-1), contrib.reshape(-1, contrib.shape[-1]))
+        if want_h:
+            _sum(grad_h, group)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.have = (want_h, want_w)
+        ctx.weight_dtype = weight.dtype
+        loss = kd_weight * kd_sum + sft_weight * sft_sum
+        return loss, kd_sum, sft_sum
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_kd, _g_sft):
+        saved = list(ctx.saved_tensors)
+        want_h, want_w = ctx.have
+        grad_h = saved.pop(0) if want_h else None
+        grad_w = saved.pop(0) if want_w else None
+        g = g_loss.to(grad_h.dtype if grad_h is not None else torch.float32)
+        if grad_h is not None:
+            grad_h = grad_h if bool(g == 1) else grad_h * g
+        if grad_w is not None:
+            grad_w = (grad_w if bool(g == 1) else grad_w * g.to(grad_w.dtype)).to(ctx.weight_dtype)
+        return (grad_h, grad_w) + (None,) * 10
+
+
+def fused_gkd_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    mode: Literal["tail", "renorm"] = "tail",
+    teacher_tail: Tensor | None = None,
+    teacher_valid: Tensor | None = None,
+    labels: Tensor | None = None,
+    sft_mask: Tensor | None = None,
+    kd_weight: float = 1.0,
+    sft_weight: float = 0.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: int | None = None,
+    vocab_size: int | None = None,
+) -> FusedOut:
+    """GKD divergence (and SFT cross-entropy) of ``logits = hidden · weightᵀ`` without materialising the logits.
+
+    ``hidden``: ``[..., H]`` (leading dims flattened like ``mask``); ``weight``: ``[V_local, H]``, this TP rank's
+    vocab slice of the output layer (tied or not); the teacher arguments, ``mask``, ``tp_group`` and ``vocab_size``
+    as in :func:`pipeline.train.loss.gkd_loss`. SFT: CE on ``labels`` at ``sft_mask`` positions. Returns the
+    weighted loss (differentiable w.r.t. ``hidden`` and ``weight``) and the plain sums and counts.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if mode not in ("tail", "renorm"):
+        raise ValueError(f"mode must be 'tail' or 'renorm', got {mode!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    k = teacher_ids.shape[-1]
+    kd_flat = mask.reshape(-1)
+    sft_flat = sft_mask.reshape(-1) if sft_mask is not None else torch.zeros_like(kd_flat)
+    if sft_mask is not None and labels is None:
+        raise ValueError("sft_mask needs labels")
+    rows = (kd_flat | sft_flat).nonzero().squeeze(-1)
+    ids = teacher_ids.reshape(-1, k)[rows].long()
+    valid = (teacher_valid.reshape(-1, k)[rows] if teacher_valid is not None
+             else torch.ones(ids.shape, dtype=torch.bool, device=ids.device))
+    kd_on, sft_on = kd_flat[rows], sft_flat[rows]
+    # Rows active for SFT only carry no teacher row: finite stand-ins (never counted: d is masked by kd_on).
+    ell = torch.where(kd_on.unsqueeze(-1), teacher_logprobs.reshape(-1, k)[rows], 0.0)
+    valid = valid | ~kd_on.unsqueeze(-1)
+    tail = torch.where(kd_on, teacher_tail.reshape(-1)[rows], 0.0) if teacher_tail is not None else None
+    a = teacher_bins(ell, tail, valid, temperature, mode)
+    y = labels.reshape(-1)[rows].long() if labels is not None else torch.zeros_like(rows)
+    y = torch.where(sft_on, y, 0)  # ignored labels (-100) are never read
+    chunk = chunk_size or chunk_rows(weight.shape[0])
+    loss, kd_sum, sft_sum = _FusedLinearGKD.apply(
+        h, weight, rows, ids, valid, a, kd_on, y, sft_on, float(kd_weight), float(sft_weight),
+        (beta, temperature, mode, tp_group, chunk, vocab_size),
+    )
+    dev = h.device
+    return FusedOut(loss, kd_sum.detach(), torch.tensor(int(kd_on.sum()), device=dev), sft_sum.detach(),
+                    torch.tensor(int(sft_on.sum()), device=dev))
+
+
+# ---------------------------------------------------------------- the model side
+
+
+def output_hidden_states(model) -> None:
+    """Make a Megatron GPTModel return its final (normed) hidden states ``[b, s, h]`` instead of logits: the
+    output layer's forward becomes the identity, its weight stays where it is (checkpoints, tying, TP split
+    unchanged) and is read by the loss through :func:`output_weight`. Idempotent."""
+    layer = model.output_layer
+    if getattr(layer, "_gkd_passthrough", False):
+        return
+
+    def passthrough(hidden_states, weight=None, runtime_gather_output=None):
+        return hidden_states, None
+
+    layer.forward = passthrough
+    layer._gkd_passthrough = True
+
+
+def output_weight(model) -> Tensor:
+    """This rank's vocab slice of the output-layer weight (the embedding when tied), as GPTModel uses it."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
