@@ -73,3 +73,24 @@ def test_bad_mode_is_refused():
 
     with pytest.raises(ValueError, match="recompute='some'.*none, selective, full"):
         recompute_options("some")
+
+
+def test_trainer_keys_reach_the_model(tiny, tmp_path):
+    """Through the CLI: recompute=full gives the trajectory of recompute=none bit for bit (SGD, 3 steps), and
+    attention=local the same up to float rounding (module docstring of test_attention.py); bad values are refused
+    together before any work."""
+    from test_run import _metrics, _overrides, train_main
+
+    from pipeline.config import ConfigError, load_config
+    from pipeline.train.run import DEFAULT_CONFIG, TrainConfig
+
+    with pytest.raises(ConfigError, match="attention must be sdpa or local.*recompute must be none, selective or full"):
+        load_config(TrainConfig, DEFAULT_CONFIG, ["attention=flash", "recompute=some"])
+    runs = {}
+    for name, kw in (("none", {}), ("full", {"recompute": "full"}), ("local", {"attention": "local"})):
+        save = tmp_path / name
+        assert train_main(_overrides(tiny, save, optimizer="sgd", lr=0.3, train_steps=3, **kw)) == 0
+        runs[name] = [(m["loss"], m["grad_norm"]) for m in _metrics(save)]
+    assert runs["full"] == runs["none"]  # exact floats
+    for (loss, norm), (ref_loss, ref_norm) in zip(runs["local"], runs["none"], strict=True):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss) and abs(norm - ref_norm) <= 1e-5 * ref_norm
