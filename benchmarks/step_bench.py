@@ -120,19 +120,21 @@ def attention_time(rounds: int = 3) -> dict:
     return {"seq_length": SEQ, "micro_batch_size": 1, "rounds": rounds, **_summary(*times)}
 
 
-def attention_memory(attention: str) -> dict:
+def attention_memory(attention: str, recompute: str = "none") -> dict:
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     try:
-        tr = _trainer(attention=attention, micro_batch_size=1, global_batch_size=1, seq_length=SEQ)
+        tr = _trainer(attention=attention, recompute=recompute, micro_batch_size=1, global_batch_size=1, seq_length=SEQ)
         batch = random_batch(tr["model"].hf_vocab_size, 1, SEQ, 0)
         _step(tr, [batch])  # warm-up: optimizer state, grad buffers and caches exist before the measured step
         with open("/proc/self/clear_refs", "w") as f:  # 5: reset VmHWM to the current RSS
             f.write("5")
         before = _status_bytes("VmRSS")
+        t, c = time.perf_counter(), time.process_time()
         _step(tr, [batch])
-        return {"peak_growth_bytes": _status_bytes("VmHWM") - before, "rss_before_bytes": before}
+        return {"peak_growth_bytes": _status_bytes("VmHWM") - before, "rss_before_bytes": before,
+                "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c}
     finally:
         destroy_distributed()
 
@@ -226,6 +228,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=["attention", "memory", "plain"])
     ap.add_argument("--attention", default="sdpa")
+    ap.add_argument("--recompute", default="none", help="memory part only")
     ap.add_argument("--cache")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", required=True)
@@ -233,7 +236,7 @@ def main() -> int:
     if args.part == "attention":
         res = attention_time(args.rounds)
     elif args.part == "memory":
-        res = attention_memory(args.attention)
+        res = attention_memory(args.attention, args.recompute)
     else:
         if not args.cache:
             ap.error("plain needs --cache")
