@@ -16,7 +16,7 @@ from train_fixtures import random_ids as _ids
 from pipeline.train.model import build_model, load_hf_weights
 
 
-def _grads(hf_dir, attention: str, recompute: str, lora: bool = False):
+def _grads(hf_dir, attention: str, recompute: str, lora: bool = False, mask=None):
     model = build_model(hf_dir, attention=attention, recompute=recompute)
     load_hf_weights(model, hf_dir)
     if lora:
@@ -35,7 +35,7 @@ def _grads(hf_dir, attention: str, recompute: str, lora: bool = False):
         layer.self_attention.core_attention.register_forward_hook(
             lambda *a: calls.__setitem__("core_attention", calls["core_attention"] + 1))
     ids = _ids()
-    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), mask)
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
     (logits * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -45,9 +45,14 @@ def _grads(hf_dir, attention: str, recompute: str, lora: bool = False):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention", ["sdpa", "local"])
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recompute_gives_the_same_gradients(hf_dirs, single_process, arch, attention, recompute):
-    ref, ref_calls, layers = _grads(hf_dirs[arch], attention, "none")
-    grads, calls, _ = _grads(hf_dirs[arch], attention, recompute)
+@pytest.mark.parametrize("packed", [False, True])
+def test_recompute_gives_the_same_gradients(hf_dirs, single_process, arch, attention, recompute, packed):
+    """Also with a packed (block-diagonal) mask, which the checkpoints carry as one more input."""
+    from test_attention import PACKED, block_causal_mask
+
+    mask = block_causal_mask(PACKED, _ids().shape[1]) if packed else None
+    ref, ref_calls, layers = _grads(hf_dirs[arch], attention, "none", mask=mask)
+    grads, calls, _ = _grads(hf_dirs[arch], attention, recompute, mask=mask)
     assert ref_calls == {"core_attention": layers, "layer": layers}
     # selective: core attention runs again in backward; full: the whole layer (and so its attention) does.
     assert calls == {"core_attention": 2 * layers, "layer": layers if recompute == "selective" else 2 * layers}
