@@ -48,6 +48,7 @@ def prose_text() -> tuple[str, str]:
 
 
 def build_rollouts(out: Path, tokenizer, prose_tokens: int, math_samples: int) -> dict[str, Path]:
+    from pipeline.store.fingerprint import tokenizer_fingerprint
     from pipeline.store.rollouts import rollout_row, write_rollouts
 
     text, source = prose_text()
@@ -65,8 +66,9 @@ def build_rollouts(out: Path, tokenizer, prose_tokens: int, math_samples: int) -
             # score every position after the first (prompt and answer): the templated text is what repeats
             math.append(rollout_row(prompt_id=f"{task}-{i}", prompt_ids=full[:1], completion_ids=full[1:], source="dataset"))
     dirs = {"prose": out / "prose", "math": out / "math"}
-    write_rollouts(dirs["prose"] / "r-00000-of-00001.parquet", prose)
-    write_rollouts(dirs["math"] / "r-00000-of-00001.parquet", math)
+    fp = tokenizer_fingerprint(tokenizer)
+    write_rollouts(dirs["prose"] / "r-00000-of-00001.parquet", prose, tokenizer_fingerprint=fp)
+    write_rollouts(dirs["math"] / "r-00000-of-00001.parquet", math, tokenizer_fingerprint=fp)
     return {**dirs, "prose_source": source}
 
 

@@ -48,8 +48,7 @@ def _trainer(**kw):
     """Our trainer's model, DDP wrapper, optimizer and scheduler, built by run.py's own setup."""
     from pipeline.train.run import TrainConfig, setup_model_and_optimizer, student_dir
 
-    if "packing" in TrainConfig.__dataclass_fields__:  # padded batches in this bench (packing is measured apart)
-        kw.setdefault("packing", False)
+    kw.setdefault("packing", False)  # padded micro-batches in this bench (packing is measured apart)
     cfg = TrainConfig(student="default", train_steps=1000, warmup_steps=1, progress=False, **kw)
     hf_dir = student_dir(cfg)
     model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir)
@@ -63,8 +62,9 @@ def _step(tr: dict, micro: list) -> None:
 
 
 def random_batch(vocab: int, batch: int, seq: int, seed: int):
-    """A MicroBatch of random tokens with random distinct top-k teacher ids and sorted logprobs (5 % tail mass)."""
-    from pipeline.train.data import MicroBatch
+    """A padded-layout MicroBatch of random tokens (one sample per row, no padding) with random distinct top-k
+    teacher ids and sorted logprobs (5 % tail mass)."""
+    from pipeline.train.batch import MicroBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -75,9 +75,11 @@ def random_batch(vocab: int, batch: int, seq: int, seed: int):
     mask = torch.ones(batch, seq, dtype=torch.bool)
     mask[:, -1] = False
     return MicroBatch(input_ids=ids, position_ids=torch.arange(seq).expand(batch, seq).contiguous(),
-                      labels=ids.roll(-1, 1), loss_mask=mask, teacher_ids=teacher_ids, teacher_logprobs=ell,
-                      teacher_tail=torch.full((batch, seq), math.log(0.05)), is_dataset=torch.zeros(batch, dtype=torch.bool),
-                      keys=[], end=0, tokens=batch * seq)
+                      labels=ids.roll(-1, 1), loss_mask=mask, sft_mask=torch.zeros_like(mask),
+                      doc_ids=torch.zeros(batch, seq, dtype=torch.int32), teacher_ids=teacher_ids,
+                      teacher_logprobs=ell, teacher_valid=torch.ones(batch, seq, K, dtype=torch.bool),
+                      teacher_tail=torch.full((batch, seq), math.log(0.05)), keys=[], packed=False, end=0,
+                      tokens=batch * seq, positions=batch * seq, samples=batch, truncated=0, folded_positions=0)
 
 
 def _rounds(fns: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -164,7 +166,7 @@ def plain_vs_trainer(cache: str, rounds: int = 3, micro_batch_size: int = 8, seq
             logits = hf(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
             kd_sum, n = gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=cfg.beta,
                                  temperature=cfg.temperature, mode=cfg.topk_mode, teacher_tail=mb.teacher_tail,
-                                 teacher_valid=getattr(mb, "teacher_valid", None), vocab_size=vocab)
+                                 teacher_valid=mb.teacher_valid, vocab_size=vocab)
             (kd_sum / n.clamp_min(1)).backward()
             torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg.clip_grad)
             adamw.step()

@@ -3,6 +3,9 @@
 A stage declares its config as a dataclass; `load_config(Cls, path, overrides)` reads the YAML (or the
 dataclass defaults when no path is given), applies `key=value` overrides parsed as YAML scalars/lists, and reports
 *every* problem at once: unknown keys, wrong types, and the dataclass's own `validate()` messages.
+
+A recipe (configs/recipes/) is one YAML file for several stages: its top-level keys are stage names (`SECTIONS`),
+each holding that stage's flat config, and `load_config(..., section="train")` reads the one section.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+SECTIONS = ("generate", "score", "train", "onpolicy")  # the sections of a recipe file
 
 
 class ConfigError(ValueError):
@@ -75,8 +79,11 @@ def _flatten(data: dict[str, Any], fields: set[str]) -> dict[str, Any]:
     return out
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | dict | None = None) -> T:
-    """Build `cls` from a YAML file (optional) and overrides; raise ConfigError listing every problem."""
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                section: str | None = None) -> T:
+    """Build `cls` from a YAML file (optional) and overrides; raise ConfigError listing every problem. With
+    `section`, a recipe file (top-level keys all in SECTIONS) contributes its `section:` mapping; a flat file is read
+    as it is."""
     data: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
@@ -89,6 +96,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"{path}: not valid YAML ({e})") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a config is a flat mapping of key: value")
+        if section is not None and loaded and all(k in SECTIONS for k in loaded):
+            if not isinstance(loaded.get(section), dict):
+                raise ConfigError(f"{path}: this recipe has sections {', '.join(loaded)} but no `{section}:` "
+                                  "mapping for this stage")
+            loaded, where = loaded[section], f"{path} [{section}]"
         data.update(loaded)
     data.update(parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {}))
 

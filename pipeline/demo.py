@@ -88,6 +88,7 @@ def run(cfg: DemoConfig) -> dict:
     from pipeline.generate.run import GenerateConfig, run_task
     from pipeline.score.run import ScoreConfig, score
     from pipeline.store import TeacherCache
+    from pipeline.store.fingerprint import tokenizer_fingerprint
     from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts
 
     out = Path(cfg.out)
@@ -108,7 +109,7 @@ def run(cfg: DemoConfig) -> dict:
     ds_path = train_dir / "dataset-00000-of-00001.parquet"
     if not ds_path.exists():
         rows, _ = import_rows(tok, load_prompts(train_src), where=train_src)
-        write_rollouts(ds_path, rows)
+        write_rollouts(ds_path, rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
     times["import"] = time.perf_counter() - t
 
     # 2. student samples (training rollouts and held-out samples), one engine

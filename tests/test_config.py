@@ -46,3 +46,39 @@ def test_every_shipped_config_loads():
     root = Path(__file__).resolve().parents[1] / "configs"
     for name, cls in (("score", ScoreConfig), ("generate", GenerateConfig), ("train", TrainConfig)):
         load_config(cls, root / f"{name}.yaml")
+
+
+def test_every_shipped_recipe_loads_and_its_sections_agree():
+    """configs/recipes/*.yaml: each section through its stage's real loader and validation (the score section via
+    `gkd score`'s own argument parsing), and the settings that must agree across stages do."""
+    from pathlib import Path
+
+    from pipeline.onpolicy.config import load as load_onpolicy
+    from pipeline.score.run import parse_args
+    from pipeline.train.run import TrainConfig
+
+    recipes = sorted((Path(__file__).resolve().parents[1] / "configs" / "recipes").glob("*.yaml"))
+    assert [p.stem for p in recipes] == ["llama3.1-8b-to-3.2-1b", "qwen2.5-7b-to-0.5b", "qwen3-8b-to-0.6b"]
+    for path in recipes:
+        score, _ = parse_args(["--config", str(path)])
+        train = load_config(TrainConfig, path, section="train")
+        onpolicy = load_onpolicy(path, [])
+        assert score.cache in train.cache and onpolicy.offpolicy_cache == score.cache, path
+        assert score.topk == onpolicy.topk and score.dtype == onpolicy.dtype != "auto", path
+        assert train.seq_length <= score.max_model_len and onpolicy.seq_length <= onpolicy.max_model_len, path
+        assert "/models/" in score.teacher and "/models/" in train.student == onpolicy.student, path  # placeholders
+
+
+def test_recipe_sections(tmp_path):
+    from pipeline.train.run import TrainConfig
+
+    path = tmp_path / "r.yaml"
+    path.write_text("train:\n  steps: 3\nscore:\n  topk: 4\n")
+    assert load_config(Cfg, path, ["lr=2"], section="train").steps == 3
+    with pytest.raises(ConfigError, match=r"r.yaml \[train\]: unknown key 'steps'"):
+        load_config(TrainConfig, path, section="train")
+    with pytest.raises(ConfigError, match="sections train, score but no `onpolicy:` mapping"):
+        load_config(Cfg, path, section="onpolicy")
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("steps: 2\n")
+    assert load_config(Cfg, flat, section="train").steps == 2  # a flat file is read as it is

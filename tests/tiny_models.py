@@ -119,3 +119,62 @@ def random_peft(arch, spec, seed: int = 3) -> dict:
                 out[stem + ".lora_A.weight"] = a
                 out[stem + ".lora_B.weight"] = 0.3 * torch.randn(rows, spec.rank, generator=g)
     return out
+
+
+# ---------------------------------------------------------------- the supported families (pipeline/train/families.py)
+
+# Each family as the trainer sees it, in a tiny size vLLM's CPU backend runs (head_dim 32). Values chosen so that a
+# mapping that ignores a config value shows: llama3 uses its own low/high_freq_factor (not Megatron's 1 and 4) and
+# original_max_position_embeddings=16, so sequences of 64+ positions cross every band of the scaled frequencies;
+# qwen3's head_dim (32) is not hidden/heads (16); qwen2.5 has more embedding rows than tokenizer entries (as Qwen2.5's
+# 151,936 rows vs 151,665 tokens) and tied embeddings; mistral has a sliding window of 96 (longer than the tests'
+# sequences, so full causal attention is exact there).
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen2.5", "qwen3")
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.5, "high_freq_factor": 2.0,
+               "original_max_position_embeddings": 16}
+MISTRAL_WINDOW = 96
+
+
+def family_config(family: str, vocab_size: int, *, hidden: int = 64, heads: int = 2, kv_heads: int = 2,
+                  layers: int = 2, max_pos: int = 256):
+    """A transformers config of `family` (one of FAMILIES), built with transformers' own config class."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama2":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    if family == "llama3":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0,
+                                        rope_scaling=dict(LLAMA3_ROPE))
+    if family == "mistral":
+        return transformers.MistralConfig(**common, rope_theta=20000.0, sliding_window=MISTRAL_WINDOW)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1234.5)
+    if family == "qwen2.5":
+        return transformers.Qwen2Config(**{**common, "vocab_size": vocab_size + 64}, tie_word_embeddings=True,
+                                        rope_theta=1_000_000.0, use_sliding_window=False, sliding_window=4096)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**{**common, "num_attention_heads": 4}, head_dim=32,
+                                        tie_word_embeddings=False, rope_theta=1_000_000.0)
+    raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+
+
+def build_family(family: str, out_dir: str | Path, *, seed: int = 0, **kw) -> Path:
+    """A random `family` model with the test tokenizer (so vLLM can load it), fp32 safetensors. Weights re-drawn so
+    logits are O(1) (a wrong mapping cannot hide under a tolerance) and every norm, q/k norms included, is non-unit
+    (a swapped or missing norm shows)."""
+    import torch
+    import transformers
+
+    out_dir = Path(out_dir)
+    tok = build_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(family_config(family, len(tok), **kw),
+                                                          dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     extra = {"tokenizer_fingerprint": fp, "dataset": args.dataset, "shard": shard, "num_shards": args.num_shards,
              "skipped": dict(skipped)}
-    write_rollouts(path, rows, extra=extra)
+    write_rollouts(path, rows, tokenizer_fingerprint=fp, extra=extra)
     tokens = sum(len(r["completion_ids"]) for r in rows)
     print(f"gkd import: {path}: {len(rows)} rollouts of {len(mine)} rows ({dict(skipped)} skipped), "
           f"{tokens} completion tokens")

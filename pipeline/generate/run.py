@@ -182,7 +182,7 @@ def run_task(llm: Any, tokenizer: Any, cfg: GenerateConfig, shard: int, *, lora:
         "seed": cfg.seed, "n": cfg.n, "temperature": cfg.temperature, "top_p": cfg.top_p,
         "max_tokens": cfg.max_tokens, "engine": engine_version(), **{k: result.stats[k] for k in ("skipped", "finish")},
     }
-    write_rollouts(output_path(cfg, shard), result.rows, extra=extra)
+    write_rollouts(output_path(cfg, shard), result.rows, tokenizer_fingerprint=fp, extra=extra)
     return result
 
 
@@ -198,7 +198,8 @@ def parse_args(argv: list[str]) -> GenerateConfig:
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="any config key")
     args = ap.parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "overrides") and v is not None}
-    return load_config(GenerateConfig, args.config or DEFAULT_CONFIG, {**flags, **parse_overrides(args.overrides)})
+    return load_config(GenerateConfig, args.config or DEFAULT_CONFIG, {**flags, **parse_overrides(args.overrides)},
+                       section="generate")
 
 
 def main(argv: list[str] | None = None) -> int:

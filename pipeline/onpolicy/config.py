@@ -143,7 +143,7 @@ class OnPolicyConfig:
             self.train_config(Path("."), [self.cache], self.steps_per_generation, None)
         except (ConfigError, TypeError) as e:
             return [f"trainer: {e}"]
-        return []
+        return [f"scorer: {e}" for e in self.score_config(Path("."), self.cache).validate()]
 
     @property
     def total_steps(self) -> int:
@@ -183,4 +183,4 @@ class OnPolicyConfig:
 
 
 def load(path: str | Path | None, overrides: list[str]) -> OnPolicyConfig:
-    return load_config(OnPolicyConfig, path, overrides)
+    return load_config(OnPolicyConfig, path, overrides, section="onpolicy")

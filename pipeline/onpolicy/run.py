@@ -50,6 +50,10 @@ class Run:
             self.student = student_dir()
         else:
             self.student = Path(cfg.student)
+        from pipeline.train.families import check_trainable, read_hf_arch
+
+        # the student's family against the run's seq_length, before any cycle does work
+        check_trainable(read_hf_arch(self.student), cfg.seq_length, self.student / "config.json")
         self.teacher = resolve_teacher(cfg.teacher)
         self.state = State.load(self.out)
         self._prompts: list | None = None
@@ -123,7 +127,7 @@ class Run:
                  "prompts": [p.prompt_id for p in prompts], "seed": seed, "n": n, "temperature": gcfg.temperature,
                  "top_p": gcfg.top_p, "max_tokens": gcfg.max_tokens, "engine": engine_version(),
                  "skipped": result.stats["skipped"], "finish": result.stats["finish"]}
-        write_rollouts(path, result.rows, extra=extra)
+        write_rollouts(path, result.rows, tokenizer_fingerprint=fp, extra=extra)
         return {"generate_tok_s": result.stats["tok_s"], "generate_tokens": result.stats["tokens"],
                 "samples": result.stats["samples"], "sync_s": round(sync_s, 3)}
 
@@ -176,6 +180,7 @@ class Run:
         if cfg.offpolicy_dataset:
             from pipeline.generate.importer import import_rows
             from pipeline.generate.prompts import load_prompts
+            from pipeline.store.fingerprint import tokenizer_fingerprint
             from pipeline.store.rollouts import write_rollouts
             from pipeline.store.shards import is_complete
 
@@ -183,7 +188,8 @@ class Run:
             if not is_complete(path, "rollout"):
                 rows, _ = import_rows(self.tokenizer(), load_prompts(cfg.offpolicy_dataset),
                                       max_len=cfg.max_model_len, on_bad="skip", where=cfg.offpolicy_dataset)
-                write_rollouts(path, rows, extra={"dataset": cfg.offpolicy_dataset})
+                write_rollouts(path, rows, tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer()),
+                               extra={"dataset": cfg.offpolicy_dataset})
             self.score_into(path.parent, cfg.offpolicy_cache)
         if cfg.offpolicy_cache and not st.offpolicy_shards:
             from pipeline.store import TeacherCache

@@ -38,6 +38,17 @@ from pipeline.store.shards import ShardError, atomic_write_bytes, read_marker, v
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
 CODECS = ("rank-grid-esc", "exact-f32")
+# vLLM's spellings of the scoring dtypes -> one name each ("auto" is refused: it resolves per machine and model).
+DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+# engine_extra options that only change scheduling, memory or placement, never the logprobs of a sequence; every
+# other engine_extra option is part of the cache's identity (`scoring_numerics`), so an unknown one cannot mix.
+NEUTRAL_ENGINE_OPTIONS = frozenset({
+    "block_size", "cpu_offload_gb", "disable_log_stats", "distributed_executor_backend", "enable_prefix_caching",
+    "max_num_seqs", "max_seq_len_to_capture", "pipeline_parallel_size", "seed", "swap_space",
+})
+# ScoreConfig keys that engine_extra must not override (they are passed to vLLM already)
+_OWN_KEYS = ("dtype", "logprobs_mode", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization",
+             "max_num_batched_tokens", "enforce_eager", "model", "tokenizer", "max_logprobs")
 
 
 @dataclass
@@ -80,11 +91,66 @@ class ScoreConfig:
             p.append(f"codec must be one of {CODECS}, got {self.codec!r}")
         if self.batch_tokens < 1 or self.part_rows < 1:
             p.append("batch_tokens and part_rows must be >= 1")
+        if self.dtype not in DTYPES:
+            p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}: the scoring dtype is part of the "
+                     "cache's identity, so name it ('auto' resolves differently per machine and model)")
+        for key in sorted(set(self.engine_extra) & set(_OWN_KEYS)):
+            p.append(f"engine_extra.{key}: set the score key {key.replace('logprobs_mode', 'logprob_mode')} instead")
         return p
 
 
 class ScoreInputError(ValueError):
     """Bad rollouts: the message names the samples and the fix."""
+
+
+def scoring_numerics(cfg: ScoreConfig) -> dict[str, str]:
+    """The engine settings that change the stored logprobs (besides teacher, k and logprob mode, which are
+    descriptor fields of their own): the cache's `numerics`. Settings that change only the order of float sums
+    (tensor_parallel_size, batch sizes, eager vs compiled) are not in it: vLLM is not batch-invariant anyway, so the
+    same engine gives other last bits for another batch composition; they stay far below the codec's 1/64 nat."""
+    extra = dict(cfg.engine_extra)
+    out = {"dtype": DTYPES.get(cfg.dtype, cfg.dtype), "quantization": str(extra.pop("quantization", None) or "none"),
+           "kv_cache_dtype": str(extra.pop("kv_cache_dtype", None) or "auto")}
+    for key in sorted(set(extra) - NEUTRAL_ENGINE_OPTIONS):
+        out[f"engine_extra.{key}"] = json.dumps(extra[key], sort_keys=True)
+    return out
+
+
+def check_engine_numerics(llm, numerics: dict[str, str]) -> None:
+    """An engine handed in (the on-policy driver's) must score as this config says, or the cache would mix."""
+    model_config = getattr(llm, "model_config", None) or llm.llm_engine.model_config
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    quant = str(getattr(model_config, "quantization", None) or "none")
+    found = {"dtype": dtype, "quantization": quant}
+    wrong = [f"{k}: engine has {found[k]!r}, the score config {numerics[k]!r}" for k in found if found[k] != numerics[k]]
+    if wrong:
+        raise ConfigError("the engine passed to score() does not score as configured: " + "; ".join(wrong))
+
+
+def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: Path) -> None:
+    """Refuse rollouts whose ids come from another tokenizer than the teacher's, or that do not say which one:
+    the same vocab size with another mapping passes the vocab-range check and poisons the cache silently."""
+    from pipeline.store.rollouts import rollout_tokenizer
+
+    other, unknown = [], []
+    for p in paths:
+        fp = rollout_tokenizer(p)
+        if fp is None:
+            unknown.append(p)
+        elif fp != teacher_tokenizer:
+            other.append(f"{p} ({fp})")
+    if other:
+        raise ScoreInputError(
+            f"{len(other)} rollout shard(s) were tokenized by another tokenizer than the teacher's ({teacher}: "
+            f"{teacher_tokenizer}): {', '.join(other[:5])}{' ...' if len(other) > 5 else ''}; the teacher scores "
+            "token ids, so rollouts must be tokenized with its tokenizer (the student's must be the same one)"
+        )
+    if unknown:
+        raise ScoreInputError(
+            f"{len(unknown)} rollout shard(s) record no tokenizer fingerprint: {', '.join(map(str, unknown[:5]))}"
+            f"{' ...' if len(unknown) > 5 else ''}; write them with `gkd import` / `gkd generate`, or through "
+            "pipeline.store.rollouts.write_rollouts(..., tokenizer_fingerprint=tokenizer_fingerprint(TOKENIZER))"
+        )
 
 
 # -- task bookkeeping --------------------------------------------------------------------------------------------
@@ -249,18 +315,29 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
     if not 0 <= shard < cfg.num_shards:
         raise ConfigError(f"shard {shard} is outside [0, num_shards={cfg.num_shards})")
 
+    problems = cfg.validate()  # also for configs built in code (the on-policy driver's), not only loaded ones
+    if problems:
+        raise ConfigError("; ".join(problems))
     teacher = resolve_teacher(cfg.teacher)
     t0 = time.time()
-    teacher_fp = teacher_fingerprint(teacher)
     from transformers import AutoConfig, AutoTokenizer
 
+    # Cheap checks first: the rollouts' tokenizer against the teacher's, before the weights are even hashed.
+    tok_fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(teacher))
+    paths = rollout_shards(cfg.rollouts)
+    if not paths:
+        raise ScoreInputError(f"{cfg.rollouts}: no complete rollout shards (*.parquet with a .ok marker)")
+    check_rollout_tokenizer(paths, tok_fp, teacher)
+    numerics = scoring_numerics(cfg)
+    if llm is not None:
+        check_engine_numerics(llm, numerics)
+    teacher_fp = teacher_fingerprint(teacher)
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = int(teacher_config.vocab_size)
     # vLLM must fit one sampled token after the scored sequence, so the engine gets max_model_len + 1 where the
     # model's positions allow it: a sequence of exactly max_model_len tokens is then scorable.
     max_pos = int(getattr(teacher_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
     engine_len = min(cfg.max_model_len + 1, max_pos)
-    tok_fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(teacher))
     from pipeline.engine import engine_version
 
     descriptor = Descriptor(
@@ -271,13 +348,11 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
         teacher=str(teacher),
         vocab_size=vocab_size,
         engine=engine_version(),
+        numerics=numerics,
         codec=codec_params(cfg.codec),
     )
-    cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k first
+    cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
 
-    paths = rollout_shards(cfg.rollouts)
-    if not paths:
-        raise ScoreInputError(f"{cfg.rollouts}: no complete rollout shards (*.parquet with a .ok marker)")
     tag = rollouts_tag(paths)
     name = task_name(tag, shard, cfg.num_shards)
     if task_done(cache.root, name):
@@ -374,7 +449,7 @@ def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
     a = ap.parse_args(argv)
     flags = {k: v for k, v in vars(a).items() if k not in ("config", "status", "overrides") and v is not None}
     path = a.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    cfg = load_config(ScoreConfig, path, {**flags, **parse_overrides(a.overrides)})
+    cfg = load_config(ScoreConfig, path, {**flags, **parse_overrides(a.overrides)}, section="score")
     return cfg, a.status
 
 

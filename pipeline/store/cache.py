@@ -4,7 +4,9 @@
     CACHE/shards/<name>.parquet + <name>.parquet.ok    scored shards (schemas/scored.json) and completion markers
 
 Rows are keyed by content (`fingerprint.content_key`), so a cache grows incrementally (score only the keys it lacks),
-is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k or logprob mode.
+is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k, logprob mode or
+scoring numerics (dtype, quantization, ...: `Descriptor.numerics`). Numerics are refused rather than keyed apart:
+one cache holds rows of one scoring setup, so every row a trainer reads from it has the same meaning.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "fi
 
 
 class CacheMismatchError(ValueError):
-    """The cache was built with another teacher, tokenizer, k, logprob mode or codec."""
+    """The cache was built with another teacher, tokenizer, k, logprob mode, numerics or codec."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,11 @@ class Descriptor:
     engine: str = ""
     codec: dict = field(default_factory=codec.params)
     schema_version: str = field(default_factory=lambda: load_schema("scored").version)
+    # Engine settings that change the stored logprobs (score/run.py `scoring_numerics`); None = not recorded.
+    numerics: dict | None = None
 
     # What must agree for two producers to share one cache (the rest is informational).
-    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "logprob_mode")
+    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "logprob_mode", "numerics")
 
     @classmethod
     def read(cls, path: Path) -> Descriptor:
@@ -67,7 +71,7 @@ class Descriptor:
         version = str(data.get("descriptor_version", "?"))
         if version.split(".")[0] != str(schema.major):
             raise SchemaError(f"{path}: descriptor version {version} is not readable by this code (reads {schema.major}.x)")
-        missing = [f["name"] for f in schema.fields if f["name"] not in data]
+        missing = [f["name"] for f in schema.fields if f["name"] not in data and "since" not in f]
         if missing:
             raise SchemaError(f"{path}: descriptor lacks field(s) {', '.join(missing)}")
         scored_major = load_schema("scored").major
@@ -75,7 +79,7 @@ class Descriptor:
             raise SchemaError(
                 f"{path}: shards follow scored schema {data['schema_version']}; this code reads {scored_major}.x"
             )
-        return cls(**{f["name"]: data[f["name"]] for f in schema.fields})
+        return cls(**{f["name"]: data.get(f["name"]) for f in schema.fields})  # absent `since` fields: None
 
     def write(self, path: Path) -> None:
         data = {"descriptor_version": load_schema("descriptor").version, **asdict(self)}
@@ -85,11 +89,25 @@ class Descriptor:
         out = [
             f"{name}: cache has {getattr(self, name)!r}, this run has {getattr(other, name)!r}"
             for name in self.IDENTITY
-            if getattr(self, name) != getattr(other, name)
+            if name != "numerics" and getattr(self, name) != getattr(other, name)
         ]
+        out += _numerics_mismatches(self.numerics, other.numerics)
         if self.codec.get("name") != other.codec.get("name"):
             out.append(f"codec: cache has {self.codec.get('name')!r}, this run writes {other.codec.get('name')!r}")
         return out
+
+
+def _numerics_mismatches(cache: dict | None, run: dict | None) -> list[str]:
+    if cache == run:
+        return []
+    if cache is None:
+        return [f"numerics: this cache does not record how its rows were scored (a descriptor 1.0 cache: dtype, "
+                f"quantization, ... unknown); this run scores with {json.dumps(run, sort_keys=True)}. If its rows were "
+                f"scored exactly so, add \"numerics\": {json.dumps(run, sort_keys=True)} to its {DESCRIPTOR}"]
+    if run is None:
+        return [f"numerics: cache has {json.dumps(cache, sort_keys=True)}, this writer does not say how it scored"]
+    return [f"numerics.{k}: cache has {cache.get(k, '(unset)')!r}, this run has {run.get(k, '(unset)')!r}"
+            for k in sorted(set(cache) | set(run)) if cache.get(k) != run.get(k)]
 
 
 @dataclass
@@ -145,7 +163,7 @@ class TeacherCache:
                 raise CacheMismatchError(
                     f"{path}: this cache was scored differently and cannot be mixed:\n  - "
                     + "\n  - ".join(problems)
-                    + "\nUse another --cache directory for this teacher/tokenizer/k."
+                    + "\nUse another --cache directory for this teacher/tokenizer/k/numerics."
                 )
             return cls(root, existing)
         (root / SHARDS).mkdir(parents=True, exist_ok=True)
@@ -282,6 +300,7 @@ class TeacherCache:
             "teacher_fingerprint": d.teacher_fingerprint,
             "tokenizer_fingerprint": d.tokenizer_fingerprint,
             "engine": d.engine,
+            "numerics": d.numerics,
             "codec": d.codec.get("name"),
         }
 

@@ -1,6 +1,10 @@
 """Rollout shards: prompts with completions as token ids (schemas/rollout.json).
 
 Written by `gkd generate` (student samples) and `gkd import` (dataset responses); read by `gkd score`.
+
+Each shard records the fingerprint of the tokenizer that made its ids (`TOKENIZER_KEY` in the Parquet footer, covered
+by the shard's checksum, and `tokenizer_fingerprint` in its marker, where rollout shards of schema 1.0 written by
+generate/import already had it): `gkd score` compares it with the teacher's before any teacher work.
 """
 
 from __future__ import annotations
@@ -10,12 +14,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipeline.store.fingerprint import sample_id as make_sample_id
 from pipeline.store.schema import load_schema
-from pipeline.store.shards import ShardInfo, complete_shards, iter_batches, write_shard
+from pipeline.store.shards import ShardError, ShardInfo, complete_shards, iter_batches, read_marker, write_shard
 
 SOURCES = ("dataset", "student")
+TOKENIZER_KEY = b"gkd.tokenizer_fingerprint"
 
 
 def shard_name(prefix: str, index: int, count: int) -> str:
@@ -69,11 +75,29 @@ def rollout_row(
     }
 
 
-def write_rollouts(path: str | Path, rows: Sequence[dict], *, extra: dict | None = None) -> ShardInfo:
-    """Atomically write rollout rows as one complete shard."""
+def write_rollouts(path: str | Path, rows: Sequence[dict], *, tokenizer_fingerprint: str | None = None,
+                   extra: dict | None = None) -> ShardInfo:
+    """Atomically write rollout rows as one complete shard, recording the fingerprint of the tokenizer that made
+    their ids (`gkd score` refuses shards without one)."""
     schema = load_schema("rollout").arrow
     table = pa.Table.from_pylist([{**r, "tags": list(r.get("tags", {}).items())} for r in rows], schema=schema)
-    return write_shard(path, table, "rollout", extra=extra)
+    extra = dict(extra or {})
+    footer = None
+    if tokenizer_fingerprint is not None:
+        footer = {TOKENIZER_KEY: tokenizer_fingerprint.encode()}
+        extra["tokenizer_fingerprint"] = tokenizer_fingerprint
+    return write_shard(path, table, "rollout", extra=extra, footer=footer)
+
+
+def rollout_tokenizer(path: str | Path) -> str | None:
+    """The tokenizer fingerprint a complete rollout shard records (footer first, then its marker), or None."""
+    try:
+        footer = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: unreadable Parquet footer ({e})") from e
+    if TOKENIZER_KEY in footer:
+        return footer[TOKENIZER_KEY].decode()
+    return (read_marker(path) or {}).get("tokenizer_fingerprint")
 
 
 def rollout_shards(directory: str | Path) -> list[Path]:

@@ -121,11 +121,12 @@ def _native_gqa(q: Tensor, mask: Tensor | None) -> bool:
     return mask is None and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def layer_spec(attention: str = "sdpa") -> ModuleSpec:
-    """Megatron's local GPT layer spec (RMSNorm) with the chosen core attention."""
+def layer_spec(attention: str = "sdpa", qk_layernorm: bool = False) -> ModuleSpec:
+    """Megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm if asked) with the chosen core attention."""
     if attention not in BACKENDS:
         raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKENDS)}")
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")  # a fresh spec tree per call: safe to edit
+    # A fresh spec tree per call: safe to edit.
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec

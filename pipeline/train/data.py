@@ -1,28 +1,49 @@
 """Scored shards -> student micro-batches: a deterministic, resumable, streaming loader.
 
 Alignment (DESIGN.md, "Alignment"): a cached row holds tokens x_0..x_{L-1}, P = first_scored, and teacher row r for
-token j = P + r (the distribution of x_j given x_<j). Student logits at position t predict x_{t+1}, so
+token j = P + r (the distribution of x_j given x_<j). Student logits at position t predict x_{t+1}, so, for a sample
+laid out at columns [o, o + n) of its row,
 
-    labels[t]       = x_{t+1}                      (inputs rolled by -1; the last position has no label: -100)
-    loss_mask[t]    = P - 1 <= t <= L - 2          (exactly the positions whose NEXT token is scored)
-    teacher_*[t]    = teacher row of token j = t + 1
+    labels[o + t]       = x_{t+1}                  (inputs rolled by -1; the sample's last token has no label: -100)
+    loss_mask[o + t]    = P - 1 <= t <= n - 2      (exactly the positions whose NEXT token is scored)
+    teacher_*[o + t]    = teacher row of token j = t + 1
 
 Sequences longer than `seq_length` are truncated: tokens x_j with j >= seq_length and their teacher rows are dropped
 (a sample whose prompt alone fills seq_length then has no active position; it is still consumed, so the order and
-the resume position do not depend on seq_length). Right padding with `pad_id`, to the longest sample of the
-micro-batch rounded up to a multiple of 8 (not to seq_length: attention cost is quadratic; resume stays exact
-because a micro-batch's composition, hence its shape, is a pure function of the position).
+the resume position do not depend on seq_length). Truncated samples are counted (`MicroBatch.truncated`).
+
+Micro-batches, two layouts (`packing`):
+- **packed** (the trainer's default): a micro-batch is `micro_batch_size` rows of `seq_length` tokens, a token
+  budget; a step's rows hold the longest run of samples from its start position that `packing.pack` fits into
+  them (first-fit, repacked first-fit-decreasing when a sample fits nowhere; lengths only, see packing.py).
+  `doc_ids` numbers the samples of each row (-1 = padding) and the trainer turns it into a block-diagonal causal
+  mask (`packing.attention_mask`), so no token sees another sample and no label crosses a sample boundary.
+- **padded** (`packing: false`): micro-batch m = samples [mB, (m+1)B), one per row.
+Both right-pad with `pad_id` to the longest row of the micro-batch rounded up to a multiple of 8 (at most
+seq_length; attention cost is quadratic).
 
 Order: global sample g (counting across epochs) is row order(g // N)[g % N] of the N unique rows (duplicate keys
 across shards/caches are kept once, rows with no scored position are skipped). The epoch permutation is a pure
 function of (seed, epoch): Parquet row groups ("blocks") are shuffled, grouped into windows of >= `window_rows`
 rows, and rows are shuffled within each window, so a reader holds about two windows of *decoded* rows in memory,
 never the cache (the shuffle of mosaicml streaming's py1b, simplified). Blocks are decoded whole: decoding the few
-rows of one micro-batch at a time measured ~5x slower (per-call overhead). Micro-batch m = samples [mB, (m+1)B) goes to
-data-parallel rank m % dp, so a step is dp * grad_accum consecutive micro-batches and the resume state is one
-integer, the global sample position (= (epoch, index) via divmod), equal on every rank at a step boundary.
+rows of one micro-batch at a time measured ~5x slower (per-call overhead).
 
-    python -m pipeline.train.data CACHE_DIR [STUDENT_DIR]     # loader throughput (tokens/s, one core)
+Data parallelism and resume: padded, micro-batch m goes to data-parallel rank m % dp and a step is dp * grad_accum
+consecutive micro-batches. Packed, the plan is made per optimizer step: the longest run of samples from the step's
+start that fits into `global_batch_size` rows (`rows_per_step`), cut into micro-batches of `micro_batch_size` rows,
+micro-batch q of the step going to rank q % dp; it is a pure function of the step's start position, computed from
+the cheap length columns, so every rank computes the same plan, and the samples of a step — hence its loss and
+gradient — do not depend on how it is split over accumulation steps and ranks (tests/train/test_dp.py). Either way
+the resume state is one integer, the global sample position after the step (= (epoch, index) via divmod), equal on
+every rank.
+
+Teacher vocab larger than the student's (same tokenizer, extra embedding rows, e.g. Qwen2.5-7B -> 0.5B): top-k
+entries with ids >= the student's vocab cannot be represented. They are marked `teacher_valid = False` (id 0,
+logprob -inf) and their mass is added to `teacher_tail` (log-add-exp in float64), so the tail mode's k+1-th bin
+holds it and the renorm mode drops it; positions with such entries are counted (`folded_positions`).
+
+    python -m pipeline.train.data CACHE_DIR [...]     # loader throughput (tokens/s, one core), padded and packed
 """
 
 from __future__ import annotations
@@ -38,15 +59,19 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
-from pipeline.store.codec import CodecError, DecodedBatch, Decoder
+from pipeline.store.codec import CodecError, Decoder
 from pipeline.store.shards import ShardError, verify_shard
+from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
+from pipeline.train.packing import pack, row_offsets
 
-IGNORE_INDEX = -100
-_PAD_MULTIPLE = 8
+__all__ = ["IGNORE_INDEX", "MicroBatch", "ScoredLoader", "TokenizerMismatchError", "benchmark"]
+
+# what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
+_COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
 
 
 class TokenizerMismatchError(ValueError):
@@ -54,41 +79,11 @@ class TokenizerMismatchError(ValueError):
 
 
 @dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # int64 [B, S]
-    position_ids: torch.Tensor  # int64 [B, S]
-    labels: torch.Tensor  # int64 [B, S]: x_{t+1}, IGNORE_INDEX where there is none
-    loss_mask: torch.Tensor  # bool [B, S]: t in [P-1, L-2]
-    teacher_ids: torch.Tensor  # int32 [B, S, k]: teacher top-k of token t+1 (zeros where inactive)
-    teacher_logprobs: torch.Tensor  # float32 [B, S, k]
-    teacher_tail: torch.Tensor  # float32 [B, S]: log teacher mass outside the top-k
-    is_dataset: torch.Tensor  # bool [B]: source == "dataset" (SFT applies to these only)
-    keys: list[str]
-    end: int  # global sample position right after this micro-batch's round (the resume state at a step end)
-    tokens: int  # real (non-pad) tokens
-
-    def to(self, device: torch.device | str) -> MicroBatch:
-        """The tensors moved to `device` (a no-op on CPU)."""
-        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return MicroBatch(**{**vars(self), **moved})
-
-
-@dataclass
-class _Decoded:
-    """A decoded row group: what micro-batches are cut from."""
-
-    input_ids: list[np.ndarray]  # int64 per row
-    first_scored: np.ndarray
-    is_dataset: np.ndarray  # bool per row
-    keys: list[str]
-    topk: DecodedBatch
-
-
-@dataclass
 class _Shard:
     path: Path
     descriptor: Descriptor
     rg_starts: np.ndarray  # first global row of each row group, plus the end
+    fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
 
 
 def _resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descriptor]]:
@@ -130,9 +125,18 @@ class ScoredLoader:
         vocab_size: int | None = None,
         window_rows: int = 512,
         verify_checksums: bool = True,
+        packing: bool = False,
+        rows_per_step: int | None = None,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
-        self.dp_rank, self.dp_size, self.window_rows = dp_rank, dp_size, window_rows
+        self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
+        # Packed: one plan per optimizer step (global_batch_size rows), cut into micro-batches of B rows, so the
+        # samples of a step do not depend on how it is split across accumulation steps and data-parallel ranks.
+        self.G = rows_per_step or micro_batch_size * dp_size
+        if self.G % (micro_batch_size * dp_size):
+            raise ValueError(f"rows_per_step {self.G} is not a multiple of micro_batch_size * dp = "
+                             f"{micro_batch_size * dp_size}")
+        self.vocab_size = vocab_size
         resolved = _resolve_sources(sources)
         for where, desc in {p.parent.parent: d for p, d in resolved}.items():
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
@@ -140,21 +144,27 @@ class ScoredLoader:
                     f"{where}: cache scored with tokenizer {desc.tokenizer_fingerprint}, the student's is "
                     f"{tokenizer_fingerprint}; teacher ids would index the wrong tokens"
                 )
-            if vocab_size is not None and desc.vocab_size > vocab_size:
-                raise TokenizerMismatchError(f"cache vocab {desc.vocab_size} exceeds the student's {vocab_size}")
+            if vocab_size is not None and desc.vocab_size > vocab_size and tokenizer_fingerprint is None:
+                # Same tokenizer, more embedding rows is fine (folded below); unverified, it may be another vocab.
+                raise TokenizerMismatchError(
+                    f"{where}: cache vocab {desc.vocab_size} exceeds the student's {vocab_size} and no tokenizer "
+                    "fingerprint was given to show they share a tokenizer"
+                )
         ks = {d.k for _, d in resolved}
         if len(ks) != 1:
             raise ValueError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch")
         self.k = ks.pop()
         self._build_index(resolved, verify_checksums)
         self._files: OrderedDict[int, tuple[pq.ParquetFile, Decoder]] = OrderedDict()
-        self._blocks: OrderedDict[int, _Decoded] = OrderedDict()
-        self._order_epoch, self._order = -1, np.zeros(0, np.int64)
+        self._blocks: OrderedDict[int, Block] = OrderedDict()
+        self._orders: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._plans: OrderedDict[int, tuple[int, np.ndarray, np.ndarray]] = OrderedDict()
+        self._bounds = [0]  # packed: start positions of steps 0, 1, ... counted from position 0 (for micro_batch(m))
 
     # -- index: cheap columns only ----------------------------------------------------------------------------
     def _build_index(self, resolved: list[tuple[Path, Descriptor]], verify_checksums: bool) -> None:
         self.shards: list[_Shard] = []
-        keys, nums, starts = [], [], [0]
+        keys, nums, firsts, starts = [], [], [], [0]
         h = hashlib.blake2b(digest_size=16)
         for path, desc in resolved:
             problems = verify_shard(path, "scored", checksum=verify_checksums)
@@ -162,18 +172,22 @@ class ScoredLoader:
                 raise ShardError("; ".join(problems))
             try:
                 pf = pq.ParquetFile(path)
-                table = pf.read(columns=["key", "num_scored"])
+                table = pf.read(columns=["key", "num_scored", "first_scored"])
             except (pa.ArrowException, OSError) as e:
-                raise ShardError(f"{path}: cannot read its key/num_scored columns ({e})") from e
+                raise ShardError(f"{path}: cannot read its key/num_scored/first_scored columns ({e})") from e
             rg = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
-            self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)])))
+            fold = self.vocab_size is not None and desc.vocab_size > self.vocab_size
+            self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]), fold))
             keys.append(np.asarray(table.column("key").to_pylist(), dtype="S32"))
             nums.append(table.column("num_scored").to_numpy())
+            firsts.append(table.column("first_scored").to_numpy())
             starts.append(starts[-1] + table.num_rows)
             h.update(f"{path.resolve()}|{table.num_rows}|".encode())
         self.fingerprint = h.hexdigest()  # changes when the set of shards changes: the order would too
         all_keys = np.concatenate(keys) if keys else np.zeros(0, "S32")
         num = np.concatenate(nums).astype(np.int64) if nums else np.zeros(0, np.int64)
+        # L = P + num_scored (schemas/scored.json); checked against input_ids when a block is decoded
+        self.lengths = num + (np.concatenate(firsts).astype(np.int64) if firsts else 0)
         _, first = np.unique(all_keys, return_index=True)  # a key seen twice (two caches) is used once
         keep = np.zeros(len(all_keys), bool)
         keep[first] = True
@@ -185,10 +199,11 @@ class ScoredLoader:
         self._block_starts = np.unique(np.concatenate([s.rg_starts for s in self.shards]))
         if self.num_samples == 0:
             raise ShardError(f"no scored rows in {', '.join(str(s.path) for s in self.shards)}")
+        self._mean_length = float(np.minimum(self.lengths[keep], self.S).mean())
 
     def order(self, epoch: int) -> np.ndarray:
         """Global row ids of one epoch, in training order: a pure function of (seed, epoch) and the shards."""
-        if epoch != self._order_epoch:
+        if epoch not in self._orders:
             rng = np.random.default_rng([self.seed, epoch])
             starts = self._block_starts
             parts, window, size = [], [], 0
@@ -201,17 +216,60 @@ class ScoredLoader:
                     window, size = [], 0
             if window:
                 parts.append(rng.permutation(np.concatenate(window)))
-            self._order, self._order_epoch = np.concatenate(parts), epoch
-        return self._order
+            self._orders[epoch] = np.concatenate(parts)
+            while len(self._orders) > 2:  # a micro-batch crossing an epoch boundary needs both
+                self._orders.popitem(last=False)
+        return self._orders[epoch]
 
     def sample_rows(self, start: int, count: int) -> np.ndarray:
         """Global row ids of global samples [start, start + count) (crossing epochs as needed)."""
+        e0, e1 = start // self.num_samples, (start + count - 1) // self.num_samples if count else 0
+        if e0 == e1:
+            i = start - e0 * self.num_samples
+            return self.order(e0)[i : i + count]
         g = np.arange(start, start + count)
         epochs, idx = np.divmod(g, self.num_samples)
         out = np.empty(count, np.int64)
-        for e in np.unique(epochs):
-            out[epochs == e] = self.order(int(e))[idx[epochs == e]]
+        for e in range(e0, e1 + 1):
+            out[epochs == e] = self.order(e)[idx[epochs == e]]
         return out
+
+    # -- the packing plan: lengths only ------------------------------------------------------------------------
+    def plan(self, start: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """Packed step starting at global sample `start`: (end position, row in [0, G) of each sample in
+        [start, end), its first column). A pure function of (seed, shards, start, G, seq_length); micro-batch q of
+        the step is its rows [qB, (q+1)B)."""
+        if start in self._plans:
+            return self._plans[start]
+        budget = self.G * self.S
+        count = int(2 * budget / self._mean_length) + self.G
+        while True:
+            lengths = np.minimum(self.lengths[self.sample_rows(start, count)], self.S)
+            over = np.flatnonzero(np.cumsum(lengths) > budget)
+            if over.size:  # that sample cannot be in the packed run: enough lengths
+                lengths = lengths[: over[0] + 1]
+                break
+            count *= 2
+        row_of = pack(lengths, self.G, self.S)
+        out = (start + len(row_of), row_of, row_offsets(row_of, lengths[: len(row_of)]))
+        self._plans[start] = out
+        while len(self._plans) > 4:
+            self._plans.popitem(last=False)
+        return out
+
+    def _step_start(self, step: int) -> int:
+        """Packed: start position of step `step` counted from position 0."""
+        while len(self._bounds) <= step + 1:
+            self._bounds.append(self.plan(self._bounds[-1])[0])
+        return self._bounds[step]
+
+    def _packed_micro_batch(self, start: int, q: int) -> MicroBatch:
+        """Micro-batch q (rows [qB, (q+1)B)) of the packed step starting at `start`."""
+        end, row_of, offsets = self.plan(start)
+        sel = np.flatnonzero(row_of // self.B == q)
+        rows = self.sample_rows(start, len(row_of))[sel]
+        return assemble(self._fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
+                        seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
 
     # -- reading ----------------------------------------------------------------------------------------------
     def _file(self, s: int) -> tuple[pq.ParquetFile, Decoder]:
@@ -227,30 +285,36 @@ class ScoredLoader:
         self._files.move_to_end(s)
         return self._files[s]
 
-    def _block(self, b: int) -> _Decoded:
+    def _block(self, b: int) -> Block:
         """One row group, decoded whole (decoding row by row costs ~5x more); an LRU of a window's blocks bounds
         memory to about `window_rows` decoded rows."""
         if b not in self._blocks:
             s = int(np.searchsorted(self._shard_starts, self._block_starts[b], side="right") - 1)
             rg = int(np.searchsorted(self.shards[s].rg_starts, self._block_starts[b]))
             pf, decoder = self._file(s)
+            path = self.shards[s].path
             try:
-                table = pf.read_row_group(rg).combine_chunks()
+                table = pf.read_row_group(rg, columns=_COLUMNS, use_threads=False).combine_chunks()
                 batch = table.to_batches(max_chunksize=table.num_rows)[0] if table.num_rows else None
-                topk = decoder.decode(batch, table.column("num_scored").to_numpy())
+                num_scored = table.column("num_scored").to_numpy()
+                topk = decoder.decode(batch, num_scored, actual=False)
+                ids = table.column("input_ids").chunk(0)
+                offsets = ids.offsets.to_numpy().astype(np.int64)
+                first = table.column("first_scored").to_numpy().astype(np.int64)
+                is_dataset = pc.equal(table.column("source"), "dataset").to_numpy(zero_copy_only=False)
             except (pa.ArrowException, OSError) as e:
-                raise ShardError(f"{self.shards[s].path}: row group {rg} unreadable ({e})") from e
+                raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
             except CodecError as e:
-                raise ShardError(f"{self.shards[s].path}: {e}") from e
-            ids = table.column("input_ids").chunk(0)
-            offsets = ids.offsets.to_numpy()
-            values = ids.values.to_numpy().astype(np.int64)
-            self._blocks[b] = _Decoded(
-                input_ids=[values[offsets[i]: offsets[i + 1]] for i in range(table.num_rows)],
-                first_scored=table.column("first_scored").to_numpy(),
-                is_dataset=np.asarray(table.column("source").to_pylist()) == "dataset",
-                keys=table.column("key").to_pylist(),
-                topk=topk,
+                raise ShardError(f"{path}: {e}") from e
+            if not np.array_equal(np.diff(offsets), first + num_scored):
+                raise ShardError(f"{path}: row group {rg}: len(input_ids) != first_scored + num_scored")
+            tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
+            if self.shards[s].fold:
+                tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
+            self._blocks[b] = Block(
+                token_offsets=offsets - offsets[0], tokens=ids.values.to_numpy().astype(np.int64)[offsets[0]:],
+                first_scored=first, is_dataset=is_dataset, keys=table.column("key").to_pylist(),
+                row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
             )
             max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
             while len(self._blocks) > max_blocks:
@@ -258,71 +322,47 @@ class ScoredLoader:
         self._blocks.move_to_end(b)
         return self._blocks[b]
 
-    def _fetch(self, rows: np.ndarray) -> list[tuple[_Decoded, int]]:
+    def _fetch(self, rows: np.ndarray) -> list[tuple[Block, int]]:
         """(decoded block, row within it) for the given global rows, in their given order."""
         blocks = np.searchsorted(self._block_starts, rows, side="right") - 1
-        return [(self._block(int(b)), int(r - self._block_starts[b])) for b, r in zip(blocks, rows, strict=True)]
+        return [(self._block(b), r - self._block_starts[b]) for b, r in zip(blocks.tolist(), rows.tolist(), strict=True)]
 
+    # -- micro-batches ----------------------------------------------------------------------------------------
     def micro_batch(self, m: int) -> MicroBatch:
-        """Global micro-batch number m (samples [mB, (m+1)B)), whichever rank it belongs to."""
-        B, S, k = self.B, self.S, self.k
-        fetched = self._fetch(self.sample_rows(m * B, B))
-        lengths = np.array([min(len(blk.input_ids[j]), S) for blk, j in fetched])
-        width = min(S, -(-int(lengths.max()) // _PAD_MULTIPLE) * _PAD_MULTIPLE)
-        ids = np.full((B, width), self.pad_id, np.int64)
-        labels = np.full((B, width), IGNORE_INDEX, np.int64)
-        mask = np.zeros((B, width), bool)
-        t_ids = np.zeros((B, width, k), np.int32)
-        t_lp = np.zeros((B, width, k), np.float32)
-        t_tail = np.zeros((B, width), np.float32)
-        is_dataset, keys = np.zeros(B, bool), []
-        for i, (blk, j) in enumerate(fetched):
-            n = int(lengths[i])
-            ids[i, :n] = blk.input_ids[j][:n]
-            labels[i, : n - 1] = ids[i, 1:n]
-            p = int(blk.first_scored[j])
-            lo = int(blk.topk.offsets[j])
-            # teacher row r is token j = p + r; it pairs with logits at t = j - 1, kept while j < n (truncation)
-            # and t >= 0 (a row for token 0 has no student position to predict it).
-            r0, r1 = max(0, 1 - p), max(0, n - p)
-            if r1 > r0:
-                t0, t1 = p + r0 - 1, p + r1 - 1
-                mask[i, t0:t1] = True
-                t_ids[i, t0:t1] = blk.topk.topk_ids[lo + r0 : lo + r1]
-                t_lp[i, t0:t1] = blk.topk.topk_logprobs[lo + r0 : lo + r1]
-                t_tail[i, t0:t1] = blk.topk.tail_logprobs[lo + r0 : lo + r1]
-            is_dataset[i] = blk.is_dataset[j]
-            keys.append(blk.keys[j])
-        round_end = (m - m % self.dp_size + self.dp_size) * B
-        return MicroBatch(
-            input_ids=torch.from_numpy(ids),
-            position_ids=torch.arange(width).expand(B, width),
-            labels=torch.from_numpy(labels),
-            loss_mask=torch.from_numpy(mask),
-            teacher_ids=torch.from_numpy(t_ids),
-            teacher_logprobs=torch.from_numpy(t_lp),
-            teacher_tail=torch.from_numpy(t_tail),
-            is_dataset=torch.from_numpy(is_dataset),
-            keys=keys,
-            end=round_end,
-            tokens=int(lengths.sum()),
-        )
+        """Global micro-batch number m (counted from position 0), whichever rank it belongs to."""
+        if not self.packing:
+            round_end = (m - m % self.dp_size + self.dp_size) * self.B
+            return self._assemble(m * self.B, np.arange(self.B), np.zeros(self.B, np.int64), round_end)
+        step, q = divmod(m, self.G // self.B)
+        return self._packed_micro_batch(self._step_start(step), q)
+
+    def _assemble(self, start: int, row_of: np.ndarray, offsets: np.ndarray, round_end: int) -> MicroBatch:
+        """Samples [start, start + len(row_of)) laid out at (row_of, offsets) into one micro-batch."""
+        rows = self.sample_rows(start, len(row_of))
+        return assemble(self._fetch(rows), row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
+                        k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:
-        """This rank's micro-batches from global sample position `start` (a multiple of B * dp), forever.
+        """This rank's micro-batches from global sample position `start` (a step boundary), forever. Padded: rounds
+        of dp micro-batches, the rank's one of each. Packed: per step, its micro-batches q = rank, rank + dp, ...
+        With prefetch > 0 a background thread reads, decodes and packs ahead into a bounded queue (order
+        unchanged), off the training step's critical path."""
 
-        With prefetch > 0 a background thread decodes ahead into a bounded queue (order unchanged)."""
-        if start % (self.B * self.dp_size):
-            raise ValueError(f"start {start} is not a multiple of micro_batch_size * dp = {self.B * self.dp_size}")
-        first = start // self.B + self.dp_rank
-
-        def produce() -> Iterator[MicroBatch]:
-            m = first
+        def padded() -> Iterator[MicroBatch]:  # from a multiple of B * dp these are micro_batch(m), m = rank mod dp
+            pos, rows, zeros = start, np.arange(self.B), np.zeros(self.B, np.int64)
             while True:
-                yield self.micro_batch(m)
-                m += self.dp_size
+                pos += self.B * self.dp_size
+                yield self._assemble(pos - (self.dp_size - self.dp_rank) * self.B, rows, zeros, pos)
 
-        return produce() if prefetch <= 0 else _prefetched(produce(), prefetch)
+        def packed() -> Iterator[MicroBatch]:
+            pos = start
+            while True:  # every rank plans the whole step and assembles its own micro-batches of it
+                for q in range(self.dp_rank, self.G // self.B, self.dp_size):
+                    yield self._packed_micro_batch(pos, q)
+                pos = self.plan(pos)[0]
+
+        it = packed() if self.packing else padded()
+        return it if prefetch <= 0 else _prefetched(it, prefetch)
 
 
 def _prefetched(it: Iterator[MicroBatch], depth: int) -> Iterator[MicroBatch]:
@@ -353,34 +393,51 @@ def _prefetched(it: Iterator[MicroBatch], depth: int) -> Iterator[MicroBatch]:
                 raise value
             yield value
     finally:
+        # Stop and join the worker: a daemon thread still inside numpy/torch/numba code when the interpreter
+        # shuts down can abort the process ("terminate called without an active exception", seen at exit).
         stop.set()
+        while thread.is_alive():
+            try:
+                q.get_nowait()  # unblock a worker waiting on a full queue
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.05)
 
 
 def benchmark(sources: Sequence[str | Path], *, micro_batch_size: int = 8, seq_length: int = 512,
-              epochs: int = 5, seed: int = 0) -> dict:
+              epochs: int = 5, seed: int = 0, packing: bool = False) -> dict:
     """Loader throughput on one core (no prefetch thread): scored shards -> micro-batch tensors, `epochs` epochs
     with the decoded-block LRU emptied before each, so every row is read and decoded every epoch (a small cache
     fits in the LRU, and repeated epochs would otherwise measure batch assembly only). Opening the shards and
-    building the sample order are not timed."""
-    loader = ScoredLoader(sources, micro_batch_size=micro_batch_size, seq_length=seq_length, seed=seed)
-    per_epoch = -(-loader.num_samples // micro_batch_size)
+    building the sample order are not timed; packing plans are. `tokens_per_s` is per CPU-second of the process
+    (all its threads: what one core does, whatever else the machine runs); `wall_tokens_per_s` by the clock."""
+    loader = ScoredLoader(sources, micro_batch_size=micro_batch_size, seq_length=seq_length, seed=seed,
+                          packing=packing)
     batches = loader.iter_from(0, prefetch=0)
-    tokens = scored = 0
-    dt = 0.0
-    for _ in range(epochs):
+    loader.micro_batch(0)  # the decode kernel's one-off compile (or load from numba's disk cache): not timed
+    tokens = scored = positions = 0
+    cpu = wall = 0.0
+    for e in range(epochs):
         loader._blocks.clear()
-        t0 = time.perf_counter()
-        for _ in range(per_epoch):
+        c0, w0 = time.process_time(), time.perf_counter()
+        while True:
             mb = next(batches)
             tokens += mb.tokens
+            positions += mb.positions
             scored += int(mb.loss_mask.sum())
-        dt += time.perf_counter() - t0
-    return {"k": loader.k, "tokens_per_s": tokens / dt, "scored_tokens_per_s": scored / dt, "seconds": dt,
-            "epochs": epochs, "samples": loader.num_samples}
+            if mb.end >= (e + 1) * loader.num_samples:
+                break
+        cpu += time.process_time() - c0
+        wall += time.perf_counter() - w0
+    return {"k": loader.k, "tokens_per_s": tokens / cpu, "scored_tokens_per_s": scored / cpu,
+            "wall_tokens_per_s": tokens / wall, "cpu_seconds": cpu, "wall_seconds": wall, "epochs": epochs,
+            "samples": loader.num_samples, "packing": packing, "padding_fraction": 1 - tokens / positions,
+            "micro_batch_size": micro_batch_size, "seq_length": seq_length}
 
 
 if __name__ == "__main__":
     import json
     import sys
 
-    print(json.dumps(benchmark(sys.argv[1:]), indent=1))
+    for packing in (False, True):
+        print(json.dumps(benchmark(sys.argv[1:], packing=packing), indent=1))

@@ -1,7 +1,8 @@
-"""HF Llama / Qwen2 checkpoint <-> Megatron-Core GPTModel (local layer spec, fp32), for the student trainer.
+"""HF Llama / Mistral / Qwen2 / Qwen3 checkpoint <-> Megatron-Core GPTModel (local layer spec, fp32), for the student
+trainer. Which configs are accepted, and the refusals: `pipeline.train.families`.
 
 Why our own mapping: the bridge packages (megatron-bridge, mcore-bridge) need Transformer Engine, which does not
-exist on CPU, and for these two architectures the mapping is a handful of reshapes (DESIGN.md, "Megatron-Core
+exist on CPU, and for these architectures the mapping is a handful of reshapes (DESIGN.md, "Megatron-Core
 on CPU"). Export writes a plain HF folder (safetensors + config.json + the source's tokenizer files) that
 transformers and vLLM load, which is how the on-policy loop hands student weights to the sampler.
 
@@ -11,6 +12,9 @@ Layout facts the mapping relies on (megatron-core 0.16.1):
 - linear_fc1 on TP rank r is cat(gate_r, up_r) of that rank's row slices (SwiGLU chunks the local output in two).
 - linear_proj and linear_fc2 are row-parallel (split along the input dim); embedding and output layer are
   vocab-parallel (split along rows). Norms are replicated.
+- Qwen3's q_norm/k_norm are `self_attention.q_layernorm/k_layernorm` (RMSNorm over head_dim, eps = layernorm_epsilon
+  = rms_norm_eps, applied per head before RoPE, as in transformers); replicated under TP, and their gradients are
+  summed over TP ranks by finalize_model_grads because TransformerConfig.qk_layernorm is set.
 
 Vocab padding: Megatron needs vocab % tp == 0. `build_model` pads the vocab to a multiple of
 `pad_vocab_to_multiple_of` (default: tp) with zero rows; padded ids then get logit exactly 0, so the loss
@@ -25,7 +29,6 @@ import json
 import re
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,63 +41,14 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.train.families import HFArch, check_trainable, llama3_inv_freq, read_hf_arch
+
+__all__ = ["HFArch", "build_model", "check_trainable", "export_adapter", "export_hf", "gather_shards",
+           "hf_to_megatron_state_dict", "load_hf_weights", "megatron_to_hf_state_dict", "padded_vocab", "read_hf_arch",
+           "read_hf_state_dict"]
+
 Tensor = torch.Tensor
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|gguf)$|.*\.safetensors\.index\.json$")
-
-
-@dataclass(frozen=True)
-class HFArch:
-    """The few config.json fields the mapping needs, validated once."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tied_embeddings: bool
-    qkv_bias: bool
-
-
-def read_hf_arch(hf_dir: str | Path) -> HFArch:
-    """Parse config.json of a Llama or Qwen2 folder; refuse features the plain mapping cannot express."""
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-    model_type = cfg.get("model_type")
-    if model_type not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported model_type {model_type!r}: only llama and qwen2 map onto GPTModel here")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {cfg['hidden_act']!r}: only silu (SwiGLU) is supported")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        # Megatron's add_bias_linear would add biases to o_proj *and* the MLP together; keep the mapping exact.
-        raise ValueError("llama attention_bias/mlp_bias are not supported")
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (plain RoPE only)")
-    if model_type == "qwen2" and cfg.get("use_sliding_window"):
-        raise ValueError("qwen2 sliding-window attention is not supported")
-    heads = cfg["num_attention_heads"]
-    return HFArch(
-        model_type=model_type,
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        ffn_hidden_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-    )
 
 
 def padded_vocab(vocab_size: int, multiple: int) -> int:
@@ -115,7 +69,8 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
     from pipeline.train.attention import layer_spec
     from pipeline.train.recompute import keep_inputs_differentiable, recompute_options
 
-    spec, recompute_kw = layer_spec(attention), recompute_options(recompute)  # bad names fail before any work
+    layer_spec(attention)  # bad names fail before any work
+    recompute_kw = recompute_options(recompute)
     arch = read_hf_arch(hf_dir)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config = TransformerConfig(
@@ -131,6 +86,9 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,  # also makes finalize_model_grads sum q/k norm grads over TP ranks
+        rotary_interleaved=False,  # transformers' rotate_half layout
+        apply_rope_fusion=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -143,7 +101,7 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layer_spec(attention, qk_layernorm=arch.qk_norm),
         vocab_size=padded_vocab(arch.vocab_size, pad_vocab_to_multiple_of or tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -151,7 +109,14 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=1.0,  # partial_rotary_factor != 1 is refused by read_hf_arch
+        rope_scaling=False,  # llama3 scaling is applied below with the config's own parameters
     )
+    if arch.rope_scaling is not None:
+        rope = model.rotary_pos_emb
+        # A plain attribute, not a buffer: not in checkpoints, so it is set here on every build (before any forward:
+        # RotaryEmbedding.forward is lru-cached).
+        rope.inv_freq = llama3_inv_freq(rope.inv_freq, arch.rope_scaling)
     if recompute == "full":
         keep_inputs_differentiable(model)
     if torch.cuda.is_available():
@@ -196,6 +161,9 @@ def hf_to_megatron_state_dict(
         if arch.qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = qkv(p, "bias")
         out[m + "self_attention.linear_proj.weight"] = shard(hf[p + "self_attn.o_proj.weight"], 1)
+        if arch.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"].clone()
+            out[m + "self_attention.k_layernorm.weight"] = hf[p + "self_attn.k_norm.weight"].clone()
         out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"].clone()
         gate, up = shard(hf[p + "mlp.gate_proj.weight"], 0), shard(hf[p + "mlp.up_proj.weight"], 0)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
@@ -229,6 +197,9 @@ def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], arch: HFArch)
             for name, t in zip(names, split_qkv(m + "self_attention.linear_qkv." + suffix), strict=True):
                 out[f"{p}self_attn.{name}.{suffix}"] = t
         out[p + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
+        if arch.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = shards[0][m + "self_attention.q_layernorm.weight"].clone()
+            out[p + "self_attn.k_norm.weight"] = shards[0][m + "self_attention.k_layernorm.weight"].clone()
         out[p + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"].clone()
         gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
         out[p + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up], dim=0)

@@ -36,12 +36,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train.yaml"
 
 @dataclass
 class TrainConfig:
-    student: str = "default"  # HF Llama/Qwen2 folder; "default" = the SmolLM2 6-layer student (pipeline.assets)
+    student: str = "default"  # HF folder (llama, mistral, qwen2, qwen3; see README); "default" = the SmolLM2 6-layer student
     cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
     seed: int = 1234
-    micro_batch_size: int = 8
-    global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size
+    micro_batch_size: int = 8  # rows per micro-batch; with packing a token budget of micro_batch_size * seq_length
+    global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
     seq_length: int = 512  # longer samples are truncated (tokens past it and their teacher rows dropped)
+    # Pack several samples per row of seq_length tokens, each attending only to itself (pipeline/train/packing.py);
+    # false: one sample per row, padded to the micro-batch's longest.
+    packing: bool = True
     train_steps: int = 100
     lr: float = 1.0e-4
     min_lr: float = 1.0e-5
@@ -238,9 +241,9 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    sft_mask = batch.loss_mask & batch.is_dataset[:, None] if cfg.sft_alpha > 0 else None
+    sft_mask = batch.sft_mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
     kd_weight, sft_weight = 1.0 / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
-    teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=getattr(batch, "teacher_valid", None))
+    teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
     if cfg.fused_loss:
         from pipeline.train.fused_loss import fused_gkd_loss, output_weight
 
@@ -271,23 +274,32 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
 
 def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model):
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward."""
+    from pipeline.train.packing import attention_mask
+
     batch = next(data_iterator).to(_device())
-    # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss; causal mask built inside
-    out = model(batch.input_ids, batch.position_ids, None)
+    # Packed rows: a block-diagonal causal mask (True = masked). Both attention backends apply an explicit mask
+    # (Megatron's unfused softmax: masked_softmax_fusion is off; SDPA: inverted); None keeps the causal default.
+    mask = attention_mask(batch.doc_ids) if batch.packed else None
+    # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
+    out = model(batch.input_ids, batch.position_ids, mask)
     return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))
 
 
 def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_size: int):
     """One optimizer step over this rank's micro-batches `micro` (the loop's body, without data and logging; the
-    benchmarks time exactly this). Returns (global [KD, SFT, token] counts, per-micro-batch reports, lr, grad norm)."""
+    benchmarks time exactly this). Returns (global counts [KD, SFT, real tokens, *_DATA_COUNTS], per-micro-batch
+    reports, lr, grad norm)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     # Global active counts of this step, known before any backward: the loss's denominators.
+    # Then what the metrics report: real tokens, positions (real + padding), samples, truncated, folded.
     counts = torch.tensor(
         [float(sum(int(b.loss_mask.sum()) for b in micro)),
-         float(sum(int((b.loss_mask & b.is_dataset[:, None]).sum()) for b in micro)),
-         float(sum(b.tokens for b in micro))], dtype=torch.float64, device=_device())
+         float(sum(int(b.sft_mask.sum()) for b in micro)),
+         float(sum(b.tokens for b in micro)),
+         *(float(sum(getattr(b, f) for b in micro)) for f in _DATA_COUNTS)], dtype=torch.float64,
+        device=_device())
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
@@ -304,11 +316,17 @@ def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_s
 
 # ---------------------------------------------------------------- the loop
 
+# MicroBatch counters summed over a step (all ranks) for the metrics: positions = real + padding tokens.
+_DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
+
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the last step's metrics. Every rank calls it."""
+    from pipeline.train.families import check_trainable, read_hf_arch
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
+    hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
+    check_trainable(read_hf_arch(hf_dir), cfg.seq_length, hf_dir / "config.json")
     init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed)
     try:
         return _train(cfg)
@@ -338,7 +356,8 @@ def _train(cfg: TrainConfig) -> dict:
     loader = ScoredLoader(
         cfg.cache, micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id,
         dp_rank=dp_rank, dp_size=dp, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=model.hf_vocab_size, window_rows=cfg.window_rows,
+        vocab_size=model.hf_vocab_size, window_rows=cfg.window_rows, packing=cfg.packing,
+        rows_per_step=cfg.global_batch_size,
     )
 
     step, position = 0, 0
@@ -385,17 +404,22 @@ def _train(cfg: TrainConfig) -> dict:
             jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
             sft = (sums[1] / max(counts[1].item(), 1.0)).item()
             dt = time.perf_counter() - t0
+            positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
             last = {"step": step, "loss": jsd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
                     "lr": lr, "grad_norm": float(grad_norm or 0.0),
                     "tokens_per_s": counts[2].item() / dt, "active_tokens": int(counts[0].item()),
+                    "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
+                    "samples": samples, "truncated": truncated, "folded_positions": folded,
                     "data_position": position}
             if rank == 0:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
-                for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s"):
+                for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
+                             "padding_fraction", "samples", "truncated", "folded_positions"):
                     writer.add_scalar(f"train/{name}", last[name], step)
                 bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                pad=f"{last['padding_fraction']:.0%}", samples=last["samples"])
             done = step >= cfg.train_steps or (cfg.exit_after is not None and steps_this_run >= cfg.exit_after)
             if step % cfg.save_interval == 0 or done:
                 checkpoint.save(save_dir, step, model, optimizer, {
@@ -418,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides)
+        cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides, section="train")
     except ConfigError as e:
         print(f"gkd train: {e}", file=sys.stderr)
         return 2

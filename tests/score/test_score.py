@@ -40,15 +40,21 @@ def llm(teacher):
         yield engine
 
 
-def _rollouts(path, specs, seed=0):
-    """specs: list of (prompt_len, completion_len); random ids in [3, 384)."""
+def _fp(teacher) -> str:
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(teacher)
+
+
+def _rollouts(path, specs, teacher, seed=0):
+    """specs: list of (prompt_len, completion_len); random ids in [3, 384), tokenizer = the teacher's."""
     rng = np.random.default_rng(seed)
     rows = [
         rollout_row(prompt_id=f"q{seed}-{i}", prompt_ids=rng.integers(3, 384, p).tolist(),
                     completion_ids=rng.integers(3, 384, c).tolist(), source="dataset")
         for i, (p, c) in enumerate(specs)
     ]
-    write_rollouts(path, rows)
+    write_rollouts(path, rows, tokenizer_fingerprint=_fp(teacher))
     return rows
 
 
@@ -68,7 +74,7 @@ def _hf_logprobs(teacher, ids, dtype=torch.float32):
 
 def test_matches_transformers_and_alignment(tmp_path, teacher, llm):
     # prompt/completion boundary, a length-1 completion, and a sequence that ends exactly at max_model_len
-    rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(5, 7), (9, 1), (40, MAX_LEN - 40)])
+    rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(5, 7), (9, 1), (40, MAX_LEN - 40)], teacher)
     summary = score(_cfg(tmp_path, teacher), llm=llm)
     assert summary["scored"] == 3 and summary["teacher_forwards"] == 3
     cached = {s.sample_id: s for s in read_cache(tmp_path / "cache")}
@@ -103,14 +109,14 @@ def test_matches_transformers_and_alignment(tmp_path, teacher, llm):
 
 
 def test_incremental_second_run_scores_nothing_then_only_misses(tmp_path, teacher, llm, capsys):
-    _rollouts(tmp_path / "rollouts" / "a-00000-of-00001.parquet", [(4, 6)] * 5)
+    _rollouts(tmp_path / "rollouts" / "a-00000-of-00001.parquet", [(4, 6)] * 5, teacher)
     first = score(_cfg(tmp_path, teacher), llm=llm)
     assert first["scored"] == 5
     again = score(_cfg(tmp_path, teacher), llm=llm)
     assert again == {"done_before": True, "teacher_forwards": 0}
     assert "nothing to do" in capsys.readouterr().out
     # new rollouts beside the old ones: a new rollout set, only its misses are scored
-    _rollouts(tmp_path / "rollouts" / "b-00000-of-00001.parquet", [(4, 6)] * 3, seed=1)
+    _rollouts(tmp_path / "rollouts" / "b-00000-of-00001.parquet", [(4, 6)] * 3, teacher, seed=1)
     third = score(_cfg(tmp_path, teacher), llm=llm)
     assert third["scored"] == 3 and third["skipped"]["cached"] == 5 and third["teacher_forwards"] == 3
     assert len(TeacherCache.open(tmp_path / "cache").keys()) == 8
@@ -127,7 +133,7 @@ def _assert_same_rows(cache_a, cache_b, n):
 
 
 def test_union_of_shard_tasks_equals_unsharded(tmp_path, teacher, llm):
-    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(3, 5), (6, 2), (4, 9), (2, 3), (7, 7), (5, 5)])
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(3, 5), (6, 2), (4, 9), (2, 3), (7, 7), (5, 5)], teacher)
     for i in range(3):
         score(_cfg(tmp_path, teacher, shard=i, num_shards=3), llm=llm)
     score(_cfg(tmp_path, teacher, cache=str(tmp_path / "single")), llm=llm)
@@ -136,7 +142,7 @@ def test_union_of_shard_tasks_equals_unsharded(tmp_path, teacher, llm):
 
 
 def test_status_lists_missing_tasks_as_array(tmp_path, teacher, llm, capsys):
-    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(3, 5)] * 8)
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(3, 5)] * 8, teacher)
     for i in (0, 2, 3):
         score(_cfg(tmp_path, teacher, shard=i, num_shards=6), llm=llm)
     assert status(_cfg(tmp_path, teacher, num_shards=6)) == 1
@@ -150,10 +156,10 @@ def test_bad_input(tmp_path, teacher, llm):
     empty = rollout_row(prompt_id="empty", prompt_ids=[5, 6], completion_ids=[], source="dataset")
     long = rollout_row(prompt_id="long", prompt_ids=rng.integers(3, 300, MAX_LEN).tolist(), completion_ids=[5], source="dataset")
     ok = rollout_row(prompt_id="ok", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset")
-    write_rollouts(tmp_path / "v" / "r.parquet", [bad_vocab, ok])
+    write_rollouts(tmp_path / "v" / "r.parquet", [bad_vocab, ok], tokenizer_fingerprint=_fp(teacher))
     with pytest.raises(ScoreInputError, match=bad_vocab["sample_id"]):
         score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "v")), llm=llm)
-    write_rollouts(tmp_path / "l" / "r.parquet", [long, empty, ok])
+    write_rollouts(tmp_path / "l" / "r.parquet", [long, empty, ok], tokenizer_fingerprint=_fp(teacher))
     with pytest.raises(ScoreInputError, match=long["sample_id"] + ".*on_overlong=skip"):
         score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "l")), llm=llm)
     s = score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "l"), on_overlong="skip"), llm=llm)
@@ -177,7 +183,7 @@ def _score_cmd(tmp_path, teacher, cache):
 def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
     """Through the real CLI: kill after the first part lands, rerun, compare with an uninterrupted run."""
     n = 160  # 80 parts of 2 rows: each part is several fsyncs, so even an idle machine cannot finish between polls
-    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(4, 20)] * n)
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(4, 20)] * n, teacher)
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     proc = subprocess.Popen(_score_cmd(tmp_path, teacher, tmp_path / "killed"), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -200,3 +206,89 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
     assert not [p for p in shards.iterdir() if p.name.startswith(".")]  # no partial files left
     marker = json.loads(next((tmp_path / "killed" / "tasks").glob("*.done")).read_text())
     assert marker["skipped"]["cached"] == 2 * done_before  # the rerun reused every part the killed run finished
+
+
+# -- what the score stage refuses before any teacher work -------------------------------------------------------
+
+
+def _no_teacher_work(monkeypatch):
+    """Fail the test if the engine is opened or the teacher's weights are hashed."""
+    import pipeline.engine
+    import pipeline.score.run as run
+
+    monkeypatch.setattr(pipeline.engine, "open_engine", lambda *a, **k: pytest.fail("the engine was opened"))
+    monkeypatch.setattr(run, "teacher_fingerprint", lambda *a: pytest.fail("the teacher's weights were hashed"))
+
+
+def _swapped_tokenizer(teacher: Path, out: Path) -> Path:
+    """The teacher's tokenizer with two ordinary tokens' ids swapped: same vocab size, another mapping."""
+    out.mkdir()
+    for f in teacher.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (out / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((out / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
+
+
+def test_refuses_rollouts_of_another_tokenizer_before_any_teacher_work(tmp_path, teacher, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+
+    other = _swapped_tokenizer(teacher, tmp_path / "other")
+    assert len(AutoTokenizer.from_pretrained(other)) == len(AutoTokenizer.from_pretrained(teacher))
+    other_fp = tokenizer_fingerprint(other)
+    assert other_fp != _fp(teacher)
+    rows = [rollout_row(prompt_id="q", prompt_ids=[5, 6, 7], completion_ids=[100, 101, 8], source="dataset")]
+    write_rollouts(tmp_path / "rollouts" / "r.parquet", rows, tokenizer_fingerprint=other_fp)  # ids in range
+    _no_teacher_work(monkeypatch)
+    with pytest.raises(ScoreInputError, match=f"another tokenizer than the teacher's .*r.parquet \\({other_fp}\\)"):
+        score(_cfg(tmp_path, teacher))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_refuses_rollouts_that_record_no_tokenizer(tmp_path, teacher, monkeypatch):
+    rows = [rollout_row(prompt_id="q", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset")]
+    write_rollouts(tmp_path / "rollouts" / "r.parquet", rows)
+    _no_teacher_work(monkeypatch)
+    with pytest.raises(ScoreInputError, match="record no tokenizer fingerprint: .*r.parquet.*tokenizer_fingerprint="):
+        score(_cfg(tmp_path, teacher))
+
+
+def test_rollouts_of_schema_1_0_are_checked_through_their_marker(tmp_path, teacher, llm):
+    """Shards that gkd generate/import wrote before the footer entry carry the fingerprint in their marker."""
+    from pipeline.store.rollouts import TOKENIZER_KEY, rollout_tokenizer
+
+    rows = [rollout_row(prompt_id="q", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset")]
+    path = tmp_path / "rollouts" / "r.parquet"
+    write_rollouts(path, rows, extra={"tokenizer_fingerprint": _fp(teacher)})
+    assert TOKENIZER_KEY not in (pq.read_schema(path).metadata or {}) and rollout_tokenizer(path) == _fp(teacher)
+    assert score(_cfg(tmp_path, teacher), llm=llm)["scored"] == 1
+
+
+def test_bf16_rows_into_an_fp32_cache_are_refused_before_any_teacher_work(tmp_path, teacher, llm, monkeypatch):
+    from pipeline.config import ConfigError
+
+    _rollouts(tmp_path / "rollouts" / "a-00000-of-00001.parquet", [(4, 6)] * 2, teacher)
+    score(_cfg(tmp_path, teacher), llm=llm)  # an fp32 cache
+    assert TeacherCache.open(tmp_path / "cache").descriptor.numerics == {
+        "dtype": "float32", "quantization": "none", "kv_cache_dtype": "auto"}
+    _rollouts(tmp_path / "rollouts" / "b-00000-of-00001.parquet", [(4, 6)] * 2, teacher, seed=1)
+    with pytest.raises(ConfigError, match="dtype: engine has 'float32', the score config 'bfloat16'"):
+        score(_cfg(tmp_path, teacher, dtype="bfloat16"), llm=llm)  # an engine handed in must score as configured
+    _no_teacher_work(monkeypatch)
+    monkeypatch.setattr("pipeline.score.run.teacher_fingerprint", lambda p: TeacherCache.open(
+        tmp_path / "cache").descriptor.teacher_fingerprint)  # the same teacher: only the numerics differ
+    for kw, message in [
+        ({"dtype": "bfloat16"}, "numerics.dtype: cache has 'float32', this run has 'bfloat16'"),
+        ({"engine_extra": {"kv_cache_dtype": "fp8"}}, "numerics.kv_cache_dtype: cache has 'auto', this run has 'fp8'"),
+        ({"engine_extra": {"hf_overrides": {"rope_theta": 5.0}}}, "numerics.engine_extra.hf_overrides: cache has"),
+    ]:
+        with pytest.raises(CacheMismatchError, match=message):
+            score(_cfg(tmp_path, teacher, **kw))
+    with pytest.raises(ConfigError, match="dtype must be one of .* got 'auto'"):
+        score(_cfg(tmp_path, teacher, dtype="auto"))

@@ -41,12 +41,14 @@ def teacher(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rollouts(tmp_path_factory):
+def rollouts(tmp_path_factory, teacher):
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+
     rng = np.random.default_rng(0)
     root = tmp_path_factory.mktemp("rollouts")
     rows = [rollout_row(prompt_id=f"q{i}", prompt_ids=rng.integers(3, 384, 5).tolist(),
                         completion_ids=rng.integers(3, 384, 8).tolist(), source="dataset") for i in range(ROWS)]
-    write_rollouts(root / "r-00000-of-00001.parquet", rows)
+    write_rollouts(root / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint=tokenizer_fingerprint(teacher))
     return root
 
 

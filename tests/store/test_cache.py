@@ -103,3 +103,41 @@ def test_duplicate_keys_across_shards_reported(tmp_path):
     cache.write_shard("scored-extra", rows[:1])
     problems = cache.verify()
     assert any("duplicate" in p and rows[0]["key"] in p for p in problems)
+
+
+FP32 = {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "auto"}
+
+
+def test_numerics_are_part_of_the_identity(tmp_path):
+    """Rows scored in bfloat16 cannot join an fp32 cache: both values are named."""
+    from dataclasses import replace
+
+    TeacherCache.create_or_open(tmp_path / "cache", replace(make_descriptor(), numerics=FP32))
+    with pytest.raises(CacheMismatchError, match="numerics.dtype: cache has 'float32', this run has 'bfloat16'"):
+        TeacherCache.create_or_open(tmp_path / "cache", replace(make_descriptor(), numerics={**FP32, "dtype": "bfloat16"}))
+    with pytest.raises(CacheMismatchError, match="numerics.engine_extra.hf_overrides: cache has '.unset.', this run"):
+        TeacherCache.create_or_open(tmp_path / "cache", replace(
+            make_descriptor(), numerics={**FP32, "engine_extra.hf_overrides": '{"rope_theta": 1.0}'}))
+    assert TeacherCache.create_or_open(tmp_path / "cache", replace(make_descriptor(), numerics=dict(FP32)))
+
+
+def test_a_1_0_descriptor_is_read_but_takes_no_rows_until_it_says_how_it_was_scored(tmp_path):
+    """A cache of descriptor 1.0 (no `numerics`): readable as before; a writer that records numerics is refused
+    with the exact line to add; once added (the user vouches for how the rows were scored), it is a normal cache."""
+    from dataclasses import replace
+
+    cache, rows = _cache_with_rows(tmp_path)
+    path = cache.root / "cache.json"
+    data = json.loads(path.read_text())
+    del data["numerics"]
+    data["descriptor_version"] = "1.0"
+    path.write_text(json.dumps(data))
+    old = TeacherCache.open(cache.root)
+    assert old.descriptor.numerics is None and len(list(read_cache(cache.root))) == len(rows)
+    assert old.stats()["numerics"] is None
+    with pytest.raises(CacheMismatchError, match="does not record how its rows were scored") as e:
+        TeacherCache.create_or_open(cache.root, replace(make_descriptor(), numerics=FP32))
+    line = '"numerics": ' + json.dumps(FP32, sort_keys=True)
+    assert line in str(e.value)
+    path.write_text(path.read_text().rstrip()[:-1] + ", " + line + "}")
+    assert TeacherCache.create_or_open(cache.root, replace(make_descriptor(), numerics=FP32)).descriptor.numerics == FP32

@@ -39,10 +39,11 @@ def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
         spec = cfg.lora_spec()
         load_lora_state(model, from_peft(random_peft(model.hf_arch, spec), model.hf_arch, spec,
                                          parallel_state.get_tensor_model_parallel_rank(), tp))
-    it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=32, seed=cfg.seed).iter_from(0, prefetch=0)
+    # packed (the trainer's default): TP=2 vs TP=1 also covers the block-diagonal attention mask
+    it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=32, seed=cfg.seed, packing=True).iter_from(0, prefetch=0)
     micro = [next(it) for _ in range(2)]
     counts = (float(sum(int(b.loss_mask.sum()) for b in micro)),
-              float(sum(int((b.loss_mask & b.is_dataset[:, None]).sum()) for b in micro)))
+              float(sum(int(b.sft_mask.sum()) for b in micro)))
     ddp.zero_grad_buffer()
     reports = get_forward_backward_func()(
         forward_step_func=partial(forward_step, counts, cfg, model.hf_vocab_size), data_iterator=iter(micro),

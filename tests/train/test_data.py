@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from scored_rows import make_descriptor, make_row
 
 from pipeline.store import ShardError, TeacherCache
@@ -58,7 +59,9 @@ def test_alignment_matches_hand_computation(tmp_path):
                 assert mb.teacher_ids[i, t].tolist() == r["topk_ids"][j - p].tolist()
                 np.testing.assert_allclose(mb.teacher_logprobs[i, t], r["topk_logprobs"][j - p], atol=1 / 64)
                 assert mb.labels[i, t] == ids[j]
-            assert bool(mb.is_dataset[i]) == (r["source"] == "dataset")
+            assert mb.sft_mask[i].tolist() == (expect & (r["source"] == "dataset")).tolist()
+            assert mb.doc_ids[i].tolist() == [0] * n + [-1] * (mb.doc_ids.shape[1] - n)
+            assert mb.teacher_valid[i].any(-1).tolist() == expect.tolist()
         assert mb.input_ids.shape[1] % 8 == 0 or mb.input_ids.shape[1] == 64
 
 
@@ -133,3 +136,36 @@ def test_refuses_corrupt_or_missing_shard_naming_it(tmp_path):
     missing = tmp_path / "shards" / "scored-00009.parquet"
     with pytest.raises(ShardError, match=missing.name):
         ScoredLoader([cache.shard_paths()[0], missing], micro_batch_size=2, seq_length=8, seed=0)
+
+
+def _todays_padded(rows: dict, keys: list[str], seq_length: int, k: int) -> dict:
+    """The padded layout as the loader built it before packing existed (restated from its rules): one sample per
+    row, width = longest sample rounded up to 8 (at most seq_length), zeros/-100 elsewhere."""
+    lengths = [min(len(rows[key]["input_ids"]), seq_length) for key in keys]
+    width = min(seq_length, -(-max(lengths) // 8) * 8)
+    b = len(keys)
+    out = {"input_ids": np.zeros((b, width), np.int64), "labels": np.full((b, width), IGNORE_INDEX, np.int64),
+           "loss_mask": np.zeros((b, width), bool), "teacher_ids": np.zeros((b, width, k), np.int32)}
+    for i, (key, n) in enumerate(zip(keys, lengths, strict=True)):
+        r = rows[key]
+        out["input_ids"][i, :n] = r["input_ids"][:n]
+        out["labels"][i, : n - 1] = r["input_ids"][1:n]
+        p = r["first_scored"]
+        for t in range(max(p - 1, 0), n - 1):
+            out["loss_mask"][i, t] = True
+            out["teacher_ids"][i, t] = r["topk_ids"][t + 1 - p]
+    return out
+
+
+def test_packing_false_keeps_todays_batches(tmp_path):
+    _, rows = _cache(tmp_path, lengths=(6, 40))
+    loader = _loader(tmp_path, seq_length=32)
+    for m in range(6):
+        mb = loader.micro_batch(m)
+        assert not mb.packed and mb.samples == 4 and mb.end == 4 * (m + 1)
+        for name, want in _todays_padded(rows, mb.keys, 32, K).items():
+            assert getattr(mb, name).numpy().tolist() == want.tolist(), (m, name)
+        assert (mb.position_ids == torch.arange(mb.input_ids.shape[1])).all()
+    # a start that is not a multiple of B * dp (a packed run's checkpoint resumed with packing: false)
+    it = _loader(tmp_path, seq_length=32).iter_from(6, prefetch=0)
+    assert next(it).keys == [k for m in (1, 2) for k in loader.micro_batch(m).keys][2:6]

@@ -123,14 +123,14 @@ def test_resume_in_the_other_precision_is_refused(tiny, bf16_run, tmp_path, caps
 
 
 def test_train_loss_equals_heldout_kl_on_the_same_rows(tiny, tmp_path):
-    """One step at lr 0 whose global batch is the whole cache (24 rows, none truncated): the trainer's β = 0 loss
+    """One step at lr 0 whose global batch is the whole cache (24 samples one per row, none truncated): the β = 0 loss
     per token is KL(teacher ‖ student) over the top-k + stored-tail bins, which is what pipeline/evaluate.py
     computes with a plain transformers forward of the same weights."""
     from pipeline.evaluate import heldout_kl
 
     save = tmp_path / "lr0"
     assert cli(_args(tiny, save, train_steps=1, micro_batch_size=4, global_batch_size=24, seq_length=64, lr=0.0,
-                     min_lr=0.0, warmup_steps=0, beta=0.0, sft_alpha=0.0)) == 0
+                     min_lr=0.0, warmup_steps=0, beta=0.0, sft_alpha=0.0, packing="false")) == 0  # 24 rows: 24 samples
     (m,) = _metrics(save)
     ref = heldout_kl(tiny["student"], tiny["cache"])
     assert m["active_tokens"] == ref["heldout_tokens"]

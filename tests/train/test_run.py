@@ -42,7 +42,7 @@ def _metrics(save_dir: Path) -> list[dict]:
 
 def test_shipped_config_loads_and_unknown_keys_fail():
     cfg = load_config(TrainConfig, DEFAULT_CONFIG)
-    assert cfg.topk_mode == "tail" and cfg.seq_length == 512
+    assert cfg.topk_mode == "tail" and cfg.seq_length == 512 and cfg.packing
     with pytest.raises(ConfigError, match="unknown key 'lrr'"):
         load_config(TrainConfig, DEFAULT_CONFIG, ["lrr=1"])
     with pytest.raises(ConfigError, match="beta must be.*topk_mode must be"):
@@ -75,28 +75,50 @@ def test_end_to_end_alignment(tiny):
         destroy_distributed()
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny, tmp_path_factory) -> Path:
+def _packing(packing: bool) -> dict:
+    # packed: rows of 64 tokens hold several 12..39-token samples; padded: today's 32-token rows
+    return dict(packing=True, seq_length=64) if packing else dict(packing=False)
+
+
+def _uninterrupted(tiny, tmp_path_factory, packing: bool) -> Path:
     save_dir = tmp_path_factory.mktemp("run") / "a"
-    assert train_main(_overrides(tiny, save_dir)) == 0
+    assert train_main(_overrides(tiny, save_dir, **_packing(packing))) == 0
     return save_dir
 
 
-def test_resume_is_bit_identical(tiny, uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory) -> Path:
+    return _uninterrupted(tiny, tmp_path_factory, packing=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_padded(tiny, tmp_path_factory) -> Path:
+    return _uninterrupted(tiny, tmp_path_factory, packing=False)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_resume_is_bit_identical(tiny, packing, request, tmp_path):
     """Stop after 3 steps (checkpoint), rerun the same command: the trajectory equals an uninterrupted run."""
+    reference = request.getfixturevalue("uninterrupted" if packing else "uninterrupted_padded")
     save_dir = tmp_path / "b"
-    assert train_main(_overrides(tiny, save_dir, exit_after=3)) == 0
+    assert train_main(_overrides(tiny, save_dir, exit_after=3, **_packing(packing))) == 0
     assert [m["step"] for m in _metrics(save_dir)] == [1, 2, 3]
-    assert train_main(_overrides(tiny, save_dir)) == 0
-    a, b = _metrics(uninterrupted), _metrics(save_dir)
-    keys = ("step", "loss", "jsd", "sft", "lr", "grad_norm", "active_tokens", "data_position")
+    assert train_main(_overrides(tiny, save_dir, **_packing(packing))) == 0
+    a, b = _metrics(reference), _metrics(save_dir)
+    keys = ("step", "loss", "jsd", "sft", "lr", "grad_norm", "active_tokens", "data_position", "real_tokens",
+            "padding_fraction", "samples", "truncated")
     assert [[m[k] for k in keys] for m in b] == [[m[k] for k in keys] for m in a]  # exact floats
-    assert [m["data_position"] for m in a] == [4, 8, 12, 16, 20]  # 4 samples a step: none skipped or repeated
+    positions = [0] + [m["data_position"] for m in a]
+    assert [y - x for x, y in zip(positions, positions[1:], strict=False)] == [m["samples"] for m in a]
+    if packing:  # 4 rows of 64 tokens a step, 12..39-token samples: about 2 per row, little padding
+        assert all(m["samples"] >= 6 for m in a) and max(m["padding_fraction"] for m in a) < 0.2
+    else:
+        assert positions[1:] == [4, 8, 12, 16, 20]  # 4 samples a step: none skipped or repeated
     assert a[0]["sft"] > 0 and a[0]["jsd"] > 0
     # Final model and optimizer state, read back from the torch_dist files without a process group.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    for name, d in (("a.pt", uninterrupted), ("b.pt", save_dir)):
+    for name, d in (("a.pt", reference), ("b.pt", save_dir)):
         dcp_to_torch_save(d / "step_0000005", tmp_path / name)
     wa, wb = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert wa.keys() == wb.keys() and len(wa) > 20

@@ -1,0 +1,139 @@
+"""The micro-batch: samples laid out in rows, with rolled labels, loss mask and aligned teacher rows.
+
+See pipeline/train/data.py for the alignment rules and pipeline/train/packing.py for how samples share rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+_PAD_MULTIPLE = 8
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # int64 [B, S]
+    position_ids: torch.Tensor  # int64 [B, S]: 0..S-1 per row (what Megatron's RoPE uses, packed or not)
+    labels: torch.Tensor  # int64 [B, S]: x_{t+1}, IGNORE_INDEX where there is none
+    loss_mask: torch.Tensor  # bool [B, S]: t in [P-1, L-2] of each sample
+    sft_mask: torch.Tensor  # bool [B, S]: loss_mask on dataset-sourced samples (SFT applies to these only)
+    doc_ids: torch.Tensor  # int32 [B, S]: sample index within its row, -1 for padding
+    teacher_ids: torch.Tensor  # int32 [B, S, k]: teacher top-k of token t+1 (zeros where inactive or invalid)
+    teacher_logprobs: torch.Tensor  # float32 [B, S, k] (-inf where invalid)
+    teacher_valid: torch.Tensor  # bool [B, S, k]: a real teacher entry the student can represent
+    teacher_tail: torch.Tensor  # float32 [B, S]: log teacher mass outside the valid top-k entries
+    keys: list[str]  # content keys of the samples, in order
+    packed: bool  # several samples per row: the trainer passes packing.attention_mask(doc_ids) to the model
+    end: int  # global sample position right after this micro-batch's round (the resume state at a step end)
+    tokens: int  # real (non-pad) tokens
+    positions: int  # B * S: real tokens + padding
+    samples: int
+    truncated: int  # samples longer than seq_length (cut)
+    folded_positions: int  # active positions with teacher entries past the student's vocab (mass folded into the tail)
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The tensors moved to `device` (a no-op on CPU)."""
+        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return MicroBatch(**{**vars(self), **moved})
+
+
+@dataclass
+class Block:
+    """A decoded row group: what micro-batches are cut from. Rows' tokens and teacher rows are concatenated."""
+
+    token_offsets: np.ndarray  # int64 [rows + 1]
+    tokens: np.ndarray  # int64
+    first_scored: np.ndarray  # int64 [rows]
+    is_dataset: np.ndarray  # bool [rows]
+    keys: list[str]
+    row_offsets: np.ndarray  # int64 [rows + 1]: teacher rows of row i are [row_offsets[i], row_offsets[i + 1])
+    topk_ids: np.ndarray  # int32 [positions, k]
+    topk_logprobs: np.ndarray  # float32 [positions, k]
+    tail: np.ndarray  # float32 [positions]
+    valid: np.ndarray | None  # bool [positions, k]; None: all valid
+    folded: np.ndarray | None  # bool [positions]; None: none folded
+
+
+def fold_past_vocab(ids: np.ndarray, lps: np.ndarray, tail: np.ndarray, vocab_size: int) -> tuple:
+    """Top-k entries with ids >= vocab_size -> invalid (id 0, logprob -inf), their mass log-added to the tail in
+    float64. Returns (ids, lps, tail, valid [P, k], folded [P]); the inputs are not modified."""
+    bad = ids >= vocab_size
+    folded = bad.any(axis=1)
+    if not folded.any():
+        return ids, lps, tail, None, None
+    ids, lps, tail = ids.copy(), lps.copy(), tail.copy()
+    rows = np.flatnonzero(folded)
+    extra = np.where(bad[rows], lps[rows].astype(np.float64), -np.inf)
+    with np.errstate(divide="ignore"):  # log(0) = -inf where a part holds no mass
+        tail[rows] = np.logaddexp(tail[rows].astype(np.float64), np.log(np.exp(extra).sum(axis=1)))
+    ids[bad], lps[bad] = 0, -np.inf
+    return ids, lps, tail, ~bad, folded
+
+
+def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.ndarray, full_lengths: np.ndarray, *,
+             rows: int, seq_length: int, k: int, pad_id: int, packed: bool, round_end: int) -> MicroBatch:
+    """Samples (block, row in it) laid out at (row_of, offsets) into one micro-batch of `rows` rows; `full_lengths`
+    are their untruncated lengths (the cut is at seq_length)."""
+    B, S, full = rows, seq_length, full_lengths
+    lengths = np.minimum(full, S)
+    width = min(S, -(-int((offsets + lengths).max()) // _PAD_MULTIPLE) * _PAD_MULTIPLE)
+    ids = np.full((B, width), pad_id, np.int64)
+    doc = np.full((B, width), -1, np.int32)
+    mask = np.zeros((B, width), bool)
+    dataset = np.zeros((B, width), bool)
+    t_ids = np.zeros((B, width, k), np.int32)
+    t_lp = np.zeros((B, width, k), np.float32)
+    t_valid = np.zeros((B, width, k), bool)
+    t_tail = np.zeros((B, width), np.float32)
+    in_row = np.zeros(B, np.int32)
+    folded = 0
+    for (blk, j), r, o, n in zip(fetched, row_of.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
+        a = blk.token_offsets[j]
+        ids[r, o : o + n] = blk.tokens[a : a + n]
+        doc[r, o : o + n] = in_row[r]
+        in_row[r] += 1
+        p = int(blk.first_scored[j])
+        lo = int(blk.row_offsets[j])
+        # teacher row q is token p + q; it pairs with logits at t = p + q - 1, kept while p + q < n
+        # (truncation) and t >= 0 (a row for token 0 has no student position to predict it).
+        q0, q1 = max(0, 1 - p), max(0, n - p)
+        if q1 > q0:
+            t0, t1 = o + p + q0 - 1, o + p + q1 - 1
+            mask[r, t0:t1] = True
+            dataset[r, t0:t1] = blk.is_dataset[j]
+            t_ids[r, t0:t1] = blk.topk_ids[lo + q0 : lo + q1]
+            t_lp[r, t0:t1] = blk.topk_logprobs[lo + q0 : lo + q1]
+            t_tail[r, t0:t1] = blk.tail[lo + q0 : lo + q1]
+            if blk.valid is None:
+                t_valid[r, t0:t1] = True
+            else:
+                t_valid[r, t0:t1] = blk.valid[lo + q0 : lo + q1]
+                folded += int(blk.folded[lo + q0 : lo + q1].sum())
+    # x_{t+1} where t and t+1 belong to the same sample: no label crosses a sample boundary or enters padding
+    labels = np.full((B, width), IGNORE_INDEX, np.int64)
+    same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0)
+    labels[:, :-1][same] = ids[:, 1:][same]
+    return MicroBatch(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.arange(width).expand(B, width),
+        labels=torch.from_numpy(labels),
+        loss_mask=torch.from_numpy(mask),
+        sft_mask=torch.from_numpy(dataset),
+        doc_ids=torch.from_numpy(doc),
+        teacher_ids=torch.from_numpy(t_ids),
+        teacher_logprobs=torch.from_numpy(t_lp),
+        teacher_valid=torch.from_numpy(t_valid),
+        teacher_tail=torch.from_numpy(t_tail),
+        keys=[blk.keys[j] for blk, j in fetched],
+        packed=packed,
+        end=round_end,
+        tokens=int(lengths.sum()),
+        positions=B * width,
+        samples=len(fetched),
+        truncated=int((full > S).sum()),
+        folded_positions=folded,
+    )
