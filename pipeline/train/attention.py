@@ -15,7 +15,10 @@ The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_at
 - `attention_mask`: None means the layer's mask type decides (causal: SDPA's `is_causal`, which lets the flash
   kernels skip the masked half instead of reading a mask); else a bool tensor broadcastable to `[b, 1, sq, sk]`
   with True = masked out (Megatron's convention, e.g. a block-diagonal causal mask for packed rows), given to SDPA
-  inverted (SDPA: True = attend). As in Megatron's unfused path, an explicit mask replaces the causal one. The
+  inverted (SDPA: True = attend). A mask that is exactly block-diagonal causal (what packing builds) is instead
+  run as one causal SDPA call per document (`packed_segments`): the kernels then skip the masked triangle and the
+  other documents' blocks (sum of L_i^2 / 2 instead of S^2 work; a masked call cannot skip anything). As in
+  Megatron's unfused path, an explicit mask replaces the causal one. The
   call's `attn_mask_type` wins over the constructor's, as in Transformer Engine's module (Megatron's unfused one
   ignores it; training always passes the layer's own type, so the two agree there).
 - softmax scale: `softmax_scale` or 1/sqrt(hn). Megatron's `apply_query_key_layer_scaling` divides the scores by
@@ -27,6 +30,7 @@ The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_at
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -86,28 +90,77 @@ class SDPAttention(MegatronModule):
                              "(pack with a block-diagonal attention_mask instead)")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, hn = query.shape
-        groups = key.shape[2]
         # [s, b, n, hn] -> [b, n, s, hn]: views, no copy (the kernels take strided inputs).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask, causal = None, False
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise ValueError(f"attention_mask must be bool (True = masked out), got {attention_mask.dtype}")
-            mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
-        elif mask_type == AttnMaskType.causal and sq > 1:
-            if sq != key.shape[0]:
+            segments = packed_segments(attention_mask, b, sq, key.shape[0])
+            if segments is not None:
+                out = self._per_document(q, k, v, segments)
+            else:
+                out = self._sdpa(q, k, v, ~attention_mask, False)  # Megatron: True = masked out; SDPA: attend
+        else:
+            causal = mask_type == AttnMaskType.causal and sq > 1
+            if causal and sq != key.shape[0]:
                 raise ValueError(f"causal attention needs sq == sk, got {sq} and {key.shape[0]}")
-            causal = True
+            out = self._sdpa(q, k, v, None, causal)
+        # [b, np, sq, hn] -> [sq, b, np * hn], the layout linear_proj expects.
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        heads, groups = q.shape[1], k.shape[1]
         gqa = heads != groups
         if gqa and not _native_gqa(q, mask):
             k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
             gqa = False
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=self.softmax_scale,
             **({"enable_gqa": True} if gqa else {}),
         )
-        # [b, np, sq, hn] -> [sq, b, np * hn], the layout linear_proj expects.
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, segments: list[list[tuple[int, int]]]) -> Tensor:
+        """Block-diagonal causal attention as one causal SDPA call per document: the kernels skip the masked
+        upper triangle and never touch the other documents' blocks (sum of L_i^2 / 2 instead of S^2)."""
+        rows = []
+        for r, row in enumerate(segments):
+            rows.append(torch.cat([
+                self._sdpa(q[r : r + 1, :, s:e], k[r : r + 1, :, s:e], v[r : r + 1, :, s:e], None, e - s > 1)
+                for s, e in row], dim=2))
+        return torch.cat(rows, dim=0)
+
+
+# The mask is the same tensor for every layer of a forward: check its structure once (weakref, version).
+_segment_cache: list = [None, -1, None]
+
+
+def packed_segments(mask: Tensor, batch: int, sq: int, sk: int) -> list[list[tuple[int, int]]] | None:
+    """Per row, the [start, end) spans of a block-diagonal causal mask (Megatron's format, True = masked out),
+    or None when `mask` is anything else (it is then applied as given). A span starts wherever a token may not
+    see the one before it; the mask must then equal exactly "causal within spans, nothing across"."""
+    if sq != sk or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (sq, sk) or mask.shape[0] not in (1, batch):
+        return None
+    ref, version, cached = _segment_cache
+    if ref is not None and ref() is mask and version == mask._version:
+        return cached
+    m = mask[:, 0]
+    if sq > 1:
+        starts = torch.cat([torch.ones_like(m[:, :1, 0]), m.diagonal(offset=-1, dim1=1, dim2=2)], dim=1)
+    else:
+        starts = torch.ones_like(m[:, :, 0])
+    doc = starts.long().cumsum(1)
+    tril = torch.ones(sq, sq, dtype=torch.bool, device=mask.device).tril_()
+    expected = ~((doc[:, :, None] == doc[:, None, :]) & tril)
+    result = None
+    if torch.equal(expected, m):
+        result = []
+        for row in starts.cpu():
+            idx = [*row.nonzero().flatten().tolist(), sq]
+            result.append(list(zip(idx[:-1], idx[1:], strict=True)))
+        if len(result) == 1 and batch > 1:
+            result = result * batch
+    _segment_cache[:] = [weakref.ref(mask), mask._version, result]
+    return result
 
 
 def _native_gqa(q: Tensor, mask: Tensor | None) -> bool:

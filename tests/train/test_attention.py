@@ -98,7 +98,7 @@ def _core_pair(heads: int, groups: int, mask_type=None, **config_kw):
 @pytest.mark.parametrize("groups", [4, 2, 1])  # MHA, GQA, MQA
 @pytest.mark.parametrize("config_kw", [{}, {"softmax_scale": 0.3}, {"apply_query_key_layer_scaling": True}],
                          ids=["default-scale", "explicit-scale", "qk-layer-scaling"])
-@pytest.mark.parametrize("case", ["causal", "packed", "no_mask"])
+@pytest.mark.parametrize("case", ["causal", "packed", "no_mask", "any_mask"])
 def test_core_attention_module_matches_megatron(single_process, groups, config_kw, case):
     """The module contract directly: q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np * hn], and input grads."""
     from megatron.core.transformer.enums import AttnMaskType
@@ -112,6 +112,8 @@ def test_core_attention_module_matches_megatron(single_process, groups, config_k
     k = (2 * torch.randn(sq, b, groups, 16, generator=g)).requires_grad_()
     v = torch.randn(sq, b, groups, 16, generator=g).requires_grad_()
     mask = block_causal_mask(PACKED, sq) if case == "packed" else None
+    if case == "any_mask":  # not block-diagonal: SDPA applies it as given (a token always sees itself)
+        mask = (torch.rand(b, 1, sq, sq, generator=g) < 0.5) & ~torch.eye(sq, dtype=torch.bool)
     weights = torch.randn(sq, b, 4 * 16, generator=g)
     results = []
     for module in (local, sdpa):
@@ -171,3 +173,34 @@ def test_tp2_sdpa_matches_tp1_local(hf_dirs, tmp_path):
                 assert_layout_close(tp2["grads"], {k: grads[k] for k in tp2["grads"]}, f"{arch}/{case} grads")
     finally:
         destroy_distributed()
+
+
+def test_packed_segments_recognises_block_diagonal_masks_only():
+    from pipeline.train.attention import packed_segments
+
+    mask = block_causal_mask(PACKED, 24)
+    assert packed_segments(mask, 2, 24, 24) == [[(0, 10), (10, 24)], [(0, 5), (5, 12), (12, 20), (20, 24)]]
+    mask[1, 0, 6, 2] = False  # one cross-document entry allowed: no longer block-diagonal (cache must notice)
+    assert packed_segments(mask, 2, 24, 24) is None
+    causal = block_causal_mask([[], []], 24)  # one document per row is plain causal
+    assert packed_segments(causal, 2, 24, 24) == [[(0, 24)], [(0, 24)]]
+    assert packed_segments(causal[:1], 2, 24, 24) == [[(0, 24)], [(0, 24)]]  # broadcast over the batch
+    assert packed_segments(~causal, 2, 24, 24) is None  # inverted convention
+    assert packed_segments(causal[:, :, :12], 2, 12, 24) is None  # sq != sk
+
+
+def test_per_document_path_matches_the_masked_kernel(single_process):
+    """The per-document calls give what one masked SDPA call gives (the path the mask would take otherwise)."""
+    _, sdpa = _core_pair(4, 2)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(24, 2, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(24, 2, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    mask = block_causal_mask(PACKED, 24)
+    out = sdpa(q, k, v, mask)
+    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    ref = sdpa._sdpa(qq, kk, vv, ~mask, False).permute(2, 0, 1, 3).reshape(24, 2, 64)
+    _close(out, ref, "output")
+    w = torch.randn(out.shape, generator=g)
+    for a, e, name in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v)),
+                          "qkv", strict=True):
+        _close(a, e, f"d{name}")
