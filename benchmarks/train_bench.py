@@ -171,6 +171,7 @@ def padding(cache: Path, micro_batch_size: int, seq_length: int) -> dict:
 def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8, seq_length: int = 512,
         pack_steps: int = 4, pack_micro_batch_size: int = 4, rounds: int = 2) -> dict:
     """`cache`: the prose cache of the score bench (loader, train step); the packing caches are built here."""
+    from benchmarks import step_bench
     from pipeline.train.data import benchmark
 
     res: dict = {"loader": {name: benchmark([cache], micro_batch_size=micro_batch_size, seq_length=seq_length,
@@ -183,6 +184,7 @@ def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8
                      "tokens_per_s": sum(m["tokens_per_s"] for m in steady) / len(steady),
                      "checkpoint_bytes": sum(f.stat().st_size for f in (save / f"step_{steps:07d}").rglob("*")
                                              if f.is_file())}
+    res["compute"] = step_bench.run(cache)  # attention backend; our step vs a plain transformers loop
     caches = build_caches(work, seq_length)
     res["packing"] = {name: packed_vs_padded(c, work, pack_steps, pack_micro_batch_size, seq_length, rounds)
                       for name, c in caches.items()}
@@ -192,6 +194,8 @@ def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8
 
 
 def markdown(res: dict) -> str:
+    from benchmarks import step_bench
+
     ld, tr, pk = res["loader"], res["train"], res["packing"]
     mixed, demo = pk["mixed"], pk["demo"]
     d256, d512 = res["padding_demo"]
@@ -225,6 +229,7 @@ def markdown(res: dict) -> str:
         f"padded, fp32 CPU | {tr['tokens_per_s']:.0f} tokens/s | (report) |",
         f"| same, LoRA rank 16 on all linear layers (base frozen) | {res['train_lora']['tokens_per_s']:.0f} tokens/s "
         f"({res['train_lora']['tokens_per_s'] / tr['tokens_per_s']:.2f}× full) | (report) |",
+        *step_bench.markdown(res["compute"]),  # sdpa vs local; our step vs plain transformers
         "",
         f"Packed vs padded: embedded student, fp32 CPU, packed micro-batch {mixed['micro_batch_size']} rows of "
         f"{mixed['seq_length']} tokens; the padded runs get as many rows as give the same positions per step (so the "

@@ -37,7 +37,8 @@ import torch
 
 # Megatron modules whose functions we need on CPU, each with the CUDA assumption it makes (0.16.1 line numbers).
 _CPU_MODULES: dict[str, str] = {
-    # RNG tracker: torch.cuda.manual_seed / get_rng_state (L235-238, L422); fork() helpers patched below.
+    # RNG tracker: torch.cuda.manual_seed / get_rng_state (L235-238, L422); fork() helpers patched below. Activation
+    # recompute (CheckpointFunction, L496) snapshots and restores all RNG states through the same helpers.
     "megatron.core.tensor_parallel.random": "rng tracker",
     # torch.empty(..., device=torch.cuda.current_device()) in the TP all-gather / reduce-scatter (L91, L141).
     "megatron.core.tensor_parallel.mappings": "tp gathers",

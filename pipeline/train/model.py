@@ -36,7 +36,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors import safe_open
@@ -58,13 +57,20 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
 
 
 def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None, *,
-                params_dtype: torch.dtype = torch.float32) -> GPTModel:
+                params_dtype: torch.dtype = torch.float32, attention: str = "sdpa", recompute: str = "none") -> GPTModel:
     """Build an (uninitialised-weights) GPTModel matching the HF config, for this rank's TP/PP slice.
 
     `params_dtype=torch.bfloat16` builds it for bf16 mixed precision (the trainer wraps it in Megatron's
-    Float16Module and keeps fp32 main weights in the optimizer). Needs `init_distributed` first. Sets
-    `model.hf_arch` and `model.hf_vocab_size` for the loader/exporter/loss.
+    Float16Module and keeps fp32 main weights in the optimizer). `attention`: "sdpa" (torch's fused kernels) or
+    "local" (Megatron's unfused DotProductAttention), see attention.py; `recompute`: "none", "selective" or "full"
+    activation recompute, see recompute.py. Needs `init_distributed` first. Sets `model.hf_arch` and
+    `model.hf_vocab_size` for the loader/exporter/loss.
     """
+    from pipeline.train.attention import layer_spec
+    from pipeline.train.recompute import keep_inputs_differentiable, recompute_options
+
+    layer_spec(attention)  # bad names fail before any work
+    recompute_kw = recompute_options(recompute)
     arch = read_hf_arch(hf_dir)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config = TransformerConfig(
@@ -91,10 +97,11 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,  # required by TransformerConfig when pp > 1 (p2p buffer dtype)
         use_cpu_initialization=not torch.cuda.is_available(),
+        **recompute_kw,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+        transformer_layer_spec=layer_spec(attention, qk_layernorm=arch.qk_norm),
         vocab_size=padded_vocab(arch.vocab_size, pad_vocab_to_multiple_of or tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -110,6 +117,8 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
         # A plain attribute, not a buffer: not in checkpoints, so it is set here on every build (before any forward:
         # RotaryEmbedding.forward is lru-cached).
         rope.inv_freq = llama3_inv_freq(rope.inv_freq, arch.rope_scaling)
+    if recompute == "full":
+        keep_inputs_differentiable(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.hf_arch = arch

@@ -66,6 +66,10 @@ class TrainConfig:
     use_distributed_optimizer: bool = False
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
     tensor_model_parallel_size: int = 1
+    # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
+    # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/attention.py.
+    attention: str = "sdpa"
+    recompute: str = "none"  # none | selective (core attention) | full (every layer): activation memory for compute
     # LoRA (pipeline/train/lora.py): lora_rank > 0 trains adapters on the frozen student; checkpoints hold the
     # adapter only. Dotted keys work too: lora.rank=16 lora.alpha=32 lora.targets=[qkv,proj]
     lora_rank: int = 0
@@ -98,6 +102,10 @@ class TrainConfig:
             p.append("temperature must be > 0")
         if self.topk_mode not in ("tail", "renorm"):
             p.append("topk_mode must be tail or renorm")
+        if self.attention not in ("sdpa", "local"):
+            p.append(f"attention must be sdpa or local, got {self.attention!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            p.append(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.optimizer not in ("adam", "sgd"):
             p.append(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.sft_alpha < 0:
@@ -172,7 +180,8 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
     from pipeline.train.model import build_model, load_hf_weights
 
     bf16 = cfg.precision() == "bf16"
-    model = build_model(hf_dir, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    model = build_model(hf_dir, params_dtype=torch.bfloat16 if bf16 else torch.float32, attention=cfg.attention,
+                        recompute=cfg.recompute)
     load_hf_weights(model, hf_dir)
     if cfg.fused_loss:
         from pipeline.train.fused_loss import output_hidden_states
@@ -268,12 +277,41 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
     from pipeline.train.packing import attention_mask
 
     batch = next(data_iterator).to(_device())
-    # Packed rows: a block-diagonal causal mask (True = masked). Megatron's unfused softmax (masked_softmax_fusion
-    # is off) applies an explicit mask; None keeps its built-in causal mask.
+    # Packed rows: a block-diagonal causal mask (True = masked). Both attention backends apply an explicit mask
+    # (Megatron's unfused softmax: masked_softmax_fusion is off; SDPA: inverted); None keeps the causal default.
     mask = attention_mask(batch.doc_ids) if batch.packed else None
     # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
     out = model(batch.input_ids, batch.position_ids, mask)
     return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))
+
+
+def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_size: int):
+    """One optimizer step over this rank's micro-batches `micro` (the loop's body, without data and logging; the
+    benchmarks time exactly this). Returns (global counts [KD, SFT, real tokens, *_DATA_COUNTS], per-micro-batch
+    reports, lr, grad norm)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # Global active counts of this step, known before any backward: the loss's denominators.
+    # Then what the metrics report: real tokens, positions (real + padding), samples, truncated, folded.
+    counts = torch.tensor(
+        [float(sum(int(b.loss_mask.sum()) for b in micro)),
+         float(sum(int(b.sft_mask.sum()) for b in micro)),
+         float(sum(b.tokens for b in micro)),
+         *(float(sum(getattr(b, f) for b in micro)) for f in _DATA_COUNTS)], dtype=torch.float64,
+        device=_device())
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, vocab_size),
+        data_iterator=iter(micro), model=ddp, num_microbatches=len(micro), seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size, forward_only=False,
+    )
+    lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after the step)
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    return counts, reports, lr, grad_norm
 
 
 # ---------------------------------------------------------------- the loop
@@ -299,7 +337,6 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig) -> dict:
     """setup -> steps -> checkpoints, inside an initialised process group."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from transformers import AutoTokenizer
 
     from pipeline.store.fingerprint import tokenizer_fingerprint
@@ -350,7 +387,6 @@ def _train(cfg: TrainConfig) -> dict:
               f"dp={dp} tp={cfg.tensor_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
 
     batches = loader.iter_from(position, prefetch=cfg.prefetch)
-    forward_backward = get_forward_backward_func()
     dp_group = parallel_state.get_data_parallel_group()
     last: dict = {}
     steps_this_run = 0
@@ -358,25 +394,7 @@ def _train(cfg: TrainConfig) -> dict:
         while step < cfg.train_steps:
             t0 = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
-            # Global active counts of this step, known before any backward: the loss's denominators.
-            # Then what the metrics report: real tokens, positions (real + padding), samples, truncated, folded.
-            counts = torch.tensor(
-                [float(sum(int(b.loss_mask.sum()) for b in micro)),
-                 float(sum(int(b.sft_mask.sum()) for b in micro)),
-                 float(sum(b.tokens for b in micro)),
-                 *(float(sum(getattr(b, f) for b in micro)) for f in _DATA_COUNTS)], dtype=torch.float64,
-                device=_device())
-            dist.all_reduce(counts, group=dp_group)
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            reports = forward_backward(
-                forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, model.hf_vocab_size),
-                data_iterator=iter(micro), model=ddp, num_microbatches=accum, seq_length=cfg.seq_length,
-                micro_batch_size=cfg.micro_batch_size, forward_only=False,
-            )
-            lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after the step)
-            _, grad_norm, _ = optimizer.step()
-            scheduler.step(increment=1)
+            counts, reports, lr, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size)
             step += 1
             steps_this_run += 1
             position = micro[-1].end

@@ -1,0 +1,185 @@
+"""Core attention for Megatron-Core's local layer spec over `torch.nn.functional.scaled_dot_product_attention`.
+
+Why: the local spec's `DotProductAttention` materialises the `[b, heads, sq, sk]` scores (baddbmm -> softmax ->
+bmm, all kept for backward), which caps the sequence length and is slow; Megatron's fused kernels for it are CUDA
+extensions for fp16/bf16 only, and its flash path is Transformer Engine, which does not exist on CPU. SDPA gives
+PyTorch's flash / memory-efficient kernels on GPU and its fused flash kernel on CPU, with no extra dependency.
+
+`attention="sdpa"` (the default) swaps `SDPAttention` into the spec's `core_attention`; `attention="local"` keeps
+Megatron's module (the reference the tests compare against). Everything else in the layer (fused QKV, RoPE, output
+projection, TP) is Megatron's own, so checkpoints and the HF mapping are the same for both.
+
+The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_attention(...)`):
+- inputs per TP rank: query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]` (np query heads over ng groups);
+  output `[sq, b, np * hn]`.
+- `attention_mask`: None means the layer's mask type decides (causal: SDPA's `is_causal`, which lets the flash
+  kernels skip the masked half instead of reading a mask); else a bool tensor broadcastable to `[b, 1, sq, sk]`
+  with True = masked out (Megatron's convention, e.g. a block-diagonal causal mask for packed rows), given to SDPA
+  inverted (SDPA: True = attend). A mask that is exactly block-diagonal causal (what packing builds) is instead
+  run as one causal SDPA call per document (`packed_segments`): the kernels then skip the masked triangle and the
+  other documents' blocks (sum of L_i^2 / 2 instead of S^2 work; a masked call cannot skip anything). As in
+  Megatron's unfused path, an explicit mask replaces the causal one. The
+  call's `attn_mask_type` wins over the constructor's, as in Transformer Engine's module (Megatron's unfused one
+  ignores it; training always passes the layer's own type, so the two agree there).
+- softmax scale: `softmax_scale` or 1/sqrt(hn). Megatron's `apply_query_key_layer_scaling` divides the scores by
+  the layer number and multiplies them back inside the softmax (an fp16 overflow guard), so the net scale is the same.
+- A query row whose keys are all masked: Megatron fills masked scores with -10000 and so averages every key; SDPA
+  returns 0 there. Neither is meaningful; block-diagonal causal masks never have such rows (a token sees itself).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+Tensor = torch.Tensor
+BACKENDS = ("sdpa", "local")
+_TORCH_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in `core_attention` for the local spec (same constructor and forward signature as DotProductAttention)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: object | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        # Refuse what this module does not implement rather than computing something else.
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        unsupported = {
+            "attention_dropout": dropout != 0.0,  # Megatron draws it from its TP-aware RNG tracker; we do not
+            "context_parallel_size": config.context_parallel_size != 1,
+            "softmax_type": config.softmax_type != "vanilla",
+            "window_size": config.window_size is not None,
+        }
+        bad = [name for name, flag in unsupported.items() if flag]
+        if bad:
+            raise ValueError(f"attention=sdpa does not support {', '.join(bad)} (TransformerConfig); use attention=local")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: object | None = None,
+    ) -> Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("attention=sdpa: attention_bias and THD packed_seq_params are not supported "
+                             "(pack with a block-diagonal attention_mask instead)")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, b, heads, hn = query.shape
+        # [s, b, n, hn] -> [b, n, s, hn]: views, no copy (the kernels take strided inputs).
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(f"attention_mask must be bool (True = masked out), got {attention_mask.dtype}")
+            segments = packed_segments(attention_mask, b, sq, key.shape[0])
+            if segments is not None:
+                out = self._per_document(q, k, v, segments)
+            else:
+                out = self._sdpa(q, k, v, ~attention_mask, False)  # Megatron: True = masked out; SDPA: attend
+        else:
+            causal = mask_type == AttnMaskType.causal and sq > 1
+            if causal and sq != key.shape[0]:
+                raise ValueError(f"causal attention needs sq == sk, got {sq} and {key.shape[0]}")
+            out = self._sdpa(q, k, v, None, causal)
+        # [b, np, sq, hn] -> [sq, b, np * hn], the layout linear_proj expects.
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        heads, groups = q.shape[1], k.shape[1]
+        gqa = heads != groups
+        if gqa and not _native_gqa(q, mask):
+            k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+            gqa = False
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal, scale=self.softmax_scale,
+            **({"enable_gqa": True} if gqa else {}),
+        )
+
+    def _per_document(self, q: Tensor, k: Tensor, v: Tensor, segments: list[list[tuple[int, int]]]) -> Tensor:
+        """Block-diagonal causal attention as one causal SDPA call per document: the kernels skip the masked
+        upper triangle and never touch the other documents' blocks (sum of L_i^2 / 2 instead of S^2)."""
+        rows = []
+        for r, row in enumerate(segments):
+            rows.append(torch.cat([
+                self._sdpa(q[r : r + 1, :, s:e], k[r : r + 1, :, s:e], v[r : r + 1, :, s:e], None, e - s > 1)
+                for s, e in row], dim=2))
+        return torch.cat(rows, dim=0)
+
+
+# The mask is the same tensor for every layer of a forward: check its structure once (weakref, version).
+_segment_cache: list = [None, -1, None]
+
+
+def packed_segments(mask: Tensor, batch: int, sq: int, sk: int) -> list[list[tuple[int, int]]] | None:
+    """Per row, the [start, end) spans of a block-diagonal causal mask (Megatron's format, True = masked out),
+    or None when `mask` is anything else (it is then applied as given). A span starts wherever a token may not
+    see the one before it; the mask must then equal exactly "causal within spans, nothing across"."""
+    if sq != sk or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (sq, sk) or mask.shape[0] not in (1, batch):
+        return None
+    ref, version, cached = _segment_cache
+    if ref is not None and ref() is mask and version == mask._version:
+        return cached
+    m = mask[:, 0]
+    if sq > 1:
+        starts = torch.cat([torch.ones_like(m[:, :1, 0]), m.diagonal(offset=-1, dim1=1, dim2=2)], dim=1)
+    else:
+        starts = torch.ones_like(m[:, :, 0])
+    doc = starts.long().cumsum(1)
+    tril = torch.ones(sq, sq, dtype=torch.bool, device=mask.device).tril_()
+    expected = ~((doc[:, :, None] == doc[:, None, :]) & tril)
+    result = None
+    if torch.equal(expected, m):
+        result = []
+        for row in starts.cpu():
+            idx = [*row.nonzero().flatten().tolist(), sq]
+            result.append(list(zip(idx[:-1], idx[1:], strict=True)))
+        if len(result) == 1 and batch > 1:
+            result = result * batch
+    _segment_cache[:] = [weakref.ref(mask), mask._version, result]
+    return result
+
+
+def _native_gqa(q: Tensor, mask: Tensor | None) -> bool:
+    """Whether SDPA's enable_gqa keeps a fused kernel for these inputs. CPU: its flash kernel takes GQA with or
+    without a mask. CUDA: only the flash backend honours enable_gqa (fp16/bf16, no mask); the memory-efficient one
+    would fall back to the math path, so there we expand k/v like Megatron does."""
+    if not _TORCH_HAS_GQA:
+        return False
+    if q.device.type == "cpu":
+        return True
+    return mask is None and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def layer_spec(attention: str = "sdpa", qk_layernorm: bool = False) -> ModuleSpec:
+    """Megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm if asked) with the chosen core attention."""
+    if attention not in BACKENDS:
+        raise ValueError(f"attention={attention!r}: choose one of {', '.join(BACKENDS)}")
+    # A fresh spec tree per call: safe to edit.
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec

@@ -1,0 +1,206 @@
+"""attention=sdpa (pipeline/train/attention.py) equals Megatron's own DotProductAttention (attention=local).
+
+Run: ``python -m pytest tests/train/test_attention.py`` (``-m "not distributed"`` skips the torchrun test).
+The SMALL models of tiny_models.build_random_hf have 4 query heads over 2 KV heads, so every model-level case is
+GQA; the Llama one has tied embeddings, the Qwen2 one qkv bias. "Packed" rows carry an explicit block-diagonal causal
+mask in Megatron's format (bool [B, 1, S, S], True = masked out), built here independently of the loader.
+
+Tolerance (float32): SDPA's CPU flash kernel sums the softmax block by block with a running max, Megatron's path
+takes one full softmax, so the two round differently. Measured here: logits and every parameter gradient agree to
+<= 1.4e-6 of the tensor's largest entry, the module's output and q/k/v gradients to <= 2.1e-6 (inputs drawn at
+twice unit scale, so sharper softmaxes). We allow 1e-5 of the scale (~5x margin); the bugs
+this test exists for (a wrong scale, an inverted or ignored mask, a wrong GQA head mapping, a transposed output)
+move logits by 1e-2 to 1 of their scale (the packed case checks that the mask moves them at all).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_fixtures import ARCHS
+from train_fixtures import random_ids as _ids
+
+from pipeline.train.model import build_model, load_hf_weights
+from pipeline.train.parallel import destroy_distributed, init_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+RTOL = 1e-5  # of each tensor's max |entry|, see the module docstring
+
+
+def block_causal_mask(lengths_per_row: list[list[int]], seq: int) -> torch.Tensor:
+    """Megatron-format mask of packed rows: documents of the given lengths side by side, causal inside each,
+    nothing across them; a row's tail past its documents is one more document (as padding would be)."""
+    mask = torch.ones(len(lengths_per_row), 1, seq, seq, dtype=torch.bool)
+    for b, lengths in enumerate(lengths_per_row):
+        start = 0
+        for n in [*lengths, seq - sum(lengths)]:
+            mask[b, 0, start : start + n, start : start + n] = ~torch.ones(n, n, dtype=torch.bool).tril()
+            start += n
+    return mask
+
+
+PACKED = [[10, 14], [5, 7, 8]]  # row 0 fills all 24 positions; row 1 has a 4-token tail
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    scale = expected.abs().max().item()
+    assert scale > 0, name
+    gap = (actual - expected).abs().max().item() / scale
+    assert gap <= RTOL, f"{name}: sdpa differs from local by {gap:.3g} of its scale (> {RTOL})"
+
+
+def _forward_backward(hf_dir: Path, attention: str, mask: torch.Tensor | None, ids: torch.Tensor):
+    model = build_model(hf_dir, attention=attention)
+    load_hf_weights(model, hf_dir)
+    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), mask)
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    (logits * weights).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", ["causal", "packed"])
+def test_sdpa_matches_local_logits_and_gradients(hf_dirs, single_process, arch, case):
+    ids = _ids()
+    mask = block_causal_mask(PACKED, ids.shape[1]) if case == "packed" else None
+    ref_logits, ref_grads = _forward_backward(hf_dirs[arch], "local", mask, ids)
+    logits, grads = _forward_backward(hf_dirs[arch], "sdpa", mask, ids)
+    _close(logits, ref_logits, "logits")
+    assert sorted(grads) == sorted(ref_grads)
+    for name in ref_grads:
+        _close(grads[name], ref_grads[name], name)
+    if case == "packed":  # the mask must matter: the second document of row 0 no longer sees the first
+        causal, _ = _forward_backward(hf_dirs[arch], "local", None, ids)
+        assert torch.equal(causal[0, :10], ref_logits[0, :10])  # the first document is causal either way
+        assert (causal[0, 10:] - ref_logits[0, 10:]).abs().max() > 1e-2 * ref_logits.abs().max()
+
+
+def _core_pair(heads: int, groups: int, mask_type=None, **config_kw):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from pipeline.train.attention import SDPAttention
+
+    config = TransformerConfig(num_layers=4, hidden_size=heads * 16, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0,
+                               use_cpu_initialization=True, **config_kw)
+    kw = dict(config=config, layer_number=3, attn_mask_type=mask_type or AttnMaskType.causal, attention_type="self",
+              softmax_scale=config.softmax_scale)
+    return DotProductAttention(**kw), SDPAttention(**kw)
+
+
+@pytest.mark.parametrize("groups", [4, 2, 1])  # MHA, GQA, MQA
+@pytest.mark.parametrize("config_kw", [{}, {"softmax_scale": 0.3}, {"apply_query_key_layer_scaling": True}],
+                         ids=["default-scale", "explicit-scale", "qk-layer-scaling"])
+@pytest.mark.parametrize("case", ["causal", "packed", "no_mask", "any_mask"])
+def test_core_attention_module_matches_megatron(single_process, groups, config_kw, case):
+    """The module contract directly: q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np * hn], and input grads."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    # Megatron's module ignores the call's attn_mask_type and uses its constructor's: give both the same one.
+    mask_type = AttnMaskType.no_mask if case == "no_mask" else AttnMaskType.causal
+    local, sdpa = _core_pair(4, groups, mask_type, **config_kw)
+    g = torch.Generator().manual_seed(0)
+    sq, b = 24, 2
+    q = (2 * torch.randn(sq, b, 4, 16, generator=g)).requires_grad_()
+    k = (2 * torch.randn(sq, b, groups, 16, generator=g)).requires_grad_()
+    v = torch.randn(sq, b, groups, 16, generator=g).requires_grad_()
+    mask = block_causal_mask(PACKED, sq) if case == "packed" else None
+    if case == "any_mask":  # not block-diagonal: SDPA applies it as given (a token always sees itself)
+        mask = (torch.rand(b, 1, sq, sq, generator=g) < 0.5) & ~torch.eye(sq, dtype=torch.bool)
+    weights = torch.randn(sq, b, 4 * 16, generator=g)
+    results = []
+    for module in (local, sdpa):
+        out = module(q, k, v, mask, attn_mask_type=mask_type)
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+        results.append((out.detach(), grads))
+    (ref, ref_grads), (out, grads) = results
+    assert out.shape == (sq, b, 64)
+    _close(out, ref, "output")
+    for name, a, e in zip("qkv", grads, ref_grads, strict=True):
+        _close(a, e, f"d{name}")
+
+
+def test_bad_backend_and_unsupported_config_are_refused(single_process):
+    from pipeline.train.attention import layer_spec
+
+    with pytest.raises(ValueError, match="attention='flash'.*sdpa, local"):
+        layer_spec("flash")
+    with pytest.raises(ValueError, match="attention=sdpa does not support attention_dropout"):
+        _dropout_pair()
+
+
+def _dropout_pair():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from pipeline.train.attention import SDPAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, attention_dropout=0.1,
+                               use_cpu_initialization=True)
+    return SDPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+
+
+@pytest.mark.distributed
+def test_tp2_sdpa_matches_tp1_local(hf_dirs, tmp_path):
+    """SDPA at TP=2 (two KV groups split over the ranks: one per rank) against Megatron's attention at TP=1,
+    causal and packed, under the shared cross-layout rule (tests/tolerance.py)."""
+    from tolerance import assert_layout_close
+
+    ids = _ids()
+    mask = block_causal_mask(PACKED, ids.shape[1])
+    torch.save({"ids": ids, "mask": mask, "weights_seed": 1}, tmp_path / "in.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "tests" / "train" / "_attention_tp_worker.py"), str(tmp_path / "in.pt"), str(tmp_path),
+           *(str(hf_dirs[a]) for a in ARCHS)]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    init_distributed(tp=1, pp=1, seed=0)
+    try:
+        for arch in ARCHS:
+            for case, m in (("causal", None), ("packed", mask)):
+                tp2 = torch.load(tmp_path / f"{arch}-{case}.pt")
+                logits, grads = _forward_backward(hf_dirs[arch], "local", m, ids)
+                assert_layout_close(tp2["logits"], logits, f"{arch}/{case} logits")
+                assert_layout_close(tp2["grads"], {k: grads[k] for k in tp2["grads"]}, f"{arch}/{case} grads")
+    finally:
+        destroy_distributed()
+
+
+def test_packed_segments_recognises_block_diagonal_masks_only():
+    from pipeline.train.attention import packed_segments
+
+    mask = block_causal_mask(PACKED, 24)
+    assert packed_segments(mask, 2, 24, 24) == [[(0, 10), (10, 24)], [(0, 5), (5, 12), (12, 20), (20, 24)]]
+    mask[1, 0, 6, 2] = False  # one cross-document entry allowed: no longer block-diagonal (cache must notice)
+    assert packed_segments(mask, 2, 24, 24) is None
+    causal = block_causal_mask([[], []], 24)  # one document per row is plain causal
+    assert packed_segments(causal, 2, 24, 24) == [[(0, 24)], [(0, 24)]]
+    assert packed_segments(causal[:1], 2, 24, 24) == [[(0, 24)], [(0, 24)]]  # broadcast over the batch
+    assert packed_segments(~causal, 2, 24, 24) is None  # inverted convention
+    assert packed_segments(causal[:, :, :12], 2, 12, 24) is None  # sq != sk
+
+
+def test_per_document_path_matches_the_masked_kernel(single_process):
+    """The per-document calls give what one masked SDPA call gives (the path the mask would take otherwise)."""
+    _, sdpa = _core_pair(4, 2)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(24, 2, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(24, 2, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    mask = block_causal_mask(PACKED, 24)
+    out = sdpa(q, k, v, mask)
+    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    ref = sdpa._sdpa(qq, kk, vv, ~mask, False).permute(2, 0, 1, 3).reshape(24, 2, 64)
+    _close(out, ref, "output")
+    w = torch.randn(out.shape, generator=g)
+    for a, e, name in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v)),
+                          "qkv", strict=True):
+        _close(a, e, f"d{name}")
