@@ -63,7 +63,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
-from pipeline.store.codec import CodecError, Decoder
+from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.shards import ShardError, verify_shard
 from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
 from pipeline.train.packing import pack, row_offsets
@@ -320,7 +320,7 @@ class ScoredLoader:
             path = self.shards[s].path
             try:
                 pf = pq.ParquetFile(path, page_checksum_verification=True)
-                self._files[s] = (pf, Decoder(pf.schema_arrow.metadata or {}, where=str(path)))
+                self._files[s] = (pf, open_decoder(pf.schema_arrow.metadata or {}, where=str(path)))
             except (pa.ArrowException, OSError, CodecError) as e:
                 raise ShardError(f"{path}: cannot open ({e})") from e
             while len(self._files) > 16:
