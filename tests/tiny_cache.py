@@ -25,8 +25,9 @@ def build_tiny(out: Path, seed: int = 0) -> Path:
 def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]], *, k: int = K,
                      shard_rows: int = 8, codec: str = "rank-grid-esc") -> TeacherCache:
     """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r."""
-    from pipeline.store.codec import params as codec_params
     from transformers import AutoModelForCausalLM
+
+    from pipeline.store.codec import params as codec_params
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     desc = Descriptor(
