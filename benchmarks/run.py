@@ -40,9 +40,10 @@ SECTIONS = {  # name -> heading, in file order
     "loss": "GKD loss (issue: train stage)",
     "train": "Trainer (issue: train stage)",
     "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
+    "baselines": "Cache vs live teacher: step time and break-even (issue: honest baselines)",
     "onpolicy": "On-policy vs off-policy GKD (issue: on-policy)",
 }
-DEFAULT = "score,loss,train,lora"  # onpolicy runs two whole distillation runs (~1 h on 2 cores): ask for it
+DEFAULT = "score,loss,train,lora,baselines"  # onpolicy runs two whole distillation runs (~1 h on 2 cores): ask for it
 
 
 def _section(name: str, body: str, raw: dict, command: str, started: str) -> str:
@@ -87,7 +88,8 @@ def main() -> int:
     if "loss" in only:
         out = work / "loss.json"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_bench.py"), "--tokens", str(args.loss_tokens),
-                        "--json", str(out)], check=True, cwd=ROOT)
+                        "--memory-tokens", f"{args.loss_tokens},16384", "--repeats", "2", "--json", str(out)],
+                       check=True, cwd=ROOT)
         from benchmarks import loss_bench
 
         res = json.loads(out.read_text())
@@ -102,6 +104,11 @@ def main() -> int:
 
         res = lora_bench.run(work / "lora")
         sections["lora"] = _section("lora", lora_bench.markdown(res), res, command, started)
+    if "baselines" in only:
+        from benchmarks import baseline_bench
+
+        res = baseline_bench.run(work / "baselines")
+        sections["baselines"] = _section("baselines", baseline_bench.markdown(res), res, command, started)
     if "onpolicy" in only:
         from benchmarks import onpolicy_bench
 

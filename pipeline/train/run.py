@@ -470,7 +470,7 @@ def _train(cfg: TrainConfig) -> dict:
             positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
             last = {"step": step, "loss": jsd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
                     "lr": lr, "grad_norm": float(grad_norm or 0.0),
-                    "tokens_per_s": counts[2].item() / dt, "active_tokens": int(counts[0].item()),
+                    "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
                     "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
                     "samples": samples, "truncated": truncated, "folded_positions": folded,
                     "data_position": position}
