@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -38,15 +39,16 @@ class DemoConfig:
     steps: int = 40
     eval_every: int = 10
     second_run_steps: int = 20
-    micro_batch_size: int = 8
+    micro_batch_size: int = 4  # rows of seq_length tokens, packed (about 10 samples a step)
     seq_length: int = 256
     lr: float = 3e-4
+    live_probe_steps: int = 3  # a short run with the live teacher on the same rollouts: the break-even's L
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
 
 
 QUICK = dict(train_prompts=6, eval_prompts=3, samples_per_prompt=1, max_tokens=24, steps=4, eval_every=2,
-             second_run_steps=2, micro_batch_size=4)
+             second_run_steps=2, micro_batch_size=2, live_probe_steps=2)
 
 
 def _sh(cmd: list[str], log: Path) -> None:
@@ -74,8 +76,33 @@ def heldout_metrics(student_dir: Path, eval_cache: Path, teacher_answers: list[t
             logp = torch.log_softmax(model(ids).logits[0], -1)
             pos = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
             nll.append(-logp[pos, ids[0, pos + 1]])
-    return {"heldout_kl": kl["heldout_kl"], "heldout_nll_teacher_answers": float(torch.cat(nll).mean()),
+    return {"heldout_kl": kl["heldout_kl"], "top1_agreement": kl["top1_agreement"],
+            "heldout_nll_teacher_answers": float(torch.cat(nll).mean()),
             "kl_positions": kl["heldout_tokens"], "nll_tokens": int(sum(len(n) for n in nll))}
+
+
+ACCURACY_GATE = 0.20  # below this teacher accuracy a task score says nothing about distillation
+
+
+def answer_accuracy(rollouts: list[dict], tokenizer) -> float:
+    """Fraction of reasoning-gym answers whose last number equals the reference answer's (loose matching: the
+    small models answer in prose). `rollouts`: rows with prompt_id `rg:TASK:SEED:I` and a completion."""
+    import re
+
+    import reasoning_gym
+
+    number = re.compile(r"-?\d+(?:\.\d+)?")
+    datasets: dict[tuple[str, int], list] = {}
+    hits = 0
+    for r in rollouts:
+        _, task, seed, i = r["prompt_id"].split(":")
+        if (task, int(seed)) not in datasets:
+            size = 1 + max(int(x["prompt_id"].split(":")[3]) for x in rollouts if x["prompt_id"].split(":")[1] == task)
+            datasets[task, int(seed)] = list(reasoning_gym.create_dataset(task, size=size, seed=int(seed)))
+        want = number.findall(str(datasets[task, int(seed)][int(i)]["answer"]))
+        got = number.findall(tokenizer.decode(r["completion_ids"], skip_special_tokens=True))
+        hits += bool(want and got and float(got[-1]) == float(want[-1]))
+    return hits / max(len(rollouts), 1)
 
 
 def run(cfg: DemoConfig) -> dict:
@@ -165,6 +192,14 @@ def run(cfg: DemoConfig) -> dict:
     times["train_a"] = t_train
     times["train_a_with_evals"] = time.perf_counter() - t
 
+    # 4b. the same training with a live teacher, a few steps: the per-step cost the cache saves (break-even's L)
+    t = time.perf_counter()
+    _sh(py + ["train", *[a for a in train_args if not a.startswith("cache=")], "cache=[]", f"teacher_live={teacher}",
+              f"rollouts=[{train_dir}]", f"teacher_live_topk={cfg.topk}", "seed=1",
+              f"train_steps={cfg.live_probe_steps}", f"save_dir={out / 'live-probe'}",
+              f"save_interval={cfg.live_probe_steps}"], log)
+    times["live_probe"] = time.perf_counter() - t
+
     # 5. student B from the same cache: scoring again finds every key cached
     t = time.perf_counter()
     again = score(ScoreConfig(rollouts=str(train_dir), cache=str(out / "cache"), **sc))
@@ -178,10 +213,14 @@ def run(cfg: DemoConfig) -> dict:
     stats = TeacherCache.open(out / "cache").stats()
     metrics_a = [json.loads(line) for line in open(out / "student-a" / "metrics.jsonl")]
     metrics_b = [json.loads(line) for line in open(out / "student-b" / "metrics.jsonl")]
-    train_tokens = sum(m["active_tokens"] for m in metrics_a)
-    per_token = first.get("score_seconds", 0.0) / max(first.get("tokens", 1), 1)
-    live_per_run = per_token * train_tokens  # a live teacher forward on every token a run trains on
+    metrics_live = [json.loads(line) for line in open(out / "live-probe" / "metrics.jsonl")]
     kl0, kl1 = curve[0]["heldout_kl"], curve[-1]["heldout_kl"]
+    # Break-even from measured seconds: the teacher pass S (this run's score of the training rollouts) against
+    # the extra seconds per step of a live teacher, L - C (steady steps: the first of each run warms up).
+    cached_step = statistics.median(m["step_seconds"] for m in (metrics_a[1:] or metrics_a))
+    live_step = statistics.median(m["step_seconds"] for m in (metrics_live[1:] or metrics_live))
+    extra_per_run = (live_step - cached_step) * cfg.steps
+    teacher_acc = answer_accuracy(list(iter_rollouts(rollout_shards(teacher_ans.out))), tok)
     report = {
         "config": asdict(cfg),
         "heldout_kl_before": kl0,
@@ -195,14 +234,37 @@ def run(cfg: DemoConfig) -> dict:
         "teacher_forwards_first_score": first.get("teacher_forwards"),
         "teacher_forwards_second_run": again.get("teacher_forwards"),
         "seconds": {k: round(v, 1) for k, v in times.items()},
+        "top1_agreement_before": curve[0]["top1_agreement"],
+        "top1_agreement_after": curve[-1]["top1_agreement"],
+        "task_accuracy": {
+            "teacher": teacher_acc,
+            "reported": teacher_acc >= ACCURACY_GATE,
+            "note": (f"teacher answers {100 * teacher_acc:.0f} % of the held-out problems (greedy, last number); "
+                     + ("students' accuracy is meaningful here" if teacher_acc >= ACCURACY_GATE else
+                        f"below {100 * ACCURACY_GATE:.0f} %, so no student accuracy is reported: the teacher cannot "
+                        "do the task, and KL / top-1 agreement are the measures of distillation")),
+        },
         "break_even": {
-            "teacher_pass_seconds": round(first.get("score_seconds", 0.0), 1),
-            "live_teacher_seconds_per_student_run": round(live_per_run, 1),
-            "student_runs_to_break_even": round(first.get("score_seconds", 0.0) / live_per_run, 2) if live_per_run else None,
-            "how": "live cost = teacher seconds per scored token (from the cache pass) x tokens one run trains on",
+            "teacher_pass_seconds": round(times["score_train"], 1),
+            "cached_step_seconds": round(cached_step, 3),
+            "live_teacher_step_seconds": round(live_step, 3),
+            "live_extra_seconds_per_student_run": round(extra_per_run, 1),
+            "student_runs_to_break_even": round(times["score_train"] / extra_per_run, 2) if extra_per_run > 0 else None,
+            "how": f"N* = S / ((L - C) * steps): S the score stage on the training rollouts, L and C a trainer step "
+                   f"with a live teacher ({cfg.live_probe_steps}-step probe) and from the cache (student A), "
+                   f"{cfg.steps} steps per student run; all measured in this run",
         },
         "student_b_final_loss": metrics_b[-1]["loss"] if metrics_b else None,
     }
+    if report["task_accuracy"]["reported"]:  # greedy answers of the trained student, scored the same way
+        student_ans = GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-student-a"),
+                                     student=str(out / "student-a-hf"), n=1, max_tokens=cfg.max_tokens,
+                                     temperature=0.0, seed=2, dtype="float32")
+        with open_engine(EngineArgs(model=str(out / "student-a-hf"), dtype="float32", max_model_len=1024,
+                                    kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager)) as llm:
+            run_task(llm, tok, student_ans, 0)
+        report["task_accuracy"]["student_a"] = answer_accuracy(
+            list(iter_rollouts(rollout_shards(student_ans.out))), tok)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     plot(report, metrics_a, metrics_b, out / "report.png")
     return report
@@ -222,10 +284,18 @@ def plot(report: dict, metrics_a: list[dict], metrics_b: list[dict], path: Path)
     c = report["curve"]
     ax[1].plot([p["step"] for p in c], [p["heldout_kl"] for p in c], "o-", label="KL(teacher‖student), held-out")
     ax[1].plot([p["step"] for p in c], [p["heldout_nll_teacher_answers"] for p in c], "s--", label="NLL of teacher answers")
-    ax[1].set(title=f"held-out: KL {report['heldout_kl_before']:.2f} → {report['heldout_kl_after']:.2f}", xlabel="optimizer step")
-    ax[1].legend()
+    ax[1].set(title=f"held-out: KL {report['heldout_kl_before']:.2f} → {report['heldout_kl_after']:.2f}, top-1 "
+              f"{100 * report['top1_agreement_before']:.0f} → {100 * report['top1_agreement_after']:.0f} %",
+              xlabel="optimizer step")
+    top1 = ax[1].twinx()
+    top1.plot([p["step"] for p in c], [100 * p["top1_agreement"] for p in c], "^:", color="tab:green",
+              label="top-1 agreement with the teacher (%)")
+    top1.set_ylabel("top-1 agreement %")
+    lines = ax[1].get_legend_handles_labels()
+    extra = top1.get_legend_handles_labels()
+    ax[1].legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=8)
     secs = report["seconds"]
-    names = [k for k in ("generate", "teacher", "train_a", "score_again", "train_b") if k in secs]
+    names = [k for k in ("generate", "teacher", "train_a", "live_probe", "score_again", "train_b") if k in secs]
     ax[2].barh(names, [secs[k] for k in names])
     ax[2].set(title="wall time per stage (s)")
     for i, k in enumerate(names):
@@ -249,7 +319,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['heldout_nll_teacher_answers_before']:.3f} → {r['heldout_nll_teacher_answers_after']:.3f}")
     print(f"[demo] cache: {r['cache']['samples']} samples, {r['cache']['scored_tokens']} scored tokens, "
           f"{r['cache_bytes_per_token']} B/token; second student run: {r['teacher_forwards_second_run']} teacher forwards")
-    print(f"[demo] break-even: {r['break_even']['student_runs_to_break_even']} student runs; stage seconds {r['seconds']}")
+    be = r["break_even"]
+    print(f"[demo] top-1 agreement with the teacher: {100 * r['top1_agreement_before']:.1f} % → "
+          f"{100 * r['top1_agreement_after']:.1f} %; {r['task_accuracy']['note']}")
+    print(f"[demo] break-even: {be['student_runs_to_break_even']} student runs (teacher pass {be['teacher_pass_seconds']} s; "
+          f"a step {be['live_teacher_step_seconds']} s with a live teacher vs {be['cached_step_seconds']} s from the "
+          f"cache); stage seconds {r['seconds']}")
     print(f"[demo] total {time.perf_counter() - t:.0f} s. Report: {Path(cfg.out) / 'report.json'}, picture: "
           f"{Path(cfg.out) / 'report.png'}")
     return 0
