@@ -22,12 +22,12 @@ from typing import Any
 
 from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids, response_ids
 from pipeline.store.fingerprint import tokenizer_fingerprint
-from pipeline.store.rollouts import assign_shard, rollout_row, shard_name, write_rollouts
-from pipeline.store.shards import is_complete, read_marker
+from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_name, write_rollouts
+from pipeline.store.shards import ShardError, is_complete, read_marker
 
 
 def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = None, on_bad: str = "error",
-                where: str = "") -> tuple[list[dict], Counter]:
+                where: str = "", fields: str = "") -> tuple[list[dict], Counter]:
     """Rollout rows for prompts with a reference response; bad rows are refused or skipped and counted."""
     rows, skipped = [], Counter()
     for p in prompts:
@@ -43,7 +43,10 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
                 reason = "too_long"
         if reason:
             if on_bad == "error":
-                raise PromptError(f"{where}: row {p.prompt_id!r}: {reason.replace('_', ' ')}; --on-bad skip skips it")
+                field = {"empty_prompt": "prompt", "empty_response": "response"}.get(reason, "prompt + response")
+                fix = "raise --max-len" if reason == "too_long" else "fill it in"
+                raise PromptError(f"{where}: row {p.prompt_id!r}: {reason.replace('_', ' ')} (the {field} field{fields});"
+                                  f" {fix}, or pass --on-bad skip to skip and count it")
             skipped[reason] += 1
             continue
         rows.append(rollout_row(prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=completion,
@@ -70,39 +73,49 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= shard < args.num_shards:
         ap.error(f"shard {shard} is not in [0, --num-shards={args.num_shards})")
     path = Path(args.out) / f"{shard_name('dataset', shard, args.num_shards)}.parquet"
-    if is_complete(path, "rollout"):
-        print(f"gkd import: {path} is complete; nothing to do")
-        return 0
-    response_field = args.response_field
-    if response_field is None and not args.messages_field and not args.dataset.startswith("reasoning-gym:"):
-        response_field = "response"
     try:
-        from transformers import AutoTokenizer
-
-        if args.tokenizer is None:
-            from pipeline.assets import student_dir
-
-            args.tokenizer = str(student_dir())
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        fp = tokenizer_fingerprint(tokenizer)
-        for other in sorted(Path(args.out).glob("*.parquet")):
-            declared = (read_marker(other) or {}).get("tokenizer_fingerprint")
-            if declared and declared != fp:
-                raise PromptError(f"tokenizer {fp} differs from {declared} declared by {other}.ok")
-        prompts = load_prompts(args.dataset, prompt_field=args.prompt_field, messages_field=args.messages_field,
-                               response_field=response_field, id_field=args.id_field)
-        mine = [p for p in prompts if assign_shard(p.prompt_id, args.num_shards) == shard]
-        rows, skipped = import_rows(tokenizer, mine, max_len=args.max_len, on_bad=args.on_bad, where=args.dataset)
-    except (PromptError, FileNotFoundError) as e:
+        with shard_lock(path, f"gkd import task {shard}/{args.num_shards} into {args.out}"):
+            if is_complete(path, "rollout"):
+                print(f"gkd import: {path} is complete; nothing to do")
+                return 0
+            rows, mine, skipped = _import(args, shard, path)
+    except (PromptError, FileNotFoundError, ShardError) as e:
         print(f"gkd import: {e}", file=sys.stderr)
         return 2
-    extra = {"tokenizer_fingerprint": fp, "dataset": args.dataset, "shard": shard, "num_shards": args.num_shards,
-             "skipped": dict(skipped)}
-    write_rollouts(path, rows, tokenizer_fingerprint=fp, extra=extra)
     tokens = sum(len(r["completion_ids"]) for r in rows)
     print(f"gkd import: {path}: {len(rows)} rollouts of {len(mine)} rows ({dict(skipped)} skipped), "
           f"{tokens} completion tokens")
     return 0
+
+
+def _import(args: argparse.Namespace, shard: int, path: Path) -> tuple[list[dict], list[Prompt], Counter]:
+    """The task of `main`: tokenizer, this shard's rows, the rollout shard."""
+    response_field = args.response_field
+    if response_field is None and not args.messages_field and not args.dataset.startswith("reasoning-gym:"):
+        response_field = "response"
+    from transformers import AutoTokenizer
+
+    if args.tokenizer is None:
+        from pipeline.assets import student_dir
+
+        args.tokenizer = str(student_dir())
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    fp = tokenizer_fingerprint(tokenizer)
+    for other in sorted(Path(args.out).glob("*.parquet")):
+        declared = (read_marker(other) or {}).get("tokenizer_fingerprint")
+        if declared and declared != fp:
+            raise PromptError(f"tokenizer {fp} differs from {declared} declared by {other}.ok")
+    prompts = load_prompts(args.dataset, prompt_field=args.prompt_field, messages_field=args.messages_field,
+                           response_field=response_field, id_field=args.id_field)
+    mine = [p for p in prompts if assign_shard(p.prompt_id, args.num_shards) == shard]
+    names = [f"--{k.replace('_', '-')} {v}" for k, v in (("messages_field", args.messages_field), ("prompt_field",
+             None if args.messages_field else args.prompt_field), ("response_field", response_field)) if v]
+    rows, skipped = import_rows(tokenizer, mine, max_len=args.max_len, on_bad=args.on_bad, where=args.dataset,
+                                fields=f": {', '.join(names)}" if names else "")
+    extra = {"tokenizer_fingerprint": fp, "dataset": args.dataset, "shard": shard, "num_shards": args.num_shards,
+             "skipped": dict(skipped)}
+    write_rollouts(path, rows, tokenizer_fingerprint=fp, extra=extra)
+    return rows, mine, skipped
 
 
 if __name__ == "__main__":

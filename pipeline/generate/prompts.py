@@ -12,6 +12,7 @@ Token ids come from the tokenizer's chat template exactly once (`prompt_ids`): t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,8 @@ def load_prompts(
     if missing:
         raise PromptError(
             f"{where}: no field {', '.join(map(repr, missing))} (fields: {', '.join(sorted(columns))}); "
-            "choose one with prompt_field= / messages_field= / response_field= / id_field="
+            "choose one with prompt_field= / messages_field= / response_field= / id_field= (gkd generate) or "
+            "--prompt-field / --messages-field / --response-field / --id-field (gkd import)"
         )
     data_source = Path(src).name
     prompts = []
@@ -93,7 +95,31 @@ def _read_dataset(src: str):
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
     if builder is None:
         raise PromptError(f"{src}: unknown prompt file type {suffix!r} (use .jsonl, .json, .parquet or a folder)")
+    if suffix == ".jsonl":
+        check_jsonl(path)
     return datasets.load_dataset(builder, data_files=str(path), split="train"), src
+
+
+def check_jsonl(path: Path) -> None:
+    """Every line of a JSONL file is UTF-8 and one JSON object; else PromptError with the line number (the JSON
+    reader of `datasets` reports neither the line nor, for bad bytes, the file)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                  "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove "
+                                  "that line (JSONL: one JSON object per line)") from None
+            if not isinstance(row, dict):
+                raise PromptError(f"{path}:{lineno}: a JSON {type(row).__name__}, not an object; each line must be "
+                                  '{"field": value, ...}')
 
 
 def _reasoning_gym(src: str) -> list[Prompt]:

@@ -29,8 +29,8 @@ from pipeline.config import ConfigError, load_config, parse_overrides
 from pipeline.engine import EngineArgs, engine_version, on_cpu, open_engine
 from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids
 from pipeline.store.fingerprint import tokenizer_fingerprint
-from pipeline.store.rollouts import assign_shard, rollout_row, shard_name, write_rollouts
-from pipeline.store.shards import is_complete, read_marker
+from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_name, write_rollouts
+from pipeline.store.shards import ShardError, is_complete, read_marker
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "generate.yaml"
 CHUNK = 512  # prompts per vLLM call: bounds the request queue; per-request seeds make chunking invisible
@@ -102,8 +102,10 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
         ids = [] if p.empty else prompt_ids(tokenizer, p.messages)
         reason = "empty" if p.empty else "too_long" if len(ids) > limit else None
         if reason and cfg.on_bad_prompt == "error":
-            raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} is {reason.replace('_', ' ')} ({len(ids)} "
-                              f"tokens, limit max_model_len - max_tokens = {limit}); on_bad_prompt=skip skips it")
+            fix = ("give it text" if reason == "empty" else "raise max_model_len, lower max_tokens")
+            raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} is {reason.replace('_', ' ')} (field "
+                              f"{cfg.messages_field or cfg.prompt_field!r}, {len(ids)} tokens, limit max_model_len - "
+                              f"max_tokens = {limit}); {fix}, or pass on_bad_prompt=skip to skip and count it")
         if reason:
             skipped[reason] += 1
         else:
@@ -210,34 +212,14 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 <= cfg.shard < cfg.num_shards:
                 raise ConfigError(f"$SLURM_ARRAY_TASK_ID={cfg.shard} needs num_shards > {cfg.shard} (pass --num-shards)")
         path = output_path(cfg, cfg.shard)
-        if is_complete(path, "rollout"):
-            print(f"gkd generate: {path} is complete; nothing to do")
-            return 0
-        if cfg.student is None:
-            from pipeline.assets import student_dir
-
-            cfg.student = str(student_dir())
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.student)
-        check_tokenizer(tokenizer, cfg)  # before the engine starts: fail in seconds, not minutes
-        lora, max_rank = None, 16
-        if cfg.adapter:
-            import json
-
-            from vllm.lora.request import LoRARequest
-
-            rank = json.loads((Path(cfg.adapter) / "adapter_config.json").read_text())["r"]
-            max_rank = next(r for r in LORA_RANKS if r >= rank)
-            lora = LoRARequest("adapter", 1, str(cfg.adapter))
-        engine = EngineArgs(
-            model=cfg.student, dtype=cfg.dtype or ("float32" if on_cpu() else "auto"), max_model_len=cfg.max_model_len,
-            kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
-            tensor_parallel_size=cfg.tensor_parallel_size, enable_lora=lora is not None, max_lora_rank=max_rank,
-        )
-        with open_engine(engine) as llm:
-            result = run_task(llm, tokenizer, cfg, cfg.shard, lora=lora)
-    except (ConfigError, PromptError, FileNotFoundError) as e:
+        # One process per task and output: a second one (a resubmitted task overlapping a running one) is refused
+        # at once, naming the first, instead of sampling everything again and failing at the write.
+        with shard_lock(path, f"gkd generate task {cfg.shard}/{cfg.num_shards} into {cfg.out}"):
+            if is_complete(path, "rollout"):
+                print(f"gkd generate: {path} is complete; nothing to do")
+                return 0
+            result = _run(cfg)
+    except (ConfigError, PromptError, FileNotFoundError, ShardError) as e:
         print(f"gkd generate: {e}", file=sys.stderr)
         return 2
     s = result.stats
@@ -245,6 +227,34 @@ def main(argv: list[str] | None = None) -> int:
           f"{s['samples']} samples, {s['tokens']} tokens in {s['seconds']} s = {s['tok_s']} tok/s, "
           f"finish {s['finish']}")
     return 0
+
+
+def _run(cfg: GenerateConfig) -> Result:
+    """The task of `main`: tokenizer check, engine, samples, the shard."""
+    if cfg.student is None:
+        from pipeline.assets import student_dir
+
+        cfg.student = str(student_dir())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+    check_tokenizer(tokenizer, cfg)  # before the engine starts: fail in seconds, not minutes
+    lora, max_rank = None, 16
+    if cfg.adapter:
+        import json
+
+        from vllm.lora.request import LoRARequest
+
+        rank = json.loads((Path(cfg.adapter) / "adapter_config.json").read_text())["r"]
+        max_rank = next(r for r in LORA_RANKS if r >= rank)
+        lora = LoRARequest("adapter", 1, str(cfg.adapter))
+    engine = EngineArgs(
+        model=cfg.student, dtype=cfg.dtype or ("float32" if on_cpu() else "auto"), max_model_len=cfg.max_model_len,
+        kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
+        tensor_parallel_size=cfg.tensor_parallel_size, enable_lora=lora is not None, max_lora_rank=max_rank,
+    )
+    with open_engine(engine) as llm:
+        return run_task(llm, tokenizer, cfg, cfg.shard, lora=lora)
 
 
 if __name__ == "__main__":

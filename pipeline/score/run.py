@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, load_config, parse_overrides
 from pipeline.store import Descriptor, TeacherCache
@@ -103,6 +105,10 @@ class ScoreInputError(ValueError):
     """Bad rollouts: the message names the samples and the fix."""
 
 
+class TeacherOutputError(ValueError):
+    """The engine returned logprobs that cannot be stored (NaN, inf): the message names the sample and the fix."""
+
+
 def scoring_numerics(cfg: ScoreConfig) -> dict[str, str]:
     """The engine settings that change the stored logprobs (besides teacher, k and logprob mode, which are
     descriptor fields of their own): the cache's `numerics`. Settings that change only the order of float sums
@@ -131,9 +137,16 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
     """Refuse rollouts whose ids come from another tokenizer than the teacher's, or that do not say which one:
     the same vocab size with another mapping passes the vocab-range check and poisons the cache silently."""
     from pipeline.store.rollouts import rollout_tokenizer
+    from pipeline.store.schema import check_arrow_schema
 
     other, unknown = [], []
     for p in paths:
+        try:
+            schema = pq.read_schema(p)
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{p}: not a readable Parquet file ({e}); delete it and its .ok marker and rerun the "
+                             "task that wrote it") from e
+        check_arrow_schema(schema, "rollout", p)  # a newer schema major: refused before any teacher work
         fp = rollout_tokenizer(p)
         if fp is None:
             unknown.append(p)
@@ -211,13 +224,15 @@ def select_rows(
         rows[key] = {**r, "key": key, "input_ids": ids.astype(np.int32), "first_scored": first}
     if too_big:
         raise ScoreInputError(
-            f"{len(too_big)} rollout(s) hold token ids outside the teacher's vocabulary [0, {vocab_size}) — "
-            f"were they tokenized with another tokenizer? sample ids: {', '.join(too_big[:10])}"
+            f"{cfg.rollouts}: {len(too_big)} rollout(s) hold token ids (prompt_ids/completion_ids) outside the "
+            f"teacher's vocabulary [0, {vocab_size}) — were they tokenized with another tokenizer? Re-create them "
+            f"with the teacher's tokenizer (gkd import --tokenizer / gkd generate); sample ids: {', '.join(too_big[:10])}"
             + (" ..." if len(too_big) > 10 else "")
         )
     if overlong:
         raise ScoreInputError(
-            f"{len(overlong)} rollout(s) are longer than {max_len} tokens (max_model_len): {', '.join(overlong[:10])}"
+            f"{cfg.rollouts}: {len(overlong)} rollout(s) are longer than {max_len} tokens (max_model_len): "
+            f"{', '.join(overlong[:10])}"
             + (" ..." if len(overlong) > 10 else "")
             + "; raise max_model_len or pass on_overlong=skip to skip and count them"
         )
@@ -303,7 +318,13 @@ def status(cfg: ScoreConfig) -> int:
 
 
 def score(cfg: ScoreConfig, llm=None) -> dict:
-    """Run one score task; returns its summary. `llm` lets a caller (tests, the on-policy driver) reuse an engine."""
+    """Run one score task; returns its summary. `llm` lets a caller (tests, the on-policy driver) reuse an engine.
+    A second process of the same task (same rollouts, shard and num_shards) is refused while the first runs."""
+    with contextlib.ExitStack() as locks:
+        return _score(cfg, llm, locks)
+
+
+def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     from tqdm import tqdm
 
     shard = cfg.shard
@@ -355,6 +376,7 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
 
     tag = rollouts_tag(paths)
     name = task_name(tag, shard, cfg.num_shards)
+    locks.enter_context(task_lock(cache.root, name))  # also shows a read-only cache before any teacher work
     if task_done(cache.root, name):
         print(f"[score] task {shard}/{cfg.num_shards} of rollouts {tag} is already done: nothing to do")
         return {"done_before": True, "teacher_forwards": 0}
@@ -396,14 +418,16 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
                 outputs = engine.generate(prompts, params, use_tqdm=False)
                 summary["teacher_forwards"] += len(batch)
                 for r, out in zip(batch, outputs, strict=True):
-                    pending.append({**r, **extract(out.prompt_logprobs, r["input_ids"].astype(np.int64), r["first_scored"], cfg.topk)})
+                    got = extract(out.prompt_logprobs, r["input_ids"].astype(np.int64), r["first_scored"], cfg.topk)
+                    check_finite(got, r, teacher, cfg)
+                    pending.append({**r, **got})
                     summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
                 bar.update(sum(len(r["input_ids"]) for r in batch))
                 while len(pending) >= cfg.part_rows:
-                    parts.append(_write_part(cache, name, len(parts), pending[: cfg.part_rows]))
+                    parts += _write_part(cache, name, len(parts), pending[: cfg.part_rows], counts)
                     pending = pending[cfg.part_rows :]
             if pending:
-                parts.append(_write_part(cache, name, len(parts), pending))
+                parts += _write_part(cache, name, len(parts), pending, counts)
             bar.close()
             summary["score_seconds"] = time.time() - t_score
         summary["scored"] = len(todo)
@@ -427,10 +451,39 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
     return summary
 
 
-def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict]) -> str:
+def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], counts: dict) -> list[str]:
+    """Publish one part without the keys another writer published meanwhile; [] when nothing was left."""
     part = f"{name}-p{index:04d}"
-    cache.write_shard(part, rows, extra={"task": name})
-    return part
+    info, dropped = cache.add_rows(part, rows, extra={"task": name})
+    if dropped:
+        counts["cached_meanwhile"] = counts.get("cached_meanwhile", 0) + dropped
+    return [part] if info is not None else []
+
+
+def task_lock(cache_root: Path, name: str):
+    """The lock one score task holds while it runs (pipeline/store/locks.py): `tasks/<task>.lock`."""
+    from pipeline.store.locks import FileLock
+    from pipeline.store.shards import WriteError
+
+    marker = task_marker(cache_root, name)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(marker.parent, e, "cannot write into the cache") from e
+    return FileLock(marker.with_suffix(".lock"), f"score task {name} (same rollouts, shard and num_shards)")
+
+
+def check_finite(got: dict, row: dict, teacher: Path, cfg: ScoreConfig) -> None:
+    """Refuse NaN/inf logprobs before they reach the cache (the codec would store garbage or fail later)."""
+    for name in ("topk_logprobs", "actual_logprobs"):
+        values = np.asarray(got[name]).reshape(len(got[name]), -1)
+        bad = np.flatnonzero(~np.isfinite(values).all(1))
+        if bad.size:
+            raise TeacherOutputError(
+                f"{teacher}: the engine returned {values[bad[0]][~np.isfinite(values[bad[0]])][0]} in {name} for "
+                f"sample {row['sample_id']} of {cfg.rollouts} at position {row['first_scored'] + int(bad[0])} "
+                f"({bad.size} position(s)); nothing of this part was written. The teacher's weights hold non-finite "
+                f"values or overflow in dtype={cfg.dtype}: check the model folder, or score with dtype=float32")
 
 
 def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:

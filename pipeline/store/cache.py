@@ -21,10 +21,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store import codec
+from pipeline.store.locks import FileLock
 from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import (
     ShardError,
     ShardInfo,
+    WriteError,
     atomic_write_bytes,
     complete_shards,
     open_shard,
@@ -35,6 +37,8 @@ from pipeline.store.shards import (
 
 DESCRIPTOR = "cache.json"
 SHARDS = "shards"
+COMMIT_LOCK = ".commit.lock"  # held around cache.json creation and each add_rows (pipeline/store/locks.py)
+COMMIT_WAIT_S = 600.0  # a commit takes milliseconds; this long means a holder hangs (e.g. a stalled filesystem)
 META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
 
 
@@ -142,6 +146,8 @@ class TeacherCache:
     def __init__(self, root: str | Path, descriptor: Descriptor) -> None:
         self.root = Path(root)
         self.descriptor = descriptor
+        self._known_shards: set[Path] = set()  # what add_rows has read the keys of
+        self._known_keys: set[str] = set()
 
     # -- opening --------------------------------------------------------------------------------------------------
     @classmethod
@@ -156,19 +162,27 @@ class TeacherCache:
         Refuses (before any work is done) a cache built with another teacher, tokenizer, k or logprob mode."""
         root = Path(root)
         path = root / DESCRIPTOR
-        if path.exists():
-            existing = Descriptor.read(path)
-            problems = existing.mismatches(descriptor)
-            if problems:
-                raise CacheMismatchError(
-                    f"{path}: this cache was scored differently and cannot be mixed:\n  - "
-                    + "\n  - ".join(problems)
-                    + "\nUse another --cache directory for this teacher/tokenizer/k/numerics."
-                )
-            return cls(root, existing)
-        (root / SHARDS).mkdir(parents=True, exist_ok=True)
-        descriptor.write(path)
-        return cls(root, descriptor)
+        if root.exists() and not root.is_dir():
+            raise ShardError(f"{root}: is a file, not a teacher cache directory; pass --cache a directory (a new "
+                             "one is created, an existing cache grows)")
+        if not path.exists():  # two writers starting together on a new cache: one creates it, both check it
+            try:
+                (root / SHARDS).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise WriteError(root, e, "cannot create the cache directory") from e
+            with FileLock(root / COMMIT_LOCK, "a writer of this cache", wait_s=COMMIT_WAIT_S):
+                if not path.exists():
+                    descriptor.write(path)
+                    return cls(root, descriptor)
+        existing = Descriptor.read(path)
+        problems = existing.mismatches(descriptor)
+        if problems:
+            raise CacheMismatchError(
+                f"{path}: this cache was scored differently and cannot be mixed:\n  - "
+                + "\n  - ".join(problems)
+                + "\nUse another --cache directory for this teacher/tokenizer/k/numerics."
+            )
+        return cls(root, existing)
 
     # -- shards ---------------------------------------------------------------------------------------------------
     @property
@@ -193,6 +207,24 @@ class TeacherCache:
         """The given keys that are not in the cache yet, in their given order."""
         have = self.keys()
         return [k for k in keys if k not in have]
+
+    def add_rows(self, name: str, rows: Sequence[dict], *, extra: dict | None = None) -> tuple[ShardInfo | None, int]:
+        """Publish `rows` as shard `name`, leaving out keys the cache already holds, under the cache's commit lock:
+        writers of overlapping rows (score tasks of two rollout sets, or of two splits) each write a key once
+        however their runs interleave. Returns (the shard, or None when every row was already there; rows left
+        out). The keys of shards published since the last call are read (key column only) under the lock."""
+        with FileLock(self.root / COMMIT_LOCK, "a writer of this cache", wait_s=COMMIT_WAIT_S):
+            for p in self.shard_paths():
+                if p not in self._known_shards:
+                    self._known_keys |= self.keys([p])
+                    self._known_shards.add(p)
+            fresh = [r for r in rows if r["key"] not in self._known_keys]
+            if not fresh:
+                return None, len(rows)
+            info = self.write_shard(name, fresh, extra=extra)
+            self._known_shards.add(info.path)
+            self._known_keys.update(r["key"] for r in fresh)
+            return info, len(rows) - len(fresh)
 
     def write_shard(self, name: str, rows: Sequence[dict], *, extra: dict | None = None) -> ShardInfo:
         """Encode and atomically write scored rows as shard `name` (e.g. "scored-00003-of-00008").

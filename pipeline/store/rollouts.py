@@ -100,6 +100,20 @@ def rollout_tokenizer(path: str | Path) -> str | None:
     return (read_marker(path) or {}).get("tokenizer_fingerprint")
 
 
+def shard_lock(path: str | Path, what: str):
+    """The lock a generate/import task holds while it makes the rollout shard `path` (`.NAME.lock` beside it): a
+    second process of the same task is refused at once, naming the first (pipeline/store/locks.py)."""
+    from pipeline.store.locks import FileLock
+    from pipeline.store.shards import WriteError
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(path.parent, e, "cannot create the output folder") from e
+    return FileLock(path.with_name(f".{path.name}.lock"), what)
+
+
 def rollout_shards(directory: str | Path) -> list[Path]:
     """Complete rollout shards in a directory, sorted."""
     return complete_shards(directory, "*.parquet")

@@ -4,10 +4,16 @@ A shard `NAME.parquet` is complete when its marker `NAME.parquet.ok` (JSON: sha2
 and matches. Both files are written to a temporary name in the same directory, fsynced and renamed, the marker
 last, so a reader never sees a partial shard and a killed writer leaves only dot-prefixed temporaries that readers
 ignore and the next writer of the same shard removes. Rewriting a complete, verifying shard is a no-op.
+
+A write that fails (a full disk or quota, a read-only filesystem) removes its temporary and raises `WriteError`
+naming the path and the cause: what readers see is unchanged, and the same command, rerun once space is free,
+completes as if nothing had happened.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -28,7 +34,21 @@ ZSTD_LEVEL = 9  # measured: level 9 is within 1-2 % of level 19 on the cache col
 
 
 class ShardError(RuntimeError):
-    """A shard is missing, incomplete, corrupt or of the wrong kind. The message names the file."""
+    """A shard is missing, incomplete, corrupt or of the wrong kind, or the store cannot be written. The message
+    names the file."""
+
+
+class WriteError(ShardError):
+    """Writing to the store failed (ENOSPC, EDQUOT, EROFS, EACCES, ...); nothing partial was left visible."""
+
+    def __init__(self, path: str | Path, cause: OSError, doing: str = "write failed") -> None:
+        self.path, self.errno = Path(path), cause.errno
+        fix = {errno.ENOSPC: "free space on that filesystem", errno.EDQUOT: "free space or raise the quota",
+               errno.EROFS: "point the output at a writable filesystem",
+               errno.EACCES: "fix the folder's permissions or write elsewhere",
+               errno.EPERM: "fix the folder's permissions or write elsewhere"}.get(cause.errno, "fix the cause")
+        super().__init__(f"{path}: {doing}: {cause.strerror or cause} (errno {errno.errorcode.get(cause.errno, cause.errno)}); "
+                         f"nothing partial was kept. {fix[0].upper() + fix[1:]}, then rerun the same command")
 
 
 @dataclass(frozen=True)
@@ -53,22 +73,56 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """Replace `path` by `data` atomically. Temporaries of `path` left by a killed writer are removed first: every
+    file written so has one writer at a time (a task lock, the cache's commit lock, rank 0 of a trainer)."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        stale.unlink(missing_ok=True)
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(path, e) from e
 
 
 def staging_dir(out: Path) -> Path:
     """An empty `<out>.partial` folder beside `out`, to be filled and then `publish_dir`-ed."""
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    try:
+        partial.mkdir(parents=True)
+    except OSError as e:
+        raise WriteError(partial, e) from e
     return partial
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | Path) -> Iterator[Path]:
+    """`with staged_dir(out) as partial:` fill `partial`; on success it is published as `out` (`publish_dir`); on
+    any error it is removed (a full disk leaves neither a partial folder nor a half-replaced `out`) and an OSError
+    becomes a WriteError naming `out`."""
+    out = Path(out)
+    partial = staging_dir(out)
+    try:
+        yield partial
+        publish_dir(partial, out)
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise WriteError(out, e) from e
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def publish_dir(partial: Path, out: Path) -> None:
@@ -76,7 +130,7 @@ def publish_dir(partial: Path, out: Path) -> None:
     the old folder, no folder, or the complete new one, never a half-written file (exports polled by a sampler)."""
     for f in partial.iterdir():
         with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+            os.fsync(fh.fileno())  # data written by the filler reaches the disk here: ENOSPC may surface now
     if out.exists():
         shutil.rmtree(out)
     os.replace(partial, out)
@@ -125,18 +179,22 @@ def write_shard(
         raise ShardError(f"{path}: already complete; delete it and {marker_path(path).name} to rewrite it")
     remove_stale_temporaries(path)
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    pq.write_table(
-        table,
-        tmp,
-        compression="zstd",
-        compression_level=zstd_level,
-        row_group_size=row_group_size,
-        write_page_checksum=True,  # lets streaming readers catch a flipped byte page by page
-        use_dictionary=False,  # ids/keys are high-cardinality; the codec already transformed the big columns
-    )
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    tmp = _tmp_name(path)
+    try:
+        pq.write_table(
+            table,
+            tmp,
+            compression="zstd",
+            compression_level=zstd_level,
+            row_group_size=row_group_size,
+            write_page_checksum=True,  # lets streaming readers catch a flipped byte page by page
+            use_dictionary=False,  # ids/keys are high-cardinality; the codec already transformed the big columns
+        )
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as e:  # pyarrow raises OSError (ENOSPC, EDQUOT, ...) with the cause in its message
+        tmp.unlink(missing_ok=True)
+        raise WriteError(path, e if e.errno else OSError(_errno_of(e), str(e))) from e
     info = ShardInfo(
         path=path,
         rows=table.num_rows,
@@ -145,11 +203,28 @@ def write_shard(
         schema=schema.tag.decode(),
         extra=dict(extra or {}),
     )
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(path, e) from e
     marker = {"sha256": info.sha256, "bytes": info.bytes, "rows": info.rows, "schema": info.schema, **info.extra}
-    atomic_write_bytes(marker_path(path), json.dumps(marker, indent=1, sort_keys=True).encode())
+    try:
+        atomic_write_bytes(marker_path(path), json.dumps(marker, indent=1, sort_keys=True).encode())
+    except WriteError:
+        path.unlink(missing_ok=True)  # no marker, no shard: leave nothing a verify would call an orphan
+        raise
     return info
+
+
+def _errno_of(e: OSError) -> int | None:
+    """pyarrow's OSError carries no errno, only the C library's message: find which one it is."""
+    text = str(e)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO):
+        if os.strerror(code) in text:
+            return code
+    return None
 
 
 def read_marker(path: str | Path) -> dict | None:

@@ -9,12 +9,17 @@ from the student folder and then the adapter, so the two must be the same run's.
 
 dist_checkpointing stores tensors with their global shapes, so a checkpoint saved at TP=2 loads at TP=1 (export
 does that). A checkpoint is written under a temporary name and renamed once complete, then `latest` is updated:
-a job killed mid-save resumes from the previous checkpoint.
+a job killed mid-save resumes from the previous checkpoint. A save that fails (a full disk) removes its temporary
+folder and raises `WriteError` naming the checkpoint; the run resumes from `latest` once space is freed.
+
+trainer.json records the student's architecture (`student_arch`, the config.json fields the Megatron mapping reads):
+a resume or export with another student is refused before any tensor is loaded.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import shutil
@@ -26,7 +31,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mpu_random
 
-from pipeline.store.shards import atomic_write_bytes
+from pipeline.store.shards import WriteError, atomic_write_bytes
 
 LATEST = "latest"
 
@@ -91,6 +96,21 @@ def _sharded(model, optimizer, *, is_loading: bool) -> dict:
     return out
 
 
+def arch_of(model) -> dict | None:
+    """The student architecture a checkpoint records (families.HFArch as JSON), None for a model built otherwise."""
+    arch = getattr(model, "hf_arch", None)
+    return json.loads(json.dumps(dataclasses.asdict(arch))) if arch is not None else None
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind an exception (dist_checkpointing wraps what the filesystem raised), if any."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def precision_of(model) -> str:
     """'bf16' when the model's parameters are bfloat16 (mixed precision), else 'fp32'."""
     return "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
@@ -100,7 +120,8 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) and `lora` added."""
     from pipeline.train.lora import is_lora
 
-    meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None, "precision": precision_of(model)}
+    meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None, "precision": precision_of(model),
+            "student_arch": arch_of(model)}
     final = step_dir(save_dir, step)
     tmp = final.with_name(f".{final.name}.partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -113,12 +134,20 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
         dist.barrier()
     else:
         states[0] = rng_state()
-    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
-    if rank == 0:
-        (tmp / META).write_text(json.dumps({**meta, "step": step, "rng": states}, indent=1) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        atomic_write_bytes(Path(save_dir) / LATEST, final.name.encode())
+    try:
+        dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
+        if rank == 0:
+            (tmp / META).write_text(json.dumps({**meta, "step": step, "rng": states}, indent=1) + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            atomic_write_bytes(Path(save_dir) / LATEST, final.name.encode())
+    except Exception as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # `latest` still names the previous, complete checkpoint
+        cause = _os_error(e)
+        if cause is None or isinstance(e, WriteError):
+            raise
+        raise WriteError(final, cause, f"checkpoint save failed (resume continues from {LATEST})") from e
     if dist.is_initialized():
         dist.barrier()
     return final
@@ -134,6 +163,12 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
     if saved_lora != own_lora:
         raise CheckpointMismatchError(f"{ckpt}: checkpoint LoRA settings {saved_lora} differ from this model's {own_lora} "
                          "(lora_rank / lora_alpha / lora_targets must match the run that saved it)")
+    saved_arch, own_arch = meta.get("student_arch"), arch_of(model)
+    if saved_arch is not None and own_arch is not None and saved_arch != own_arch:
+        diff = ", ".join(f"{k}: checkpoint {saved_arch.get(k)!r}, this student {own_arch.get(k)!r}"
+                         for k in sorted(set(saved_arch) | set(own_arch)) if saved_arch.get(k) != own_arch.get(k))
+        raise CheckpointMismatchError(f"{ckpt}: saved from another student ({meta.get('student')}): {diff}; resume "
+                                      f"with student={meta.get('student')}, or start a new save_dir for this one")
     saved_precision = meta.get("precision", "fp32")  # checkpoints from before bf16 support are fp32
     if optimizer is not None and saved_precision != precision_of(model):
         raise CheckpointMismatchError(f"{ckpt}: checkpoint trained in {saved_precision}, this run is {precision_of(model)}; "

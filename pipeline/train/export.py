@@ -81,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                         help="weights dtype of the HF folder (default: the student's config.json dtype)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from pipeline.store.shards import ShardError
+
     try:
         out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only, dtype=args.dtype)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ShardError) as e:  # ShardError: WriteError (a full disk), named
         print(f"gkd export: {e}", file=sys.stderr)
         return 2
     print(f"gkd export: wrote {out}")

@@ -297,9 +297,8 @@ def write_peft_folder(tensors: dict[str, Tensor], spec: LoRASpec, base_model: st
     """adapter_model.safetensors + adapter_config.json, appearing atomically at `out` (replacing an older one)."""
     from safetensors.torch import save_file
 
-    from pipeline.store.shards import publish_dir, staging_dir
+    from pipeline.store.shards import staged_dir
 
-    partial = staging_dir(out)
-    save_file(tensors, str(partial / "adapter_model.safetensors"), {"format": "pt"})
-    (partial / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")
-    publish_dir(partial, out)
+    with staged_dir(out) as partial:
+        save_file(tensors, str(partial / "adapter_model.safetensors"), {"format": "pt"})
+        (partial / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")

@@ -320,15 +320,14 @@ def export_adapter(model: GPTModel, base_model: str | Path, out_dir: str | Path)
 
 
 def _write_hf_folder(tensors: dict[str, Tensor], src: Path, out: Path) -> None:
-    from pipeline.store.shards import publish_dir, staging_dir
+    from pipeline.store.shards import staged_dir
 
-    partial = staging_dir(out)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "model.safetensors"), {"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    dtypes = {str(v.dtype).removeprefix("torch.") for v in tensors.values()}
-    config["dtype" if "torch_dtype" not in config else "torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else None
-    (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for f in src.iterdir():  # tokenizer, generation config, chat template: everything but weights and config
-        if f.is_file() and f.name != "config.json" and not _WEIGHT_FILE.match(f.name):
-            shutil.copy2(f, partial / f.name)
-    publish_dir(partial, out)
+    with staged_dir(out) as partial:  # a failed write (full disk) leaves neither a partial folder nor a broken `out`
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "model.safetensors"), {"format": "pt"})
+        config = json.loads((src / "config.json").read_text())
+        dtypes = {str(v.dtype).removeprefix("torch.") for v in tensors.values()}
+        config["dtype" if "torch_dtype" not in config else "torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else None
+        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for f in src.iterdir():  # tokenizer, generation config, chat template: everything but weights and config
+            if f.is_file() and f.name != "config.json" and not _WEIGHT_FILE.match(f.name):
+                shutil.copy2(f, partial / f.name)

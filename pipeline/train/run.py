@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -96,9 +97,19 @@ class TrainConfig:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps", "save_interval",
                      "tensor_model_parallel_size", "window_rows"):
             if getattr(self, name) < 1:
-                p.append(f"{name} must be >= 1")
-        if self.global_batch_size % max(1, self.micro_batch_size):
-            p.append("global_batch_size must be a multiple of micro_batch_size")
+                p.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        # torchrun's WORLD_SIZE is known before any process group exists: check the data-parallel split now
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        tp = max(1, self.tensor_model_parallel_size)
+        if world % tp:
+            p.append(f"tensor_model_parallel_size {tp} does not divide the {world} processes (WORLD_SIZE); launch a "
+                     f"multiple of {tp} processes or change tensor_model_parallel_size")
+        rows = max(1, self.micro_batch_size) * max(1, world // tp)
+        if self.global_batch_size % rows:
+            p.append(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                     f"{self.micro_batch_size} x data-parallel size {world // tp} (WORLD_SIZE {world} / "
+                     f"tensor_model_parallel_size {tp}) = {rows}; set global_batch_size to a multiple of {rows}, "
+                     f"e.g. {max(rows, self.global_batch_size // rows * rows)}")
         if not 0.0 <= self.beta <= 1.0:
             p.append("beta must be in [0, 1]")
         if self.temperature <= 0:
@@ -428,9 +439,11 @@ def _train(cfg: TrainConfig) -> dict:
     if resume is not None:
         meta = checkpoint.load(resume, model, optimizer)
         if cfg.data_position is None and meta["data_fingerprint"] != loader.fingerprint:
-            raise RuntimeError(f"{resume}: the cache shards changed since this checkpoint; the data order would too")
+            raise data_changed(resume, meta, loader)
         step, position = meta["step"], meta["data_position"]
         scheduler.load_state_dict(meta["scheduler"])
+        if rank == 0:
+            keep_metrics_until(Path(cfg.log_dir or cfg.save_dir) / "metrics.jsonl", step)
     if cfg.data_position is not None:
         position = cfg.data_position
     log_dir = Path(cfg.log_dir or cfg.save_dir)
@@ -475,8 +488,13 @@ def _train(cfg: TrainConfig) -> dict:
                     "samples": samples, "truncated": truncated, "folded_positions": folded,
                     "data_position": position}
             if rank == 0:
-                metrics_file.write(json.dumps(last) + "\n")
-                metrics_file.flush()
+                try:
+                    metrics_file.write(json.dumps(last) + "\n")
+                    metrics_file.flush()
+                except OSError as e:
+                    from pipeline.store.shards import WriteError
+
+                    raise WriteError(log_dir / "metrics.jsonl", e, f"metrics of step {step} not written") from e
                 for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
                              "padding_fraction", "samples", "truncated", "folded_positions"):
                     writer.add_scalar(f"train/{name}", last[name], step)
@@ -487,6 +505,7 @@ def _train(cfg: TrainConfig) -> dict:
             if step % cfg.save_interval == 0 or done:
                 checkpoint.save(save_dir, step, model, optimizer, {
                     "data_position": position, "data_fingerprint": loader.fingerprint,
+                    "data_shards": [str(s.path.resolve()) for s in loader.shards],
                     "scheduler": scheduler.state_dict(), "config": to_dict(cfg), "student": str(hf_dir.resolve()),
                 })
             if done:
@@ -497,6 +516,41 @@ def _train(cfg: TrainConfig) -> dict:
             if closable is not None:
                 closable.close()
     return last
+
+
+def data_changed(resume: Path, meta: dict, loader) -> Exception:
+    """The refusal of a resume whose caches now hold other shards than the checkpoint's run saw (a score job was
+    still filling them when the run started, or someone rescored): the data order would change under the run."""
+    from pipeline.train.checkpoint import CheckpointMismatchError
+
+    now = [str(s.path.resolve()) for s in loader.shards]
+    saved = meta.get("data_shards")
+    what = ""
+    if saved is not None:
+        added, gone = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
+        what = (f" ({len(saved)} shards then, {len(now)} now: {len(added)} added"
+                + (f", e.g. {added[0]}" if added else "") + f", {len(gone)} gone" + (f", e.g. {gone[0]}" if gone else "")
+                + ")")
+    return CheckpointMismatchError(
+        f"{resume}: this run trained on data fingerprint {meta['data_fingerprint']}, the caches now give "
+        f"{loader.fingerprint}{what}. A resumed run keeps its data set: rerun with a new save_dir to train on the "
+        "shards there are now, or pass data_position=N to continue these weights on the new data set from sample N "
+        "(a new data set, not the same run)")
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """On resume from `step`: drop metrics.jsonl lines of later steps (written before a kill, redone now), as the
+    TensorBoard writer's purge_step does for its events, so the file holds each step once."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] = ""  # a line cut by a kill mid-write: its step is redone
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        from pipeline.store.shards import atomic_write_bytes
+
+        atomic_write_bytes(path, "".join(kept).encode())
 
 
 def main(argv: list[str] | None = None) -> int:

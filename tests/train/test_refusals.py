@@ -1,0 +1,63 @@
+"""Bad-input catalogue rows of the trainer (docs/bad-inputs.md): a checkpoint of another student or of another LoRA
+setting, refused through the real CLI (gkd train resume, gkd export) before any tensor is loaded, with the
+checkpoint folder byte-identical afterwards. One real 2-step run makes the checkpoint (module scope)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main as gkd
+
+
+def _overrides(tiny: dict, save_dir: Path, **kw) -> list[str]:
+    args = dict(student=str(tiny["student"]), cache=f"[{tiny['cache']}]", micro_batch_size=2, global_batch_size=2,
+                seq_length=32, train_steps=2, save_interval=2, lr=1e-3, warmup_steps=1, save_dir=str(save_dir),
+                progress=False, prefetch=1)
+    return [f"{k}={v}" for k, v in {**args, **kw}.items()]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("refusals") / "run"
+    assert gkd(["train", *_overrides(tiny, save_dir)]) == 0
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def other_student(tmp_path_factory) -> Path:
+    """Same tokenizer as the run's student (the tokenizer check passes), one layer instead of two."""
+    from tiny_models import build_llama, build_tokenizer
+
+    out = tmp_path_factory.mktemp("other") / "student"
+    tok = build_tokenizer(out)
+    return build_llama(out, vocab_size=len(tok), layers=1, hidden=64, heads=2, kv_heads=2)
+
+
+def test_checkpoint_of_another_student(tiny, run, other_student, tmp_path, capsys):
+    before = _snapshot(run)
+    assert gkd(["train", *_overrides(tiny, run, student=str(other_student), train_steps=4)]) == 2
+    err = capsys.readouterr().err
+    assert "saved from another student" in err and "num_layers: checkpoint 2, this student 1" in err, err
+    assert f"resume with student={tiny['student'].resolve()}" in err and "new save_dir" in err, err
+    out = tmp_path / "hf"
+    assert gkd(["export", "--checkpoint", str(run), "--student", str(other_student), "--out", str(out)]) == 2
+    assert "num_layers: checkpoint 2, this student 1" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+    assert _snapshot(run) == before
+
+
+def test_checkpoint_of_another_lora_setting(tiny, run, capsys):
+    before = _snapshot(run)
+    assert gkd(["train", *_overrides(tiny, run, lora_rank=4, train_steps=4)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run}/step_0000002: checkpoint LoRA settings None differ" in err, err
+    assert "lora_rank / lora_alpha / lora_targets must match the run that saved it" in err
+    assert _snapshot(run) == before
