@@ -23,14 +23,16 @@ def build_tiny(out: Path, seed: int = 0) -> Path:
 
 
 def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]], *, k: int = K,
-                     shard_rows: int = 8) -> TeacherCache:
+                     shard_rows: int = 8, codec: str = "rank-grid-esc") -> TeacherCache:
     """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r."""
     from transformers import AutoModelForCausalLM
+
+    from pipeline.store.codec import params as codec_params
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     desc = Descriptor(
         teacher_fingerprint=teacher_fingerprint(model_dir), tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
-        k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size,
+        k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size, codec=codec_params(codec),
     )
     cache = TeacherCache.create_or_open(cache_dir, desc)
     rows = []

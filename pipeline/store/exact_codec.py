@@ -77,12 +77,16 @@ class ExactDecoder:
             raise CodecError(f"{self.where}: column {name!r} does not hold {width} x 4 bytes per scored position")
         return data[offsets[0]: offsets[-1]].view(dtype)
 
-    def decode(self, batch, num_scored: np.ndarray) -> DecodedBatch:
+    def decode(self, batch, num_scored: np.ndarray, actual: bool = True) -> DecodedBatch:
+        """`actual=False`: the actual token's columns are not read (the trainer's loader needs none)."""
         num = np.asarray(num_scored, dtype=np.int64)
         k = self.k
         ids = self._column(batch, "topk_ids", "<i4", k, num).reshape(-1, k).astype(np.int32)
         lps = self._column(batch, "topk_logprobs", "<f4", k, num).reshape(-1, k).astype(np.float32)
         tail = self._column(batch, "tail_logprobs", "<f4", 1, num).astype(np.float32)
-        ranks = self._column(batch, "actual_rank", "<i4", 1, num).astype(np.int32)
-        alp = self._column(batch, "actual_logprobs", "<f4", 1, num).astype(np.float32)
+        if actual:
+            ranks = self._column(batch, "actual_rank", "<i4", 1, num).astype(np.int32)
+            alp = self._column(batch, "actual_logprobs", "<f4", 1, num).astype(np.float32)
+        else:
+            ranks, alp = np.zeros(tail.size, np.int32), np.zeros(tail.size, np.float32)
         return DecodedBatch(np.concatenate([[0], np.cumsum(num)]), ids, lps, tail, ranks, alp)

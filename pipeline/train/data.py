@@ -63,7 +63,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
-from pipeline.store.codec import CodecError, Decoder
+from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.shards import ShardError, verify_shard
 from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
 from pipeline.train.packing import pack, row_offsets
@@ -81,7 +81,7 @@ class TokenizerMismatchError(ValueError):
 @dataclass
 class _Shard:
     path: Path
-    descriptor: Descriptor
+    descriptor: Descriptor | None  # None: a rollout shard (live teacher)
     rg_starts: np.ndarray  # first global row of each row group, plus the end
     fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
 
@@ -108,6 +108,28 @@ def _resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descript
     return out
 
 
+def _resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str | None) -> list[tuple[Path, None]]:
+    """Rollout directories (all complete shards) or shard files, for a live teacher; each must record the student's
+    tokenizer (a rollout tokenized by another one would be trained on the wrong tokens)."""
+    from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
+
+    out: list[tuple[Path, None]] = []
+    for src in map(Path, sources):
+        if not src.exists():
+            raise FileNotFoundError(f"{src}: no such rollout directory or shard (`gkd generate` / `gkd import` write them)")
+        paths = rollout_shards(src) if src.is_dir() else [src]
+        if not paths:
+            raise ShardError(f"{src}: no complete rollout shards (*.parquet with a .ok marker)")
+        for p in paths:
+            recorded = rollout_tokenizer(p)
+            if tokenizer_fingerprint is not None and recorded != tokenizer_fingerprint:
+                raise TokenizerMismatchError(
+                    f"{p}: rollouts tokenized with {recorded or 'an unrecorded tokenizer'}, the student's is "
+                    f"{tokenizer_fingerprint}; regenerate them with the student's tokenizer")
+            out.append((p, None))
+    return out
+
+
 class ScoredLoader:
     """Iterate micro-batches for one data-parallel rank from `start` (a global sample position) onwards."""
 
@@ -127,6 +149,7 @@ class ScoredLoader:
         verify_checksums: bool = True,
         packing: bool = False,
         rows_per_step: int | None = None,
+        live_k: int | None = None,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
@@ -137,6 +160,15 @@ class ScoredLoader:
             raise ValueError(f"rows_per_step {self.G} is not a multiple of micro_batch_size * dp = "
                              f"{micro_batch_size * dp_size}")
         self.vocab_size = vocab_size
+        # live_k: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each
+        # micro-batch are placeholders of width live_k that the trainer fills from its live teacher.
+        self.live = live_k is not None
+        if self.live:
+            resolved = _resolve_rollouts(sources, tokenizer_fingerprint)
+            self.k = int(live_k)
+            self._build_index(resolved, verify_checksums)
+            self._init_state()
+            return
         resolved = _resolve_sources(sources)
         for where, desc in {p.parent.parent: d for p, d in resolved}.items():
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
@@ -155,6 +187,9 @@ class ScoredLoader:
             raise ValueError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch")
         self.k = ks.pop()
         self._build_index(resolved, verify_checksums)
+        self._init_state()
+
+    def _init_state(self) -> None:
         self._files: OrderedDict[int, tuple[pq.ParquetFile, Decoder]] = OrderedDict()
         self._blocks: OrderedDict[int, Block] = OrderedDict()
         self._orders: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -167,20 +202,28 @@ class ScoredLoader:
         keys, nums, firsts, starts = [], [], [], [0]
         h = hashlib.blake2b(digest_size=16)
         for path, desc in resolved:
-            problems = verify_shard(path, "scored", checksum=verify_checksums)
+            problems = verify_shard(path, "rollout" if self.live else "scored", checksum=verify_checksums)
             if problems:
                 raise ShardError("; ".join(problems))
             try:
                 pf = pq.ParquetFile(path)
-                table = pf.read(columns=["key", "num_scored", "first_scored"])
+                if self.live:  # a rollout: key = sample_id, first scored = the prompt length (the score rule)
+                    table = pf.read(columns=["sample_id", "prompt_ids", "completion_ids"])
+                    key = table.column("sample_id")
+                    first = pc.list_value_length(table.column("prompt_ids")).to_numpy(zero_copy_only=False)
+                    num = pc.list_value_length(table.column("completion_ids")).to_numpy(zero_copy_only=False)
+                else:
+                    table = pf.read(columns=["key", "num_scored", "first_scored"])
+                    key, num = table.column("key"), table.column("num_scored").to_numpy()
+                    first = table.column("first_scored").to_numpy()
             except (pa.ArrowException, OSError) as e:
-                raise ShardError(f"{path}: cannot read its key/num_scored/first_scored columns ({e})") from e
+                raise ShardError(f"{path}: cannot read its key and length columns ({e})") from e
             rg = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
-            fold = self.vocab_size is not None and desc.vocab_size > self.vocab_size
+            fold = desc is not None and self.vocab_size is not None and desc.vocab_size > self.vocab_size
             self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]), fold))
-            keys.append(np.asarray(table.column("key").to_pylist(), dtype="S32"))
-            nums.append(table.column("num_scored").to_numpy())
-            firsts.append(table.column("first_scored").to_numpy())
+            keys.append(np.asarray(key.to_pylist(), dtype="S32"))
+            nums.append(np.asarray(num, dtype=np.int64))
+            firsts.append(np.asarray(first, dtype=np.int64))
             starts.append(starts[-1] + table.num_rows)
             h.update(f"{path.resolve()}|{table.num_rows}|".encode())
         self.fingerprint = h.hexdigest()  # changes when the set of shards changes: the order would too
@@ -277,7 +320,7 @@ class ScoredLoader:
             path = self.shards[s].path
             try:
                 pf = pq.ParquetFile(path, page_checksum_verification=True)
-                self._files[s] = (pf, Decoder(pf.schema_arrow.metadata or {}, where=str(path)))
+                self._files[s] = (pf, open_decoder(pf.schema_arrow.metadata or {}, where=str(path)))
             except (pa.ArrowException, OSError, CodecError) as e:
                 raise ShardError(f"{path}: cannot open ({e})") from e
             while len(self._files) > 16:
@@ -285,9 +328,35 @@ class ScoredLoader:
         self._files.move_to_end(s)
         return self._files[s]
 
+    def _rollout_block(self, s: int, rg: int) -> Block:
+        """A rollout row group as a block: tokens = prompt + completion, and zero teacher arrays for the live
+        teacher to fill (their shapes are what the layout needs)."""
+        path = self.shards[s].path
+        try:
+            t = pq.ParquetFile(path).read_row_group(rg, columns=["sample_id", "source", "prompt_ids", "completion_ids"],
+                                                   use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
+        prompts, completions = t.column("prompt_ids").to_pylist(), t.column("completion_ids").to_pylist()
+        seqs = [np.asarray(p + c, dtype=np.int64) for p, c in zip(prompts, completions, strict=True)]
+        num = np.asarray([len(c) for c in completions], np.int64)
+        positions = int(num.sum())
+        return Block(
+            token_offsets=np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64),
+            tokens=np.concatenate(seqs) if seqs else np.zeros(0, np.int64),
+            first_scored=np.asarray([len(p) for p in prompts], np.int64),
+            is_dataset=pc.equal(t.column("source"), "dataset").to_numpy(zero_copy_only=False),
+            keys=t.column("sample_id").to_pylist(), row_offsets=np.concatenate([[0], np.cumsum(num)]),
+            topk_ids=np.zeros((positions, self.k), np.int32), topk_logprobs=np.zeros((positions, self.k), np.float32),
+            tail=np.zeros(positions, np.float32), valid=None, folded=None,
+        )
+
     def _block(self, b: int) -> Block:
         """One row group, decoded whole (decoding row by row costs ~5x more); an LRU of a window's blocks bounds
         memory to about `window_rows` decoded rows."""
+        if b not in self._blocks and self.live:
+            s = int(np.searchsorted(self._shard_starts, self._block_starts[b], side="right") - 1)
+            self._blocks[b] = self._rollout_block(s, int(np.searchsorted(self.shards[s].rg_starts, self._block_starts[b])))
         if b not in self._blocks:
             s = int(np.searchsorted(self._shard_starts, self._block_starts[b], side="right") - 1)
             rg = int(np.searchsorted(self.shards[s].rg_starts, self._block_starts[b]))

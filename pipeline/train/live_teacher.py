@@ -58,10 +58,11 @@ def teacher_topk(hidden: Tensor, weight: Tensor, mask: Tensor, k: int, *, tp_gro
     lps = torch.zeros(n, k, dtype=torch.float32, device=h.device)
     tail = torch.zeros(n, dtype=torch.float32, device=h.device)
     chunk = chunk_size or chunk_rows(v_local, CHUNK_BYTES)
+    cdtype = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights: float32 after the matmul
     kk = min(k, n_valid)  # a rank whose slice is mostly padding offers fewer candidates
     for s in range(0, rows.numel(), chunk):
         r = rows[s: s + chunk]
-        z = (h[r].to(weight.dtype) @ weight.t()).float()
+        z = (h[r].to(weight.dtype) @ weight.t()).to(cdtype)
         z = z[:, :n_valid]
         m = z.amax(-1)
         se = (z - m.unsqueeze(-1)).exp().sum(-1)
@@ -87,7 +88,7 @@ def teacher_topk(hidden: Tensor, weight: Tensor, mask: Tensor, k: int, *, tp_gro
         else:
             lse = m + se.log()
         lp = vals - lse.unsqueeze(-1)
-        ids[r], lps[r] = gid, lp
+        ids[r], lps[r] = gid, lp.float()
         # The tail from the unquantised values in float64, as the score stage stores it (codec.tail_logprob).
         mass = lp.double().exp().sum(-1)
         tail[r] = torch.where(mass < 1, torch.log1p(-mass.clamp(max=1.0)), -math.inf).float()

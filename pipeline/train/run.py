@@ -38,6 +38,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train.yaml"
 class TrainConfig:
     student: str = "default"  # HF folder (llama, mistral, qwen2, qwen3; see README); "default" = the SmolLM2 6-layer student
     cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
+    # A live teacher instead of a cache (pipeline/train/live_teacher.py): an HF folder of the student's tokenizer,
+    # run frozen in the trainer on every micro-batch of `rollouts` (rollout dirs/shards); then cache must be [].
+    teacher_live: str | None = None
+    rollouts: list[str] = field(default_factory=list)
+    teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
     seed: int = 1234
     micro_batch_size: int = 8  # rows per micro-batch; with packing a token budget of micro_batch_size * seq_length
     global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
@@ -94,8 +99,6 @@ class TrainConfig:
                 p.append(f"{name} must be >= 1")
         if self.global_batch_size % max(1, self.micro_batch_size):
             p.append("global_batch_size must be a multiple of micro_batch_size")
-        if not self.cache:
-            p.append("cache: give at least one cache directory or shard")
         if not 0.0 <= self.beta <= 1.0:
             p.append("beta must be in [0, 1]")
         if self.temperature <= 0:
@@ -106,6 +109,17 @@ class TrainConfig:
             p.append(f"attention must be sdpa or local, got {self.attention!r}")
         if self.recompute not in ("none", "selective", "full"):
             p.append(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.teacher_live is not None and self.cache:
+            p.append("cache and teacher_live are mutually exclusive: a cache already holds the teacher's rows (drop "
+                     "teacher_live), or score live from rollouts (teacher_live=DIR rollouts=[DIR] cache=[])")
+        if self.teacher_live is not None and not self.rollouts:
+            p.append("teacher_live needs rollouts=[DIR ...]: the rollout shards whose tokens the live teacher scores")
+        if self.rollouts and self.teacher_live is None:
+            p.append("rollouts are read only with teacher_live=DIR; to train from a cache, score them with gkd score")
+        if self.teacher_live is None and not self.cache:
+            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts)")
+        if self.teacher_live_topk < 1:
+            p.append("teacher_live_topk must be >= 1")
         if self.optimizer not in ("adam", "sgd"):
             p.append(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.sft_alpha < 0:
@@ -223,6 +237,30 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
     return model, ddp, optimizer, scheduler
 
 
+def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str):
+    """The frozen teacher GPTModel of `teacher_live`, with the student's TP split and precision: HF weights,
+    eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
+    output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights."""
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+    from pipeline.train.data import TokenizerMismatchError
+    from pipeline.train.fused_loss import output_hidden_states
+    from pipeline.train.model import build_model, load_hf_weights
+
+    teacher_dir = Path(cfg.teacher_live)
+    if not (teacher_dir / "config.json").exists():
+        raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
+    fp = tokenizer_fingerprint(teacher_dir)
+    if fp != student_tokenizer:
+        raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
+                                     f"{student_tokenizer}; teacher ids would index the wrong tokens")
+    dtype = torch.bfloat16 if cfg.precision() == "bf16" else torch.float32
+    teacher = build_model(teacher_dir, params_dtype=dtype, attention=cfg.attention)
+    load_hf_weights(teacher, teacher_dir)
+    output_hidden_states(teacher)
+    teacher.requires_grad_(False)
+    return teacher.eval()
+
+
 # ---------------------------------------------------------------- one micro-batch
 
 
@@ -272,20 +310,42 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     return loss, kd_n.int(), {"sums": report}
 
 
-def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model):
-    """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward."""
+def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
+    """The micro-batch with its teacher rows computed now by the frozen live teacher, at its loss positions: the
+    top-k and tail the score stage would have stored, unquantised (pipeline/train/live_teacher.py)."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from pipeline.train.fused_loss import output_weight
+    from pipeline.train.live_teacher import teacher_topk
+
+    with torch.no_grad():
+        hidden = teacher(batch.input_ids, batch.position_ids, mask)
+        ids, lps, tail, valid = teacher_topk(
+            hidden, output_weight(teacher), batch.loss_mask, cfg.teacher_live_topk,
+            tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=teacher.hf_vocab_size,
+            student_vocab=student_vocab)
+    return dataclasses.replace(batch, teacher_ids=ids, teacher_logprobs=lps, teacher_tail=tail, teacher_valid=valid)
+
+
+def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model, teacher=None):
+    """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
+    `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
     from pipeline.train.packing import attention_mask
 
     batch = next(data_iterator).to(_device())
     # Packed rows: a block-diagonal causal mask (True = masked). Both attention backends apply an explicit mask
     # (Megatron's unfused softmax: masked_softmax_fusion is off; SDPA: inverted); None keeps the causal default.
     mask = attention_mask(batch.doc_ids) if batch.packed else None
+    if teacher is not None:
+        batch = score_live(teacher, batch, mask, cfg, vocab_size)
     # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
     out = model(batch.input_ids, batch.position_ids, mask)
     return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))
 
 
-def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_size: int):
+def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_size: int, teacher=None):
     """One optimizer step over this rank's micro-batches `micro` (the loop's body, without data and logging; the
     benchmarks time exactly this). Returns (global counts [KD, SFT, real tokens, *_DATA_COUNTS], per-micro-batch
     reports, lr, grad norm)."""
@@ -304,7 +364,7 @@ def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_s
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     reports = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, vocab_size),
+        forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, vocab_size, teacher=teacher),
         data_iterator=iter(micro), model=ddp, num_microbatches=len(micro), seq_length=cfg.seq_length,
         micro_batch_size=cfg.micro_batch_size, forward_only=False,
     )
@@ -353,11 +413,13 @@ def _train(cfg: TrainConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir)
+    teacher = setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer)) if cfg.teacher_live else None
     loader = ScoredLoader(
-        cfg.cache, micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id,
-        dp_rank=dp_rank, dp_size=dp, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=model.hf_vocab_size, window_rows=cfg.window_rows, packing=cfg.packing,
-        rows_per_step=cfg.global_batch_size,
+        cfg.rollouts if teacher is not None else cfg.cache, micro_batch_size=cfg.micro_batch_size,
+        seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id, dp_rank=dp_rank, dp_size=dp,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
+        window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
+        live_k=cfg.teacher_live_topk if teacher is not None else None,
     )
 
     step, position = 0, 0
@@ -394,7 +456,8 @@ def _train(cfg: TrainConfig) -> dict:
         while step < cfg.train_steps:
             t0 = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
-            counts, reports, lr, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size)
+            counts, reports, lr, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size,
+                                                        teacher)
             step += 1
             steps_this_run += 1
             position = micro[-1].end
