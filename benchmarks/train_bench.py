@@ -42,6 +42,7 @@ def _math_rows(tokenizer, tasks: tuple[str, ...], per_task: int, seed: int) -> l
 def build_rollouts(out: Path, tokenizer, seq_length: int = 512, seed: int = 0) -> dict[str, Path]:
     """Rollout folders `mixed` and `demo` (see the module docstring)."""
     from benchmarks.score_bench import prose_text
+    from pipeline.store.fingerprint import tokenizer_fingerprint
     from pipeline.store.rollouts import rollout_row, write_rollouts
 
     rng = np.random.default_rng(seed)
@@ -65,8 +66,9 @@ def build_rollouts(out: Path, tokenizer, seq_length: int = 512, seed: int = 0) -
                         policy_version=0)
             for pid, p, _ in _math_rows(tokenizer, ("basic_arithmetic", "chain_sum"), 80, seed + 1)]
     dirs = {"mixed": out / "mixed", "demo": out / "demo"}
-    write_rollouts(dirs["mixed"] / "r-00000-of-00001.parquet", mixed)
-    write_rollouts(dirs["demo"] / "r-00000-of-00001.parquet", demo)
+    fp = tokenizer_fingerprint(tokenizer)  # the score stage refuses rollouts that do not record it
+    write_rollouts(dirs["mixed"] / "r-00000-of-00001.parquet", mixed, tokenizer_fingerprint=fp)
+    write_rollouts(dirs["demo"] / "r-00000-of-00001.parquet", demo, tokenizer_fingerprint=fp)
     return dirs
 
 

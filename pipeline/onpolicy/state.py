@@ -33,7 +33,7 @@ STATE = "state.json"
 
 
 def is_on_policy(seed: int, step: int, lmbda: float) -> bool:
-    """The GKD draw of the reference trainers (../shared/seeds): on-policy iff Random(seed + step) < lmbda,
+    """The GKD draw of the reference trainers (ms-swift's and TRL's GKD trainers): on-policy iff Random(seed + step) < lmbda,
     taken at the first step of a cycle, so a rerun or a resumed run makes the same choices."""
     return random.Random(seed + step).random() < lmbda
 

@@ -5,8 +5,8 @@
     scripts/local_slurm.sh start|stop [DIR]                   # the same from a shell
 
 Debian's packages (slurmctld slurmd slurm-client munge, 22.05) run as root without systemd or cgroups
-(proctrack/linuxproc, task/none). The settings that make it fast come from ../shared/DESIGN.md: requeue waits
-`cred_expire` (default 120 s, here 10), the scheduler runs every `sched_interval` (here 2 s), KillWait 2 s instead of
+(proctrack/linuxproc, task/none). The settings that make it fast (docs/dependencies.md, "A local Slurm"): requeue
+waits `cred_expire` (default 120 s, here 10), the scheduler runs every `sched_interval` (here 2 s), KillWait 2 s instead of
 30 between SIGTERM and SIGKILL, ReturnToService=2 so a node set DOWN comes back when its slurmd re-registers.
 Everything (conf, munge key and socket, state, spool, logs, pid files) lives under the directory; TCP ports are
 picked free, so several clusters can coexist on one machine. Client commands find the cluster via $SLURM_CONF.

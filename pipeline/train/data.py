@@ -1,6 +1,6 @@
 """Scored shards -> student micro-batches: a deterministic, resumable, streaming loader.
 
-Alignment (DESIGN.md, "Alignment"): a cached row holds tokens x_0..x_{L-1}, P = first_scored, and teacher row r for
+Alignment (docs/architecture.md, "Alignment convention"): a cached row holds tokens x_0..x_{L-1}, P = first_scored, and teacher row r for
 token j = P + r (the distribution of x_j given x_<j). Student logits at position t predict x_{t+1}, so, for a sample
 laid out at columns [o, o + n) of its row,
 

@@ -3,7 +3,7 @@
     y = W x + (alpha / r) * B (A x)          A: [r, in], B: [out, r]; B starts at zero, so y is unchanged at init
 
 Why our own wrapper (about 150 lines) rather than peft or NVIDIA modelopt: peft wraps `torch.nn.Linear` only, and
-Megatron's Column/RowParallelLinear are not that (DESIGN.md); modelopt's peft mode was tried on this machine
+Megatron's Column/RowParallelLinear are not that (docs/dependencies.md); modelopt's peft mode was tried on this machine
 (notes in docs/architecture.md, "LoRA students"). Our wrapper adds two parameters to the existing layer and a
 forward hook, so every state-dict key of the base model stays as it is: HF loading, full-weight export and the
 TP mapping in `model.py` need no LoRA case.

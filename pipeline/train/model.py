@@ -2,7 +2,7 @@
 trainer. Which configs are accepted, and the refusals: `pipeline.train.families`.
 
 Why our own mapping: the bridge packages (megatron-bridge, mcore-bridge) need Transformer Engine, which does not
-exist on CPU, and for these architectures the mapping is a handful of reshapes (DESIGN.md, "Megatron-Core
+exist on CPU, and for these architectures the mapping is a handful of reshapes (docs/dependencies.md, "Megatron-Core
 on CPU"). Export writes a plain HF folder (safetensors + config.json + the source's tokenizer files) that
 transformers and vLLM load, which is how the on-policy loop hands student weights to the sampler.
 
