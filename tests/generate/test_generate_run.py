@@ -129,14 +129,30 @@ def test_tokenizer_mismatch_refused(tok, tmp_path):
         check_tokenizer(tok, cfg(out=str(tmp_path), expect_tokenizer_fingerprint="0" * 32))
 
 
-def test_cli_end_to_end_and_rerun_is_a_no_op(tiny_student, prompts_file, tmp_path):
-    """The real `gkd generate` in a fresh process (a second engine in this one would share vLLM's globals)."""
+def test_cli_end_to_end_and_rerun_is_a_no_op(tiny_student, prompts_file, tmp_path, capsys):
+    """The real `gkd generate` in a fresh process (a second engine in this one would share vLLM's globals). While
+    it runs, a second `gkd generate` of the same task and output is refused at once, naming the first."""
+    import socket
+    import time
+
+    from pipeline.generate.run import main as generate_main
+
     cmd = [sys.executable, "-m", "pipeline", "generate", "--prompts", str(prompts_file), "--student",
            str(tiny_student), "--out", str(tmp_path), "--n", "1", "--max-tokens", "4", "--shard", "1",
            "--num-shards", "2", "kv_cache_gib=0.25", "enforce_eager=true", "max_model_len=256"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    lock = tmp_path / ".rollouts-00001-of-00002.parquet.lock"
+    deadline = time.time() + 120
+    while time.time() < deadline and f'"pid": {proc.pid}' not in (lock.read_text() if lock.exists() else ""):
+        time.sleep(0.01)
+    assert generate_main(cmd[4:]) == 2  # the lock is held from before the engine starts to the shard's marker
+    err = capsys.readouterr().err
+    assert f"held by pid {proc.pid} on host {socket.gethostname()}" in err and "gkd generate task 1/2" in err, err
+    stdout, stderr = proc.communicate(timeout=240)
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert not lock.exists()
     assert "prompts" in out.stdout and "tok/s" in out.stdout and "finish" in out.stdout
     assert (tmp_path / "rollouts-00001-of-00002.parquet.ok").exists()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)

@@ -292,3 +292,80 @@ def test_bf16_rows_into_an_fp32_cache_are_refused_before_any_teacher_work(tmp_pa
             score(_cfg(tmp_path, teacher, **kw))
     with pytest.raises(ConfigError, match="dtype must be one of .* got 'auto'"):
         score(_cfg(tmp_path, teacher, dtype="auto"))
+
+
+# -- two writers on one cache -----------------------------------------------------------------------------------
+
+
+def test_two_score_jobs_on_one_cache(tmp_path, teacher, llm):
+    """Job A (the real CLI, a subprocess) scores rollout set A into a cache. While it runs: a second process of the
+    same task is refused at once, naming A's pid and host; a job over rollout set B, half of it A's rows, scores
+    into the same cache at the same time and succeeds. Afterwards each key is there once, verify is clean, and the
+    rows equal a cache scored by one job."""
+    import socket
+
+    from pipeline.store.locks import LockHeldError
+
+    n = 120  # 60 parts of 2 rows: A is still writing when B has finished
+    rows_a = _rollouts(tmp_path / "A" / "r-00000-of-00001.parquet", [(4, 20)] * n, teacher)
+    write_rollouts(tmp_path / "B" / "r-00000-of-00001.parquet", rows_a[n // 2 :] + [
+        rollout_row(prompt_id=f"b{i}", prompt_ids=[5, 6, 7], completion_ids=[8 + i] * 10, source="dataset")
+        for i in range(6)], tokenizer_fingerprint=_fp(teacher))
+    cache = tmp_path / "cache"
+    cmd = _score_cmd(tmp_path, teacher, cache)
+    cmd[cmd.index("--rollouts") + 1] = str(tmp_path / "A")
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not list((cache / "shards").glob("*.ok")):
+            time.sleep(0.02)
+        assert proc.poll() is None, "job A ended before the test could overlap it"
+        with pytest.raises(LockHeldError, match=f"held by pid {proc.pid} on host {socket.gethostname()}"):
+            score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "A")), llm=llm)
+        b = score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "B"), part_rows=2), llm=llm)
+        assert proc.poll() is None, "job A ended before job B: the writers did not overlap"
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert b["scored"] > 6  # B scored shared rows A had not reached yet ...
+    done = [json.loads(p.read_text()) for p in (cache / "tasks").glob("*.done")]
+    assert sum(d["skipped"].get("cached_meanwhile", 0) for d in done) > 0, done  # ... and A left them out when it got there
+    keys = [k for p in TeacherCache.open(cache).shard_paths() for k in pq.read_table(p, columns=["key"])["key"].to_pylist()]
+    assert len(keys) == len(set(keys)) == n + 6
+    assert TeacherCache.open(cache).verify() == []
+    assert not [p for p in (cache / "shards").iterdir() if p.name.startswith(".")]
+    assert not list((cache / "tasks").glob("*.lock")) and not (cache / ".commit.lock").exists()
+    score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "A"), cache=str(tmp_path / "one")), llm=llm)
+    score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "B"), cache=str(tmp_path / "one")), llm=llm)
+    _assert_same_rows(cache, tmp_path / "one", n + 6)
+
+
+def test_full_disk_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher, llm):
+    """ENOSPC part of the way through a score task (a small tmpfs, tests/full_disk.py): the error names the part
+    and the cause, the parts a reader sees are complete and verify, the task is not marked done; once space is
+    freed the same command completes and the cache equals an uninterrupted run's, key by key."""
+    from full_disk import fill, leftovers, small_fs
+
+    from pipeline.store.shards import WriteError
+
+    n = 48
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(4, 40)] * n, teacher)
+    clean = score(_cfg(tmp_path, teacher, cache=str(tmp_path / "clean")), llm=llm)
+    part_bytes = sum(p.stat().st_size for p in (tmp_path / "clean" / "shards").glob("*.parquet"))
+    with small_fs(tmp_path / "disk", "4m") as disk:
+        cache = disk / "cache"
+        TeacherCache.create_or_open(cache, TeacherCache.open(tmp_path / "clean").descriptor)
+        ballast = fill(disk, part_bytes // 2)
+        with pytest.raises(WriteError, match=r"cache/shards/scored-.*-p00\d\d\.parquet: .*No space left on device"):
+            score(_cfg(tmp_path, teacher, cache=str(cache)), llm=llm)
+        landed = TeacherCache.open(cache).shard_paths()
+        assert 0 < len(landed) < len(clean["parts"]), "the disk should fill part of the way through"
+        assert TeacherCache.open(cache).verify() == [] and not list((cache / "tasks").glob("*.done"))
+        assert leftovers(disk) == [] and not list(disk.rglob("*.lock"))
+        ballast.unlink()
+        again = score(_cfg(tmp_path, teacher, cache=str(cache)), llm=llm)
+        assert again["skipped"]["cached"] == 4 * len(landed)  # the parts that landed were kept, not redone
+        _assert_same_rows(cache, tmp_path / "clean", n)
+        assert TeacherCache.open(cache).verify() == [] and leftovers(disk) == []
