@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
@@ -110,19 +111,19 @@ def staging_dir(out: Path) -> Path:
 @contextlib.contextmanager
 def staged_dir(out: str | Path) -> Iterator[Path]:
     """`with staged_dir(out) as partial:` fill `partial`; on success it is published as `out` (`publish_dir`); on
-    any error it is removed (a full disk leaves neither a partial folder nor a half-replaced `out`) and an OSError
-    becomes a WriteError naming `out`."""
+    any error it is removed (a full disk leaves neither a partial folder nor a half-replaced `out`) and an error of
+    the filesystem (`os_error_in`: also when a library wrapped it) becomes a WriteError naming `out`."""
     out = Path(out)
     partial = staging_dir(out)
     try:
         yield partial
         publish_dir(partial, out)
-    except OSError as e:
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
-        raise WriteError(out, e) from e
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        cause = None if isinstance(e, ShardError) else os_error_in(e)
+        if cause is None:
+            raise
+        raise WriteError(out, cause) from e
 
 
 def publish_dir(partial: Path, out: Path) -> None:
@@ -194,7 +195,7 @@ def write_shard(
             os.fsync(f.fileno())
     except OSError as e:  # pyarrow raises OSError (ENOSPC, EDQUOT, ...) with the cause in its message
         tmp.unlink(missing_ok=True)
-        raise WriteError(path, e if e.errno else OSError(_errno_of(e), str(e))) from e
+        raise WriteError(path, os_error_in(e) or e) from e
     info = ShardInfo(
         path=path,
         rows=table.num_rows,
@@ -218,12 +219,24 @@ def write_shard(
     return info
 
 
-def _errno_of(e: OSError) -> int | None:
-    """pyarrow's OSError carries no errno, only the C library's message: find which one it is."""
-    text = str(e)
-    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO):
-        if os.strerror(code) in text:
-            return code
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]|os error (\d+)")
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO)
+
+
+def os_error_in(e: BaseException | None) -> OSError | None:
+    """The filesystem's error behind an exception, with its errno: libraries wrap it (pyarrow raises an OSError
+    without errno, safetensors a SafetensorError saying "os error 28", dist_checkpointing a CheckpointException
+    whose worker's "[Errno 28]" survives only as text). None when no errno can be found in the chain."""
+    seen = 0
+    while e is not None and seen < 20:
+        if isinstance(e, OSError) and e.errno:
+            return e
+        text = str(e)
+        m = _ERRNO_TEXT.search(text)
+        code = int(m.group(1) or m.group(2)) if m else next((c for c in _WRITE_ERRNOS if os.strerror(c) in text), None)
+        if code:
+            return OSError(code, os.strerror(code))
+        e, seen = e.__cause__ or e.__context__, seen + 1
     return None
 
 

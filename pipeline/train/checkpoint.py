@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mpu_random
 
-from pipeline.store.shards import WriteError, atomic_write_bytes
+from pipeline.store.shards import WriteError, atomic_write_bytes, os_error_in
 
 LATEST = "latest"
 
@@ -102,15 +102,6 @@ def arch_of(model) -> dict | None:
     return json.loads(json.dumps(dataclasses.asdict(arch))) if arch is not None else None
 
 
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError behind an exception (dist_checkpointing wraps what the filesystem raised), if any."""
-    while e is not None:
-        if isinstance(e, OSError):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
 def precision_of(model) -> str:
     """'bf16' when the model's parameters are bfloat16 (mixed precision), else 'fp32'."""
     return "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
@@ -126,8 +117,11 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     tmp = final.with_name(f".{final.name}.partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed before (kill -9 mid-save) left this behind
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise WriteError(final, e, f"checkpoint save failed (resume continues from {LATEST})") from e
     states = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(states, rng_state())
@@ -141,10 +135,10 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             atomic_write_bytes(Path(save_dir) / LATEST, final.name.encode())
-    except Exception as e:
+    except BaseException as e:  # dist_checkpointing raises CheckpointException, a BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # `latest` still names the previous, complete checkpoint
-        cause = _os_error(e)
+        cause = os_error_in(e)
         if cause is None or isinstance(e, WriteError):
             raise
         raise WriteError(final, cause, f"checkpoint save failed (resume continues from {LATEST})") from e

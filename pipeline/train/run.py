@@ -442,8 +442,8 @@ def _train(cfg: TrainConfig) -> dict:
             raise data_changed(resume, meta, loader)
         step, position = meta["step"], meta["data_position"]
         scheduler.load_state_dict(meta["scheduler"])
-        if rank == 0:
-            keep_metrics_until(Path(cfg.log_dir or cfg.save_dir) / "metrics.jsonl", step)
+    if rank == 0:  # also with no checkpoint yet: a run killed before its first save left lines of steps it redoes
+        keep_metrics_until(Path(cfg.log_dir or cfg.save_dir) / "metrics.jsonl", step)
     if cfg.data_position is not None:
         position = cfg.data_position
     log_dir = Path(cfg.log_dir or cfg.save_dir)
@@ -539,8 +539,8 @@ def data_changed(resume: Path, meta: dict, loader) -> Exception:
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
-    """On resume from `step`: drop metrics.jsonl lines of later steps (written before a kill, redone now), as the
-    TensorBoard writer's purge_step does for its events, so the file holds each step once."""
+    """On (re)start at `step` (0: no checkpoint yet): drop metrics.jsonl lines of later steps (written before a kill,
+    redone now), as the TensorBoard writer's purge_step does for its events, so the file holds each step once."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)

@@ -61,3 +61,32 @@ def test_checkpoint_of_another_lora_setting(tiny, run, capsys):
     assert f"{run}/step_0000002: checkpoint LoRA settings None differ" in err, err
     assert "lora_rank / lora_alpha / lora_targets must match the run that saved it" in err
     assert _snapshot(run) == before
+
+
+def test_cache_growing_under_a_run(tiny, tmp_path, capsys):
+    """Readers during writes: a trainer started while a score job is still filling the cache sees only complete
+    shards (a shard without its marker and a writer's temporary are not read), and records which in trainer.json;
+    a resume that finds more shards is refused, naming how many were added, since the data order would change."""
+    import json
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny["cache"], cache)
+    shards = sorted((cache / "shards").glob("*.parquet"))
+    assert len(shards) == 3
+    late = shards[-1]
+    marker = late.with_name(late.name + ".ok")
+    held = marker.read_bytes()
+    marker.unlink()  # the third shard is still being written: data there, marker not yet
+    (cache / "shards" / f".{late.name}.tmp-1-abcd").write_bytes(b"partial")
+    run = tmp_path / "run"
+    assert gkd(["train", *_overrides(tiny, run, cache=f"[{cache}]")]) == 0
+    meta = json.loads((run / "step_0000002" / "trainer.json").read_text())
+    assert sorted(Path(p).name for p in meta["data_shards"]) == [s.name for s in shards[:2]]
+    marker.write_bytes(held)  # the score job finished that shard
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert gkd(["train", *_overrides(tiny, run, cache=f"[{cache}]", train_steps=4)]) == 2
+    err = capsys.readouterr().err
+    assert "(2 shards then, 3 now: 1 added" in err and late.name in err and "new save_dir" in err, err
+    assert "data_position=N" in err and _snapshot(run) == before
