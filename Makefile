@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 CONFIG ?=
 ARGS ?=
 
-.PHONY: setup test demo score generate import train bench lint clean-venv slurm-score slurm-resubmit slurm-train onpolicy
+.PHONY: setup test demo score generate import train bench faults lint clean-venv slurm-score slurm-resubmit slurm-train onpolicy
 
 setup: $(STAMP)
 
@@ -61,6 +61,12 @@ onpolicy: setup
 
 bench: setup
 	$(PY) -m benchmarks.run
+
+# kill -9 at 20 seeded points of score / generate / train, the full-disk, two-writer and bad-input tests, counted
+# into the `faults` section of BENCHMARKS.md (~1 h on 2 cores; POINTS=3 for a quick look)
+POINTS ?= 20
+faults: setup
+	$(PY) -m benchmarks.faults --points $(POINTS)
 
 demo: setup
 	$(VENV)/bin/gkd demo $(ARGS)

@@ -334,7 +334,9 @@ def test_two_score_jobs_on_one_cache(tmp_path, teacher, llm):
     assert sum(d["skipped"].get("cached_meanwhile", 0) for d in done) > 0, done  # ... and A left them out when it got there
     keys = [k for p in TeacherCache.open(cache).shard_paths() for k in pq.read_table(p, columns=["key"])["key"].to_pylist()]
     assert len(keys) == len(set(keys)) == n + 6
-    assert TeacherCache.open(cache).verify() == []
+    from pipeline.cli import main as gkd
+
+    assert TeacherCache.open(cache).verify() == [] and gkd(["cache", "verify", str(cache)]) == 0
     assert not [p for p in (cache / "shards").iterdir() if p.name.startswith(".")]
     assert not list((cache / "tasks").glob("*.lock")) and not (cache / ".commit.lock").exists()
     score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "A"), cache=str(tmp_path / "one")), llm=llm)

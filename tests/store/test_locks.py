@@ -68,4 +68,7 @@ def test_two_writers_of_overlapping_rows_write_each_key_once(tmp_path):
     assert len(keys) == len(set(keys)) == 45
     assert dropped == 15  # every shared row was left out by exactly one of the two
     assert cache.verify() == []
+    from pipeline.cli import main as gkd
+
+    assert gkd(["cache", "verify", str(root)]) == 0  # the command a user runs
     assert not [p for p in root.rglob(".*") if p.name != ".commit.lock"] and not (root / ".commit.lock").exists()

@@ -1,0 +1,20 @@
+"""The short CI version of `make faults` (benchmarks/faults.py): kill -9 at seeded points of the real `gkd score`,
+`gkd generate` and `gkd train` (1, 1 and 2 points, smaller workloads; ~4 min on 2 shared cores: 10 starts of vLLM or
+Megatron), each rerun until it finishes and compared with an uninterrupted run by key (train: losses and final
+tensors bit for bit); and the section's table."""
+
+from __future__ import annotations
+
+from benchmarks import faults
+
+
+def test_kill_points_survive_and_the_table_has_its_rows(tmp_path):
+    res = faults.run(tmp_path, points={"score": 1, "generate": 1, "train": 2}, seed=1, only=("kill",), small=True)
+    for k in res["kill"]:
+        assert k["failures"] == [], k
+        assert k["survived"] == k["killed"] == res["points"][k["command"]], k
+    table = faults.markdown({**res, "tests": {row: {"passed": 1, "failed": [], "skipped": []}
+                                              for row in faults.TEST_GROUPS}})
+    assert "| kill -9 points survived | score 1 / 1; generate 1 / 1; train 2 / 2 " in table
+    for row in ("full-disk cases survived", "concurrent-writer cases survived", "bad inputs refused cleanly"):
+        assert f"| {row} | 1 / 1 |" in table
