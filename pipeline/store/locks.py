@@ -9,9 +9,9 @@ Two kinds, one mechanism (`FileLock`):
   content key once (`TeacherCache.add_rows`), and around creating `cache.json`.
 
 The lock is the kernel's `flock` on the lock file; the file only carries the holder's description. So a holder
-killed with SIGKILL (or whose node dies: NFS releases its locks) blocks nobody: its lock file stays behind with a dead
-pid, the next writer takes the flock and overwrites the description (the stale-lock case needs no timeout and no
-guess about liveness). Released locks remove their file; the inode check after acquiring closes the race with a
+killed with SIGKILL (or whose node dies: on NFS once its lease expires) blocks nobody: its lock file stays behind
+with a dead pid, the next writer takes the flock and overwrites the description (the stale-lock case needs no
+timeout and no guess about liveness). Released locks remove their file; the inode check after acquiring closes the race with a
 concurrent unlink. A filesystem without flock support (Lustre mounted without `-o flock`) is refused with that
 cause, rather than writing unlocked.
 """
