@@ -166,6 +166,7 @@ class ScoredLoader:
         if self.live:
             resolved = _resolve_rollouts(sources, tokenizer_fingerprint)
             self.k = int(live_k)
+            self.topp = self.min_k = None
             self._build_index(resolved, verify_checksums)
             self._init_state()
             return
@@ -186,6 +187,13 @@ class ScoredLoader:
         if len(ks) != 1:
             raise ValueError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch")
         self.k = ks.pop()
+        # (rows of one content key are the same sequence in every cache: which top-p setting a row comes from
+        # would then depend on which cache is listed first)
+        tops = {(d.topp, d.min_k) for _, d in resolved}
+        if len(tops) != 1:
+            raise ValueError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
+                             "read together; train from one of them")
+        self.topp, self.min_k = tops.pop()
         self._build_index(resolved, verify_checksums)
         self._init_state()
 
@@ -380,6 +388,10 @@ class ScoredLoader:
             tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
             if self.shards[s].fold:
                 tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
+            kept = topk.valid()  # a top-p cache: the padding after each position's kept entries is not a bin
+            if kept is not None:
+                valid = kept if valid is None else valid & kept
+                folded = np.zeros(len(tail), bool) if folded is None else folded
             self._blocks[b] = Block(
                 token_offsets=offsets - offsets[0], tokens=ids.values.to_numpy().astype(np.int64)[offsets[0]:],
                 first_scored=first, is_dataset=is_dataset, keys=table.column("key").to_pylist(),
