@@ -138,3 +138,23 @@ def test_bad_top_p_settings_refused() -> None:
     cols = {c: pa.array(getattr(enc, c), pa.binary()) for c in COLUMNS}
     with pytest.raises(codec.CodecError, match="kept counts"):  # a footer saying min_k=3 disagrees with the rows
         codec.Decoder({**enc.footer, b"gkd.codec.min_k": b"3"}).decode(pa.RecordBatch.from_pydict(cols), np.array([2]))
+
+
+def test_concat_of_top_p_shards_decodes_as_each_did() -> None:
+    """On-policy views concatenate encoded rows of several shards (codec.concat_encoded): top-p rows too."""
+    parts, decoded = [], []
+    for seed in (1, 2):
+        rows, _ = dist_rows(seed, 16, 400, [7, 3], 3.0)
+        enc = codec.encode(rows, k=16, vocab_size=400, topp=0.99, min_k=2)
+        table = pa.table({"num_scored": pa.array([7, 3], pa.int32()),
+                          **{c: pa.array(getattr(enc, c), pa.binary()) for c in COLUMNS}})
+        parts.append((table, enc.footer))
+        decoded.append(codec.Decoder(enc.footer).decode(table.to_batches()[0], np.array([7, 3])))
+    table, footer = codec.concat_encoded(parts)
+    out = codec.Decoder(footer).decode(table.combine_chunks().to_batches()[0], np.array([7, 3, 7, 3]))
+    for name in ("topk_ids", "topk_logprobs", "tail_logprobs", "counts", "actual_logprobs"):
+        assert np.array_equal(getattr(out, name), np.concatenate([getattr(d, name) for d in decoded])), name
+    fixed = codec.encode(dist_rows(3, 16, 400, [2], 3.0)[0], k=16, vocab_size=400)
+    with pytest.raises(codec.CodecError, match="different codec parameters"):
+        codec.concat_encoded([parts[0], (pa.table({"num_scored": pa.array([2], pa.int32()), **{
+            c: pa.array(getattr(fixed, c), pa.binary()) for c in COLUMNS}}), fixed.footer)])
