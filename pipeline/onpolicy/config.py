@@ -60,6 +60,7 @@ class OnPolicyConfig:
     beta: float = 0.5
     kd_temperature: float = 1.0
     topk_mode: str = "tail"
+    loss: str = "gkd"  # gkd | opd: the trainer's loss (TrainConfig.loss; opd = sampled-token on-policy distillation)
     sft_alpha: float = 0.0
     train_extra: dict = field(default_factory=dict)  # any other TrainConfig key, e.g. {window_rows: 1024}
     # -- LoRA student: lora_rank > 0 trains adapters on the frozen student, and each cycle ships only the adapter
@@ -174,7 +175,7 @@ class OnPolicyConfig:
             "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length, "train_steps": self.total_steps, "lr": self.lr, "min_lr": self.min_lr,
             "warmup_steps": self.warmup_steps, "clip_grad": self.clip_grad, "beta": self.beta,
-            "temperature": self.kd_temperature, "topk_mode": self.topk_mode, "sft_alpha": self.sft_alpha,
+            "temperature": self.kd_temperature, "topk_mode": self.topk_mode, "loss": self.loss, "sft_alpha": self.sft_alpha,
             "save_dir": str(save_dir), "save_interval": self.steps_per_generation, "exit_after": exit_after,
             "data_position": data_position, "progress": False, "lora_rank": self.lora_rank,
             "lora_alpha": self.lora_alpha, "lora_targets": list(self.lora_targets), **self.train_extra,

@@ -21,6 +21,13 @@ by Parquet with zstd 9, footer included):
   error instead of inheriting the sum of k rounding errors (1 - sum(p) is ill-conditioned when the tail is small).
 - **The actual next token**: its rank (1-based, may exceed k) and, only when it is not found in the top-k at that
   rank, its own quantised logprob; otherwise the decoder takes the top-k value, so a common case costs nothing.
+- **Top-p** (variable k, `encode(topp=P, min_k=M)`, k the cap): a position keeps its fewest leading entries whose
+  mass (float64, from the unquantised values) reaches P, clipped to [M, k] (`top_p_counts`); only those are stored,
+  value deltas restarting at each position, and the tail is the mass outside them. The kept count is one more byte
+  plane (two when k > 255) of the tail column, so it costs ~1 B/token before zstd and needs no schema change; the
+  footer records P and M. Decoded rows are padded to k (id 0, logprob -inf) with `DecodedBatch.counts`; the value
+  sums are a segmented cumsum in numpy after the kernel's escape decode. k = 0 stores no entries at all (the
+  actual token's rank and logprob, and a tail of all the mass).
 
 Measured (whole Parquet file / positions, B/token): prose 142.0 -> 134.6 (ids 94.7, values 30.6, tail 1.4, actual
 1.5), math 102.0 -> 94.8 (ids 62.3, values 23.0). The order-0 entropy of the rank-ordered
