@@ -43,7 +43,9 @@ class OnPolicyConfig:
     heldout_prompts: str | None = None
     heldout_n: int = 1
     # -- teacher / engines
-    topk: int = 16
+    topk: int = 16  # 0: only the sampled tokens' teacher logprobs (loss=opd; no held-out KL then)
+    topp: float | None = None  # variable k (score stage `topp`/`min_k`, topk the cap); null: fixed k
+    min_k: int | None = None
     dtype: str = "float32"
     max_model_len: int = 512
     kv_cache_gib: float = 0.5
@@ -100,6 +102,10 @@ class OnPolicyConfig:
             p.append("lmbda < 1 needs off-policy data: offpolicy_cache (an existing cache) and/or offpolicy_dataset")
         if self.offpolicy_dataset and not self.offpolicy_cache:
             p.append("offpolicy_dataset needs offpolicy_cache: the directory it is scored into")
+        if self.topk == 0 and self.loss != "opd":
+            p.append("topk=0 stores no teacher top-k: only loss=opd can train from it")
+        if self.topk == 0 and self.heldout_prompts:
+            p.append("topk=0: the held-out KL needs the teacher's top-k; set heldout_prompts: null (or topk >= 1)")
         if self.max_tokens >= self.max_model_len:
             p.append("max_tokens must be < max_model_len (the prompt needs room)")
         p += self._slurm_problems()
@@ -161,7 +167,8 @@ class OnPolicyConfig:
 
     def score_config(self, rollouts: Path, cache: str) -> ScoreConfig:
         return ScoreConfig(
-            rollouts=str(rollouts), cache=cache, teacher=self.teacher, topk=self.topk, shard=0, num_shards=1,
+            rollouts=str(rollouts), cache=cache, teacher=self.teacher, topk=self.topk, topp=self.topp,
+            min_k=self.min_k, shard=0, num_shards=1,
             on_overlong="skip", dtype=self.dtype, max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
             enforce_eager=self.enforce_eager, batch_tokens=self.batch_tokens,
         )
