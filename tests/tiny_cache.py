@@ -23,8 +23,10 @@ def build_tiny(out: Path, seed: int = 0) -> Path:
 
 
 def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]], *, k: int = K,
-                     shard_rows: int = 8, codec: str = "rank-grid-esc") -> TeacherCache:
-    """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r."""
+                     shard_rows: int = 8, codec: str = "rank-grid-esc", topp: float | None = None,
+                     min_k: int | None = None) -> TeacherCache:
+    """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r.
+    `topp`/`min_k`: a variable-k cache with cap k (the codec truncates each position, as in `gkd score`)."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.store.codec import params as codec_params
@@ -32,7 +34,8 @@ def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.nd
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     desc = Descriptor(
         teacher_fingerprint=teacher_fingerprint(model_dir), tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
-        k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size, codec=codec_params(codec),
+        k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size, codec=codec_params(codec, topp),
+        topp=topp, min_k=min_k,
     )
     cache = TeacherCache.create_or_open(cache_dir, desc)
     rows = []

@@ -30,6 +30,7 @@ import numpy as np
 
 from pipeline.config import ConfigError, load_config, parse_overrides
 from pipeline.store import Descriptor, TeacherCache
+from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import content_key, teacher_fingerprint, tokenizer_fingerprint
 from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
@@ -56,7 +57,9 @@ class ScoreConfig:
     rollouts: str = "runs/rollouts"
     cache: str = "runs/cache"
     teacher: str = "default"  # an HF folder; "default" = SmolLM2-135M-Instruct built by pipeline.assets
-    topk: int = 64
+    topk: int = 64  # k; with topp the cap of the kept entries; 0: only the actual token's logprob and rank
+    topp: float | None = None  # variable k: keep the fewest top entries with teacher mass >= topp (None: fixed k)
+    min_k: int | None = None  # with topp: at least this many per position (default 1)
     score_prompt: bool = False  # score every position from x_1 on, not just the completion
     shard: int | None = None  # defaults to $SLURM_ARRAY_TASK_ID
     num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
@@ -75,10 +78,19 @@ class ScoreConfig:
     part_rows: int = 512  # rows per output part: bounds memory, and what a killed task loses
     engine_extra: dict = field(default_factory=dict)
 
+    @property
+    def resolved_min_k(self) -> int | None:
+        return (1 if self.min_k is None else self.min_k) if self.topp is not None else self.min_k
+
     def validate(self) -> list[str]:
         p = []
-        if self.topk < 1:
-            p.append(f"topk must be >= 1, got {self.topk}")
+        if self.topk < 0:
+            p.append(f"topk must be >= 0, got {self.topk}")
+        try:
+            check_top_p(self.topk, self.topp, self.resolved_min_k)
+            codec_params(self.codec, self.topp)
+        except CodecError as e:
+            p.append(str(e))
         if self.num_shards < 1:
             p.append(f"num_shards must be >= 1, got {self.num_shards}")
         if self.shard is not None and not 0 <= self.shard < self.num_shards:
@@ -349,7 +361,9 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
         vocab_size=vocab_size,
         engine=engine_version(),
         numerics=numerics,
-        codec=codec_params(cfg.codec),
+        codec=codec_params(cfg.codec, cfg.topp),
+        topp=None if cfg.topp is None else float(cfg.topp),
+        min_k=cfg.resolved_min_k,
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
 

@@ -4,7 +4,8 @@
     CACHE/shards/<name>.parquet + <name>.parquet.ok    scored shards (schemas/scored.json) and completion markers
 
 Rows are keyed by content (`fingerprint.content_key`), so a cache grows incrementally (score only the keys it lacks),
-is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k, logprob mode or
+is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k, top-p setting
+(`topp`, `min_k`: a variable-k cache, codec.py "Top-p"), logprob mode or
 scoring numerics (dtype, quantization, ...: `Descriptor.numerics`). Numerics are refused rather than keyed apart:
 one cache holds rows of one scoring setup, so every row a trainer reads from it has the same meaning.
 """
@@ -55,9 +56,12 @@ class Descriptor:
     schema_version: str = field(default_factory=lambda: load_schema("scored").version)
     # Engine settings that change the stored logprobs (score/run.py `scoring_numerics`); None = not recorded.
     numerics: dict | None = None
+    # Top-p (variable-k) cache: per position the fewest entries with mass >= topp, >= min_k, <= k; None = fixed k.
+    topp: float | None = None
+    min_k: int | None = None
 
     # What must agree for two producers to share one cache (the rest is informational).
-    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "logprob_mode", "numerics")
+    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")
 
     @classmethod
     def read(cls, path: Path) -> Descriptor:
@@ -126,6 +130,8 @@ class ScoredSample:
     tail_logprobs: np.ndarray  # float32 [L-P]: log teacher mass outside the top-k
     actual_logprobs: np.ndarray  # float32 [L-P]: teacher logprob of input_ids[P:]
     actual_ranks: np.ndarray  # int32 [L-P]
+    # top-p cache: entries kept per position, int32 [L-P]; the rest of a row is padding (id 0, logprob -inf)
+    topk_counts: np.ndarray | None = None
 
 
 @dataclass
@@ -211,7 +217,8 @@ class TeacherCache:
                     f"expected len(input_ids) - first_scored = {n}"
                 )
             enc_rows.append((r["topk_ids"], r["topk_logprobs"], ids[int(r["first_scored"]) :], r["actual_ranks"], r["actual_logprobs"]))
-        enc = codec.encode(enc_rows, k=d.k, vocab_size=d.vocab_size, name=d.codec.get("name", codec.NAME))
+        enc = codec.encode(enc_rows, k=d.k, vocab_size=d.vocab_size, name=d.codec.get("name", codec.NAME),
+                           topp=d.topp, min_k=d.min_k)
         table = pa.table(
             {
                 "key": [r["key"] for r in rows],
@@ -274,6 +281,7 @@ class TeacherCache:
                     tail_logprobs=b.topk.tail_logprobs[lo:hi],
                     actual_logprobs=b.topk.actual_logprobs[lo:hi],
                     actual_ranks=b.topk.actual_ranks[lo:hi],
+                    topk_counts=None if b.topk.counts is None else b.topk.counts[lo:hi],
                 )
 
     # -- inspection -----------------------------------------------------------------------------------------------
@@ -295,6 +303,8 @@ class TeacherCache:
             "bytes": nbytes,
             "bytes_per_scored_token": round(nbytes / tokens, 2) if tokens else None,
             "k": d.k,
+            "topp": d.topp,
+            "min_k": d.min_k,
             "logprob_mode": d.logprob_mode,
             "teacher": d.teacher,
             "teacher_fingerprint": d.teacher_fingerprint,
@@ -324,6 +334,11 @@ class TeacherCache:
             md = pq.read_schema(p).metadata or {}
             if int(md.get(b"gkd.codec.k", b"-1")) != d.k:
                 problems.append(f"{p}: k={md.get(b'gkd.codec.k', b'?').decode()} but the cache descriptor says k={d.k}")
+            topp = float(md[b"gkd.codec.topp"]) if b"gkd.codec.topp" in md else None
+            min_k = int(md[b"gkd.codec.min_k"]) if b"gkd.codec.min_k" in md else None
+            if (topp, min_k) != (d.topp, d.min_k):
+                problems.append(f"{p}: topp={topp}, min_k={min_k} but the cache descriptor says topp={d.topp}, "
+                                f"min_k={d.min_k}")
             for key in pq.read_table(p, columns=["key"]).column("key").to_pylist():
                 if key in seen:
                     problems.append(f"{p}: key {key} is also in {seen[key]} (duplicate row)")

@@ -86,7 +86,7 @@ class _Shard:
     fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
 
 
-def _resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descriptor]]:
+def resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descriptor]]:
     """Cache directories (all complete shards) or explicit shard files (descriptor from their cache root)."""
     out: list[tuple[Path, Descriptor]] = []
     for src in sources:
@@ -150,6 +150,7 @@ class ScoredLoader:
         packing: bool = False,
         rows_per_step: int | None = None,
         live_k: int | None = None,
+        actual: bool = False,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
@@ -160,16 +161,18 @@ class ScoredLoader:
             raise ValueError(f"rows_per_step {self.G} is not a multiple of micro_batch_size * dp = "
                              f"{micro_batch_size * dp_size}")
         self.vocab_size = vocab_size
+        self.actual = actual  # also decode the actual token's teacher logprob (MicroBatch.teacher_actual: loss=opd)
         # live_k: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each
         # micro-batch are placeholders of width live_k that the trainer fills from its live teacher.
         self.live = live_k is not None
         if self.live:
             resolved = _resolve_rollouts(sources, tokenizer_fingerprint)
             self.k = int(live_k)
+            self.topp = self.min_k = None
             self._build_index(resolved, verify_checksums)
             self._init_state()
             return
-        resolved = _resolve_sources(sources)
+        resolved = resolve_sources(sources)
         for where, desc in {p.parent.parent: d for p, d in resolved}.items():
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise TokenizerMismatchError(
@@ -186,6 +189,13 @@ class ScoredLoader:
         if len(ks) != 1:
             raise ValueError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch")
         self.k = ks.pop()
+        # (rows of one content key are the same sequence in every cache: which top-p setting a row comes from
+        # would then depend on which cache is listed first)
+        tops = {(d.topp, d.min_k) for _, d in resolved}
+        if len(tops) != 1:
+            raise ValueError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
+                             "read together; train from one of them")
+        self.topp, self.min_k = tops.pop()
         self._build_index(resolved, verify_checksums)
         self._init_state()
 
@@ -363,10 +373,11 @@ class ScoredLoader:
             pf, decoder = self._file(s)
             path = self.shards[s].path
             try:
-                table = pf.read_row_group(rg, columns=_COLUMNS, use_threads=False).combine_chunks()
+                columns = _COLUMNS + (["actual_rank", "actual_logprobs"] if self.actual else [])
+                table = pf.read_row_group(rg, columns=columns, use_threads=False).combine_chunks()
                 batch = table.to_batches(max_chunksize=table.num_rows)[0] if table.num_rows else None
                 num_scored = table.column("num_scored").to_numpy()
-                topk = decoder.decode(batch, num_scored, actual=False)
+                topk = decoder.decode(batch, num_scored, actual=self.actual)
                 ids = table.column("input_ids").chunk(0)
                 offsets = ids.offsets.to_numpy().astype(np.int64)
                 first = table.column("first_scored").to_numpy().astype(np.int64)
@@ -380,10 +391,15 @@ class ScoredLoader:
             tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
             if self.shards[s].fold:
                 tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
+            kept = topk.valid()  # a top-p cache: the padding after each position's kept entries is not a bin
+            if kept is not None:
+                valid = kept if valid is None else valid & kept
+                folded = np.zeros(len(tail), bool) if folded is None else folded
             self._blocks[b] = Block(
                 token_offsets=offsets - offsets[0], tokens=ids.values.to_numpy().astype(np.int64)[offsets[0]:],
                 first_scored=first, is_dataset=is_dataset, keys=table.column("key").to_pylist(),
                 row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
+                actual=topk.actual_logprobs if self.actual else None,
             )
             max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
             while len(self._blocks) > max_blocks:

@@ -57,6 +57,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     optimizer: str = "adam"  # adam (AdamW, betas 0.9/0.95) | sgd (momentum 0.9: an update linear in the gradient)
+    # gkd: the GKD divergence on the teacher's top-k (beta, temperature, topk_mode) at every position.
+    # opd: sampled-token on-policy distillation on student-sourced rows (pipeline/train/loss.py `opd_loss`: reads
+    # only the actual token's teacher logprob, so any k works, k = 0 included); dataset-sourced rows in the same run
+    # get the GKD loss above (refused on a k = 0 cache, which has no top-k for them).
+    loss: str = "gkd"
     beta: float = 0.5  # 0 forward KL, 1 reverse KL, else generalised JSD
     temperature: float = 1.0
     topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
@@ -105,6 +110,10 @@ class TrainConfig:
             p.append("temperature must be > 0")
         if self.topk_mode not in ("tail", "renorm"):
             p.append("topk_mode must be tail or renorm")
+        if self.loss not in ("gkd", "opd"):
+            p.append(f"loss must be gkd or opd, got {self.loss!r}")
+        if self.loss == "opd" and self.teacher_live is not None:
+            p.append("loss=opd reads the cached actual-token teacher logprobs; teacher_live computes a top-k only")
         if self.attention not in ("sdpa", "local"):
             p.append(f"attention must be sdpa or local, got {self.attention!r}")
         if self.recompute not in ("none", "selective", "full"):
@@ -275,38 +284,55 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step.
 
     `output_tensor` is the final hidden states with `fused_loss` (the loss applies the output layer itself, chunk
-    by chunk: pipeline/train/fused_loss.py), the logits otherwise."""
+    by chunk: pipeline/train/fused_loss.py), the logits otherwise. loss=opd: the student-sourced positions take the
+    sampled-token estimator instead of the GKD divergence, normalised by the same global count of all positions."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     sft_mask = batch.sft_mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
     kd_weight, sft_weight = 1.0 / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    kd_mask, opd_mask = batch.loss_mask, None
+    if cfg.loss == "opd":  # student-sourced positions: OPD; dataset-sourced ones (loss_mask & dataset): GKD
+        kd_mask, opd_mask = batch.sft_mask, batch.loss_mask & ~batch.sft_mask
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
+    opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
     if cfg.fused_loss:
         from pipeline.train.fused_loss import fused_gkd_loss, output_weight
 
         out = fused_gkd_loss(
-            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask,
+            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
             beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
             sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
+            opd_mask=opd_mask, teacher_actual=batch.teacher_actual, opd_weight=kd_weight,
         )
-        loss, kd_sum, kd_n, sft_sum = out.loss, out.kd_sum, out.kd_count, out.sft_sum
+        loss, kd_sum, sft_sum = out.loss, out.kd_sum, out.sft_sum
+        kd_n = out.kd_count + out.opd_count
+        if opd_mask is not None:
+            opd_sum, opd_kl = out.opd_sum, out.opd_kl_sum
     else:
-        from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+        from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
 
         logits = output_tensor.float()
         # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
         # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
-        kd_sum, kd_n = gkd_loss(
-            logits, batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask, beta=cfg.beta,
-            temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
-        )
+        if batch.teacher_ids.shape[-1] or bool(kd_mask.any()):
+            kd_sum, kd_n = gkd_loss(
+                logits, batch.teacher_ids, batch.teacher_logprobs, kd_mask, beta=cfg.beta,
+                temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
+            )
+        else:  # k = 0 rows (loss=opd, student-sourced only): no divergence to compute
+            kd_sum, kd_n = logits.new_zeros(()), torch.zeros((), dtype=torch.long, device=logits.device)
         loss = kd_weight * kd_sum
+        if opd_mask is not None:
+            opd_sum, opd_n, opd_kl = opd_loss(logits, batch.labels, batch.teacher_actual, opd_mask, tp_group,
+                                              vocab_size=vocab_size)
+            loss, kd_n = loss + kd_weight * opd_sum, kd_n + opd_n
         sft_sum = torch.zeros((), device=logits.device)
         if sft_mask is not None:
             sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
             loss = loss + sft_weight * sft_sum
-    report = torch.stack([kd_sum.detach(), sft_sum.detach().to(kd_sum.dtype)]).double()
+    report = torch.stack([kd_sum.detach().double(), sft_sum.detach().double(), opd_sum.detach().double(),
+                          opd_kl.detach().double()])
     return loss, kd_n.int(), {"sums": report}
 
 
@@ -376,6 +402,29 @@ def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_s
 
 # ---------------------------------------------------------------- the loop
 
+
+def check_cache_holds_loss(cfg: TrainConfig) -> None:
+    """Refuse a cache that holds less than the configured loss reads: a k = 0 cache (only the actual token's
+    teacher logprob) cannot feed the GKD divergence (loss=gkd, or the dataset-sourced rows of loss=opd)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from pipeline.train.data import resolve_sources
+
+    for path, desc in resolve_sources(cfg.cache):
+        if desc.k > 0:
+            continue
+        where = path.parent.parent
+        if cfg.loss == "gkd":
+            raise ConfigError(f"{where}: a k = 0 cache holds only the actual token's teacher logprob; loss=gkd "
+                              f"(topk_mode={cfg.topk_mode}) needs its top-k entries. Train with loss=opd, or score "
+                              "with --topk >= 1")
+        dataset = pc.sum(pc.equal(pq.read_table(path, columns=["source"]).column("source"), "dataset")).as_py()
+        if dataset:
+            raise ConfigError(f"{path}: {dataset} dataset-sourced row(s); loss=opd trains them with the GKD loss "
+                              f"(topk_mode={cfg.topk_mode}), which needs top-k entries, and this cache has k = 0. "
+                              "Score them into a top-k cache, or leave them out")
+
 # MicroBatch counters summed over a step (all ranks) for the metrics: positions = real + padding tokens.
 _DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
 
@@ -412,6 +461,8 @@ def _train(cfg: TrainConfig) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    if cfg.teacher_live is None:
+        check_cache_holds_loss(cfg)  # before the model is built: a cache that cannot feed this loss is refused
     model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir)
     teacher = setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer)) if cfg.teacher_live else None
     loader = ScoredLoader(
@@ -419,7 +470,7 @@ def _train(cfg: TrainConfig) -> dict:
         seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id, dp_rank=dp_rank, dp_size=dp,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
         window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
-        live_k=cfg.teacher_live_topk if teacher is not None else None,
+        live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
     )
 
     step, position = 0, 0
@@ -466,9 +517,13 @@ def _train(cfg: TrainConfig) -> dict:
             dist.all_reduce(sums, group=dp_group)
             jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
             sft = (sums[1] / max(counts[1].item(), 1.0)).item()
+            opd = (sums[2] / max(counts[0].item(), 1.0)).item()
+            # loss=opd: student-sourced positions = all loss positions minus the dataset-sourced ones
+            opd_kl = (sums[3] / max(counts[0].item() - counts[1].item(), 1.0)).item()
             dt = time.perf_counter() - t0
             positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
-            last = {"step": step, "loss": jsd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+            last = {"step": step, "loss": jsd + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+                    **({"opd": opd, "opd_kl": opd_kl} if cfg.loss == "opd" else {}),
                     "lr": lr, "grad_norm": float(grad_norm or 0.0),
                     "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
                     "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
@@ -478,7 +533,9 @@ def _train(cfg: TrainConfig) -> dict:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
-                             "padding_fraction", "samples", "truncated", "folded_positions"):
+                             "padding_fraction", "samples", "truncated", "folded_positions", "opd_kl"):
+                    if name not in last:
+                        continue
                     writer.add_scalar(f"train/{name}", last[name], step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",

@@ -292,3 +292,42 @@ def test_bf16_rows_into_an_fp32_cache_are_refused_before_any_teacher_work(tmp_pa
             score(_cfg(tmp_path, teacher, **kw))
     with pytest.raises(ConfigError, match="dtype must be one of .* got 'auto'"):
         score(_cfg(tmp_path, teacher, dtype="auto"))
+
+
+def test_top_p_and_k0_caches_match_transformers(tmp_path, teacher, llm):
+    """topp=0.9 min_k=2 (cap K): each position keeps a rank-order prefix, the fewest entries whose reference mass
+    reaches P (at least 2, at most K) except at near-ties of the running mass with P, and the tail bin holds the
+    rest; --topk 0 stores the actual token only. Another top-p setting into the same cache is refused."""
+    rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(5, 20), (9, 30)], teacher, seed=3)
+    score(_cfg(tmp_path, teacher, topp=0.9, min_k=2), llm=llm)
+    score(_cfg(tmp_path, teacher, cache=str(tmp_path / "k0"), topk=0), llm=llm)
+    cached = {s.sample_id: s for s in read_cache(tmp_path / "cache")}
+    k0 = {s.sample_id: s for s in read_cache(tmp_path / "k0")}
+    kept_total = 0
+    for r in rows:
+        s, z = cached[r["sample_id"]], k0[r["sample_id"]]
+        ids = r["prompt_ids"] + r["completion_ids"]
+        P = len(r["prompt_ids"])
+        hf32, hf64 = _hf_logprobs(teacher, ids), _hf_logprobs(teacher, ids, torch.float64)
+        tol = max(50 * np.abs(hf32 - hf64).max(), 1e-4)  # the engine's error, as in the test above
+        assert s.topk_ids.shape == (len(ids) - P, K) and z.topk_ids.shape == (len(ids) - P, 0)
+        for i, j in enumerate(range(P, len(ids))):
+            ref = hf32[j - 1]
+            n = int(s.topk_counts[i])
+            kept_total += n
+            assert 2 <= n <= K and np.all(s.topk_ids[i, n:] == 0) and np.all(np.isneginf(s.topk_logprobs[i, n:]))
+            mass = np.cumsum(np.exp(np.sort(ref)[::-1][:K]))
+            if n < K:  # reached P at n (not before, unless the floor of 2 holds it), up to the engine's error
+                assert mass[n - 1] >= 0.9 - K * tol
+            if n > 2:
+                assert mass[n - 2] < 0.9 + K * tol
+            np.testing.assert_allclose(s.topk_logprobs[i, :n], ref[s.topk_ids[i, :n]], atol=tol + 1 / 64)
+            rest = 1.0 - np.exp(ref[s.topk_ids[i, :n]]).sum()
+            assert abs(np.exp(s.tail_logprobs[i]) - rest) <= rest * (np.exp(1 / 64) - 1) + K * tol
+            assert abs(z.actual_logprobs[i] - ref[ids[j]]) <= tol + 1 / 64 and z.tail_logprobs[i] == 0.0
+        np.testing.assert_array_equal(z.actual_ranks, s.actual_ranks)
+    assert kept_total < K * sum(len(r["completion_ids"]) for r in rows)  # the cap is not all there is
+    with pytest.raises(CacheMismatchError, match="topp: cache has 0.9"):
+        score(_cfg(tmp_path, teacher, topp=0.95, min_k=2), llm=llm)
+    with pytest.raises(ValueError, match="needs codec"):
+        score(_cfg(tmp_path, teacher, cache=str(tmp_path / "x"), topp=0.9, codec="exact-f32"), llm=llm)
