@@ -212,6 +212,11 @@ class ScoredLoader:
                     key = table.column("sample_id")
                     first = pc.list_value_length(table.column("prompt_ids")).to_numpy(zero_copy_only=False)
                     num = pc.list_value_length(table.column("completion_ids")).to_numpy(zero_copy_only=False)
+                    if "teacher_prompt_ids" in pf.schema_arrow.names and pf.read(
+                            columns=["teacher_prompt_ids"]).column(0).null_count != pf.metadata.num_rows:
+                        raise ShardError(
+                            f"{path}: rollouts with a privileged teacher_prompt_ids (OPSD) cannot be scored by a live "
+                            "teacher (it sees the student's prompt); score them with `gkd score` into a cache")
                 else:
                     table = pf.read(columns=["key", "num_scored", "first_scored"])
                     key, num = table.column("key"), table.column("num_scored").to_numpy()
