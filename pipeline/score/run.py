@@ -5,6 +5,7 @@
     gkd score ... --shard 3 --num-shards 8                           # one task of a Slurm array
     gkd score ... --num-shards 8 --status                            # which tasks are missing, as --array=...
     gkd score ... --teacher BASE --teacher-adapter LORA_DIR          # base + LoRA adapter as the teacher
+    gkd score ... --teacher MATH_T --cache c-math --tags math --tag-key task   # one teacher per tag (routing)
 
 One sample's path: rollout row (prompt_ids + completion_ids) -> input_ids x_0..x_{L-1}, P = len(prompt_ids) ->
 content key -> (skipped if cached) -> vLLM prompt_logprobs: entry j >= 1 is the teacher distribution of x_j given
@@ -66,6 +67,9 @@ class ScoreConfig:
     merge_dir: str | None = None  # where the merged teacher is written (needs one base's size); null: $TMPDIR
     topk: int = 64
     score_prompt: bool = False  # score every position from x_1 on, not just the completion
+    # Routing (several teachers): score only the rollouts whose tags[tag_key] is one of `tags` ([] = all of them)
+    tags: list[str] = field(default_factory=list)
+    tag_key: str = "data_source"
     shard: int | None = None  # defaults to $SLURM_ARRAY_TASK_ID
     num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
     on_overlong: str = "error"  # error | skip
@@ -97,6 +101,8 @@ class ScoreConfig:
             p.append(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
         if self.codec not in CODECS:
             p.append(f"codec must be one of {CODECS}, got {self.codec!r}")
+        if any(not isinstance(t, str) or not t for t in self.tags):
+            p.append(f"tags must be non-empty strings (--tags math,code), got {self.tags!r}")
         if self.batch_tokens < 1 or self.part_rows < 1:
             p.append("batch_tokens and part_rows must be >= 1")
         if self.dtype not in DTYPES:
@@ -164,12 +170,15 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
 # -- task bookkeeping --------------------------------------------------------------------------------------------
 
 
-def rollouts_tag(paths: list[Path]) -> str:
-    """Identity of a rollout set, from its shards' names and checksums (cheap: markers only)."""
+def rollouts_tag(paths: list[Path], tags: list[str] | None = None, tag_key: str = "") -> str:
+    """Identity of a rollout set, from its shards' names and checksums (cheap: markers only), and of the tag
+    selection scored from it (scoring tags A then tags B into one cache are two tasks, not one done twice)."""
     h = hashlib.blake2b(digest_size=6)
     for p in paths:
         m = read_marker(p) or {}
         h.update(f"{p.name}:{m.get('sha256')}\n".encode())
+    if tags:
+        h.update(f"tags|{tag_key}|{json.dumps(sorted(set(tags)))}".encode())
     return h.hexdigest()
 
 
@@ -204,7 +213,11 @@ def select_rows(
     first_scored = len(prompt_ids), so stored row i is still the teacher's distribution of completion token i."""
     rows: dict[str, dict] = {}
     too_big, overlong, privileged = [], [], []
+    wanted = set(cfg.tags)
     for r in iter_rollouts(rollouts):
+        if wanted and r["tags"].get(cfg.tag_key) not in wanted:
+            counts["other_tags"] = counts.get("other_tags", 0) + 1  # another teacher's (or no teacher's) rows
+            continue
         ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
         first = 1 if cfg.score_prompt else len(r["prompt_ids"])
         teacher_prompt = r.get("teacher_prompt_ids")
@@ -323,7 +336,7 @@ def resolve_teacher(name: str) -> Path:
 def status(cfg: ScoreConfig) -> int:
     """Print which of the num_shards tasks are not done, as a ready `--array=` list; exit 1 if any."""
     paths = rollout_shards(cfg.rollouts)
-    tag = rollouts_tag(paths)
+    tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
     root = Path(cfg.cache)
     missing = [i for i in range(cfg.num_shards) if not task_done(root, task_name(tag, i, cfg.num_shards))]
     if not missing:
@@ -392,7 +405,7 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
 
-    tag = rollouts_tag(paths)
+    tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
     name = task_name(tag, shard, cfg.num_shards)
     if task_done(cache.root, name):
         print(f"[score] task {shard}/{cfg.num_shards} of rollouts {tag} is already done: nothing to do")
@@ -493,6 +506,9 @@ def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
     ap.add_argument("--shard", type=int)
     ap.add_argument("--num-shards", type=int)
     ap.add_argument("--on-overlong", choices=["error", "skip"])
+    ap.add_argument("--tags", type=lambda v: [t for t in v.split(",") if t],
+                    help="score only rollouts whose tags[tag_key] is one of these (comma-separated)")
+    ap.add_argument("--tag-key", help="which rollout tag --tags matches (default data_source)")
     ap.add_argument("--status", action="store_true", help="print missing task indices as an --array= list")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (any ScoreConfig field)")
     a = ap.parse_args(argv)

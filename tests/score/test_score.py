@@ -425,3 +425,41 @@ def test_base_plus_adapter_teacher_scores_like_peft_merged_model(tmp_path, teach
         np.testing.assert_allclose(s.topk_logprobs, np.take_along_axis(ref, s.topk_ids.astype(np.int64), 1), atol=tol)
         # the adapter matters: the base's rows are visibly different
         assert np.abs(base[s.sample_id].actual_logprobs - s.actual_logprobs).max() > 0.1
+
+
+# -- routing: one teacher per tag ---------------------------------------------------------------------------------
+
+
+def test_tags_score_only_the_rollouts_of_those_tags(tmp_path, teacher, llm, capsys):
+    """--tags A scores the A rows only (the rest counted); --tags B into the same cache is another task that adds the
+    B rows; rows without the tag key are scored by neither; the stored rows keep their tags."""
+    rng = np.random.default_rng(3)
+    rows = [rollout_row(prompt_id=f"t{i}", prompt_ids=rng.integers(3, 384, 4).tolist(),
+                        completion_ids=rng.integers(3, 384, 5).tolist(), source="dataset",
+                        tags={"task": tag} if tag else {"data_source": "x"})
+            for i, tag in enumerate(["A", "A", "B", "C", None, "B", "A"])]
+    write_rollouts(tmp_path / "rollouts" / "r.parquet", rows, tokenizer_fingerprint=_fp(teacher))
+    a = score(_cfg(tmp_path, teacher, tags=["A"], tag_key="task"), llm=llm)
+    assert a["scored"] == 3 and a["skipped"]["other_tags"] == 4
+    b = score(_cfg(tmp_path, teacher, tags=["B", "C"], tag_key="task"), llm=llm)
+    assert b["scored"] == 3 and b["skipped"]["other_tags"] == 4
+    assert score(_cfg(tmp_path, teacher, tags=["C", "B"], tag_key="task"), llm=llm)["done_before"]  # same selection
+    stored = [r for p in TeacherCache.open(tmp_path / "cache").shard_paths()
+              for r in pq.read_table(p, columns=["sample_id", "tags"]).to_pylist()]
+    by_id = {r["sample_id"]: r for r in rows}
+    assert sorted(dict(r["tags"])["task"] for r in stored) == ["A", "A", "A", "B", "B", "C"]
+    assert all(dict(r["tags"]) == by_id[r["sample_id"]]["tags"] for r in stored)
+    assert status(_cfg(tmp_path, teacher, tags=["A"], tag_key="task")) == 0
+    assert status(_cfg(tmp_path, teacher, tags=["Z"], tag_key="task")) == 1  # never scored: a task of its own
+    capsys.readouterr()
+
+
+def test_tags_flag_parses_a_comma_list():
+    from pipeline.score.run import parse_args
+
+    cfg, _ = parse_args(["--tags", "math,code", "--tag-key", "task"])
+    assert (cfg.tags, cfg.tag_key) == (["math", "code"], "task")
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tags must be non-empty strings"):
+        parse_args(["tags=['']"])
