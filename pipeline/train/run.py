@@ -43,6 +43,13 @@ class TrainConfig:
     teacher_live: str | None = None
     rollouts: list[str] = field(default_factory=list)
     teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
+    # Several teachers routed by tag (then cache must be []): {TAG: CACHE_DIR, default: CACHE_DIR}; each sample is
+    # taken from the cache of its rollout tag `teacher_tag_key` (or `default`), with an optional KD loss weight
+    # per teacher (default 1); on_unrouted: error (name the tag) | skip (count the samples in the metrics)
+    teachers: dict = field(default_factory=dict)
+    teacher_tag_key: str = "data_source"
+    teacher_weights: dict = field(default_factory=dict)
+    on_unrouted: str = "error"
     seed: int = 1234
     micro_batch_size: int = 8  # rows per micro-batch; with packing a token budget of micro_batch_size * seq_length
     global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
@@ -116,8 +123,20 @@ class TrainConfig:
             p.append("teacher_live needs rollouts=[DIR ...]: the rollout shards whose tokens the live teacher scores")
         if self.rollouts and self.teacher_live is None:
             p.append("rollouts are read only with teacher_live=DIR; to train from a cache, score them with gkd score")
-        if self.teacher_live is None and not self.cache:
-            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts)")
+        if self.teachers and (self.cache or self.teacher_live is not None):
+            p.append("teachers replaces cache and teacher_live: pass cache=[] with teachers={TAG: CACHE, ...}")
+        if any(not isinstance(v, str) or not v for v in self.teachers.values()):
+            p.append(f"teachers: every value must be a cache directory, got {self.teachers!r}")
+        unknown = sorted(set(self.teacher_weights) - set(self.teachers))
+        if unknown:
+            p.append(f"teacher_weights: {', '.join(unknown)} is not a key of teachers ({', '.join(self.teachers)})")
+        if any(not isinstance(w, (int, float)) or w < 0 for w in self.teacher_weights.values()):
+            p.append(f"teacher_weights must be numbers >= 0, got {self.teacher_weights!r}")
+        if self.on_unrouted not in ("error", "skip"):
+            p.append(f"on_unrouted must be error or skip, got {self.on_unrouted!r}")
+        if self.teacher_live is None and not self.cache and not self.teachers:
+            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts, or "
+                     "teachers={TAG: CACHE})")
         if self.teacher_live_topk < 1:
             p.append("teacher_live_topk must be >= 1")
         if self.optimizer not in ("adam", "sgd"):
@@ -275,39 +294,64 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step.
 
     `output_tensor` is the final hidden states with `fused_loss` (the loss applies the output layer itself, chunk
-    by chunk: pipeline/train/fused_loss.py), the logits otherwise."""
+    by chunk: pipeline/train/fused_loss.py), the logits otherwise. Routed (`teachers`): one loss call per teacher
+    present, on its positions only (both losses gather the masked rows, so the split costs no extra output-layer
+    work), its KD term weighted by teacher_weights[name]; the report adds each teacher's KD sum and count."""
+    names = sorted(cfg.teachers)
+    if batch.teacher_route is None or not names:
+        loss, kd_n, kd_sum, sft_sum = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt,
+                                                  output_tensor)
+        report = torch.stack([kd_sum.detach(), sft_sum.detach().to(kd_sum.dtype), kd_sum.detach()]).double()
+        return loss, kd_n.int(), {"sums": report}
+    loss, kd_n, per = 0.0, 0, torch.zeros(2 * len(names), dtype=torch.float64, device=batch.loss_mask.device)
+    total_kd = weighted_kd = total_sft = torch.zeros((), dtype=torch.float64, device=batch.loss_mask.device)
+    present = [i for i in range(len(names)) if bool((batch.teacher_route == i).any())] or [None]
+    for i in present:
+        mask = batch.loss_mask if i is None else batch.loss_mask & (batch.teacher_route == i)
+        w = 1.0 if i is None else float(cfg.teacher_weights.get(names[i], 1.0))
+        part, n, kd_sum, sft_sum = _loss_terms(batch, mask, w, counts, cfg, vocab_size, gpt, output_tensor)
+        loss, kd_n = loss + part, kd_n + n
+        total_kd, total_sft = total_kd + kd_sum.detach().double(), total_sft + sft_sum.detach().double()
+        weighted_kd = weighted_kd + w * kd_sum.detach().double()
+        if i is not None:
+            per[i], per[len(names) + i] = kd_sum.detach().double(), float(n)
+    report = torch.cat([torch.stack([total_kd, total_sft, weighted_kd]), per])
+    return loss, torch.as_tensor(kd_n).int(), {"sums": report}
+
+
+def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_size: int, gpt, output_tensor):
+    """(loss, KD count, KD sum, SFT sum) of the positions in `mask` (SFT: those of dataset-sourced samples), the KD
+    term scaled by `kd_scale` (a routed teacher's weight)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    sft_mask = batch.sft_mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
-    kd_weight, sft_weight = 1.0 / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    sft_mask = batch.sft_mask & mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
+    kd_weight, sft_weight = kd_scale / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
     if cfg.fused_loss:
         from pipeline.train.fused_loss import fused_gkd_loss, output_weight
 
         out = fused_gkd_loss(
-            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask,
+            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, mask,
             beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
             sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
         )
-        loss, kd_sum, kd_n, sft_sum = out.loss, out.kd_sum, out.kd_count, out.sft_sum
-    else:
-        from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+        return out.loss, out.kd_count, out.kd_sum, out.sft_sum
+    from pipeline.train.loss import gkd_loss, vocab_parallel_ce
 
-        logits = output_tensor.float()
-        # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
-        # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
-        kd_sum, kd_n = gkd_loss(
-            logits, batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask, beta=cfg.beta,
-            temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
-        )
-        loss = kd_weight * kd_sum
-        sft_sum = torch.zeros((), device=logits.device)
-        if sft_mask is not None:
-            sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
-            loss = loss + sft_weight * sft_sum
-    report = torch.stack([kd_sum.detach(), sft_sum.detach().to(kd_sum.dtype)]).double()
-    return loss, kd_n.int(), {"sums": report}
+    logits = output_tensor.float()
+    # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
+    # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
+    kd_sum, kd_n = gkd_loss(
+        logits, batch.teacher_ids, batch.teacher_logprobs, mask, beta=cfg.beta,
+        temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
+    )
+    loss = kd_weight * kd_sum
+    sft_sum = torch.zeros((), device=logits.device)
+    if sft_mask is not None:
+        sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
+        loss = loss + sft_weight * sft_sum
+    return loss, kd_n, kd_sum, sft_sum
 
 
 def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
@@ -420,6 +464,7 @@ def _train(cfg: TrainConfig) -> dict:
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
         window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
         live_k=cfg.teacher_live_topk if teacher is not None else None,
+        routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
     )
 
     step, position = 0, 0
@@ -466,19 +511,29 @@ def _train(cfg: TrainConfig) -> dict:
             dist.all_reduce(sums, group=dp_group)
             jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
             sft = (sums[1] / max(counts[1].item(), 1.0)).item()
+            kd_loss = (sums[2] / max(counts[0].item(), 1.0)).item()  # = jsd unless teacher_weights are set
             dt = time.perf_counter() - t0
             positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
-            last = {"step": step, "loss": jsd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+            last = {"step": step, "loss": kd_loss + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
                     "lr": lr, "grad_norm": float(grad_norm or 0.0),
                     "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
                     "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
                     "samples": samples, "truncated": truncated, "folded_positions": folded,
                     "data_position": position}
+            if cfg.teachers:  # per teacher: its mean divergence and its active positions (a sum over ranks)
+                names = sorted(cfg.teachers)
+                for i, name in enumerate(names):
+                    n = sums[3 + len(names) + i].item()
+                    last[f"jsd/{name}"] = sums[3 + i].item() / n if n else None
+                    last[f"active_tokens/{name}"] = int(n)
+                last["unrouted_samples"] = loader.unrouted
             if rank == 0:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
                              "padding_fraction", "samples", "truncated", "folded_positions"):
+                    writer.add_scalar(f"train/{name}", last[name], step)
+                for name in [n for n in last if n.startswith(("jsd/", "active_tokens/")) and last[n] is not None]:
                     writer.add_scalar(f"train/{name}", last[name], step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
