@@ -11,6 +11,8 @@ plain transformers loop, on the embedded-default student (SmolLM2 6-layer), fp32
   rows: step time does not depend on the data. Memory: each variant in a fresh process, one warm-up step, then the peak resident-set growth over one
   step (VmHWM - VmRSS just before it, peak reset via /proc/self/clear_refs), with glibc's mmap threshold pinned at
   128 KiB so freed activations go back to the OS and RSS follows live memory.
+- precision: the same step with `bf16=true` (Float16Module, fp32 main weights and optimizer) against fp32, at seq
+  1,024, both trainers in one process, interleaved rounds.
 - plain: our trainer step (padded micro-batches, no packing: like with like) against a plain transformers loop on
   the same micro-batches of a real cache: `AutoModelForCausalLM` (its default SDPA attention) -> logits ->
   `pipeline.train.loss.gkd_loss` (same beta, temperature, mode, stored teacher tail; normalised by the active
@@ -122,6 +124,26 @@ def attention_time(rounds: int = 3) -> dict:
     return {"seq_length": SEQ, "micro_batch_size": 1, "rounds": rounds, **_summary(*times)}
 
 
+def precision_time(rounds: int = 3, seq: int = 1024) -> dict:
+    """bf16 mixed precision (Float16Module, fp32 main weights) against fp32: the same random micro-batches, both
+    trainers in one process, interleaved rounds. On CPU bf16 matmuls are fast only where the CPU has bf16 units."""
+    from pipeline.train.parallel import destroy_distributed, init_distributed
+
+    init_distributed(tp=1, pp=1, seed=0)
+    try:
+        trainers = {name: _trainer(bf16=bf16, micro_batch_size=1, global_batch_size=1, seq_length=seq)
+                    for name, bf16 in (("bf16", True), ("fp32", False))}
+        vocab = trainers["fp32"]["model"].hf_vocab_size
+        batches = [random_batch(vocab, 1, seq, s) for s in range(rounds + 1)]
+        for tr in trainers.values():
+            _step(tr, [batches[-1]])
+        it = {n: iter(batches) for n in trainers}
+        times = _rounds({n: (lambda n=n: _step(trainers[n], [next(it[n])])) for n in trainers}, rounds)
+    finally:
+        destroy_distributed()
+    return {"seq_length": seq, "micro_batch_size": 1, "rounds": rounds, **_summary(*times)}
+
+
 def attention_memory(attention: str, recompute: str = "none") -> dict:
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
@@ -205,6 +227,7 @@ def run(cache: str | Path) -> dict:
         "attention": _child(["attention"]),
         "attention_memory": {a: _child(["memory", "--attention", a], env=mmap) for a in ("sdpa", "local")},
         "plain": _child(["plain", "--cache", str(cache)]),
+        "precision": _child(["precision"]),
     }
 
 
@@ -215,7 +238,7 @@ def markdown(res: dict) -> list[str]:
     cpu_att = att["median_cpu_s"]["sdpa"] / att["median_cpu_s"]["local"]
     gib = {a: mem[a]["peak_growth_bytes"] / 2**30 for a in mem}
     shapes = sorted({tuple(x) for x in pl["shapes"]})
-    return [
+    rows = [
         f"| sdpa vs local attention step time | {s / loc:.2f}× ({s:.2f} s vs {loc:.2f} s per step, CPU time "
         f"{cpu_att:.2f}×; peak memory over a "
         f"step {gib['sdpa']:.2f} GiB vs {gib['local']:.2f} GiB; seq {att['seq_length']:,}, micro-batch 1, random "
@@ -224,11 +247,21 @@ def markdown(res: dict) -> list[str]:
         f"{pl['median_s']['plain']:.2f} s per step, CPU time {pl['cpu_ratio']:.2f}×; micro-batches {', '.join('×'.join(map(str, x)) for x in shapes)} "
         f"of the prose cache, padded; median of {pl['rounds']} interleaved rounds) | ≤ 1.0× |",
     ]
+    if "precision" in res:
+        pr = res["precision"]
+        b, f = pr["median_s"]["bf16"], pr["median_s"]["fp32"]
+        tok = pr["seq_length"] * pr["micro_batch_size"]
+        rows.append(
+            f"| bf16 vs fp32 train step tokens/s | {f / b:.2f}× ({tok / b:.0f} vs {tok / f:.0f} tokens/s; CPU time "
+            f"{pr['median_cpu_s']['fp32'] / pr['median_cpu_s']['bf16']:.2f}×; Float16Module with fp32 main weights; "
+            f"seq {pr['seq_length']:,}, micro-batch 1, random tokens, median of {pr['rounds']} interleaved rounds; "
+            f"{torch.backends.cpu.get_cpu_capability()} CPU) | (report) |")
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["attention", "memory", "plain"])
+    ap.add_argument("part", choices=["attention", "memory", "plain", "precision"])
     ap.add_argument("--attention", default="sdpa")
     ap.add_argument("--recompute", default="none", help="memory part only")
     ap.add_argument("--cache")
@@ -237,6 +270,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.part == "attention":
         res = attention_time(args.rounds)
+    elif args.part == "precision":
+        res = precision_time(args.rounds)
     elif args.part == "memory":
         res = attention_memory(args.attention, args.recompute)
     else:

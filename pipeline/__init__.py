@@ -5,3 +5,9 @@ Stages live in `pipeline.generate`, `pipeline.score` and `pipeline.train`; they 
 """
 
 __version__ = "0.1.0"
+
+# Before any stage imports vLLM, Megatron or transformers: their INFO logs and known-harmless warnings stay hidden
+# unless GKD_LOG_LEVEL=debug (`gkd --verbose ...`); pipeline/logs.py says what and why.
+from pipeline import logs as _logs  # noqa: E402
+
+_logs.configure()

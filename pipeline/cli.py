@@ -18,6 +18,8 @@ import importlib.util
 import json
 import sys
 
+from pipeline import logs
+
 # command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
 STAGES: dict[str, tuple[str, str]] = {}
 
@@ -77,13 +79,17 @@ def cache_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--verbose` anywhere: every third-party log and warning too, here and in every subprocess (pipeline/logs.py).
+    argv, loud = logs.strip_verbose(argv)
+    if loud:
+        logs.configure(verbose_now=True)
     _register_available()
     commands = {"cache": ("", "inspect or verify a teacher cache"), **STAGES}
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: gkd <command> [args]\n\ncommands:")
         for name, (_, text) in commands.items():
             print(f"  {name:<10} {text}")
-        print("\n`gkd <command> --help` for a command's options.")
+        print("\n`gkd <command> --help` for a command's options; `--verbose` anywhere shows third-party logs.")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "cache":

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline import logs
+
 
 def on_cpu() -> bool:
     import torch
@@ -68,6 +70,7 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
         "seed": args.seed,
         "enable_prefix_caching": False,
         "enforce_eager": args.enforce_eager,
+        "use_tqdm_on_load": logs.verbose(),  # its weight-loading bar: only with --verbose (pipeline/logs.py)
     }
     if logprobs_mode:
         kwargs["logprobs_mode"] = logprobs_mode

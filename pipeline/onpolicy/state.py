@@ -97,10 +97,8 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
     shards = view / "shards"
     dest = shards / "view.parquet"
     if (view / "complete").exists():
-        # (a view written before views were one shard holds one shard per source shard)
-        names = [dest] if dest.exists() else sorted(shards.glob("*.parquet"))
-        names = [p for p in names if is_complete(p, "scored", checksum=False)]
-        return [str(p) for p in names], int((view / "complete").read_text() or 0)
+        done = dest.exists() and is_complete(dest, "scored", checksum=False)  # no shard: no key of the cycle was found
+        return ([str(dest)] if done else []), int((view / "complete").read_text() or 0)
     wanted = pa.array(keys, pa.string())
     found: set[str] = set()
     parts, sources = [], []

@@ -248,8 +248,3 @@ def apply_cpu_compat() -> bool:
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     _APPLIED = True
     return True
-
-
-def cpu_compat_active() -> bool:
-    """Whether apply_cpu_compat() has patched megatron in this process (for asserts and logs)."""
-    return _APPLIED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from pipeline.store.rollouts import iter_rollouts, rollout_shards
 from pipeline.store.shards import read_marker
 
 ROOT = Path(__file__).resolve().parents[2]
+# vLLM's log format: "(MainProcess pid=12) INFO 12-01 12:44:54 [model.py:733] ..."
+VLLM_INFO = re.compile(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d \[")
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +159,10 @@ def test_cli_end_to_end_and_rerun_is_a_no_op(tiny_student, prompts_file, tmp_pat
     assert (tmp_path / "rollouts-00001-of-00002.parquet.ok").exists()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert again.returncode == 0 and "nothing to do" in again.stdout
+    # Quiet by default (pipeline/logs.py): none of vLLM's INFO lines, nor its CPU notices; all of them with --verbose.
+    assert not VLLM_INFO.search(out.stdout + out.stderr), (out.stdout + out.stderr)[-3000:]
+    assert "Transformer Engine" not in out.stderr and "libtcmalloc" not in out.stderr
+    loud = subprocess.run([*cmd[:-7], "--shard", "0", *cmd[-5:], "--verbose"], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT, env=env)
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert VLLM_INFO.search(loud.stdout + loud.stderr), "--verbose must show vLLM's INFO lines"
