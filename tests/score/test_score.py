@@ -406,10 +406,16 @@ def test_base_plus_adapter_teacher_scores_like_peft_merged_model(tmp_path, teach
         score(_cfg(tmp_path, teacher, teacher_adapter=str(adapter)), llm=llm)
     with pytest.raises(ConfigError, match="not a peft LoRA folder"):
         score(_cfg(tmp_path, teacher, teacher_adapter=str(tmp_path)))
-    summary = score(_cfg(tmp_path, teacher, teacher_adapter=str(adapter), merge_dir=str(tmp_path / "tmp"),
-                         enforce_eager=True, kv_cache_gib=0.05))
+    # Through the CLI in its own process: the stage opens an engine on the merged folder, and a second engine in
+    # this process would tear down vLLM's process groups under the module's `llm` when it shuts down.
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    base = _score_cmd(tmp_path, teacher, tmp_path / "cache")
+    at = base.index(f"max_model_len={MAX_LEN}")  # flags before the key=value overrides
+    cmd = [*base[:at], "--teacher-adapter", str(adapter), *base[at:], f"merge_dir={tmp_path / 'tmp'}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "scored 3 samples" in out.stdout
     assert not list((tmp_path / "tmp").iterdir())  # the merged folder is gone
-    assert summary["scored"] == 3
     desc = TeacherCache.open(tmp_path / "cache").descriptor
     assert desc.teacher_fingerprint == adapter_fingerprint(teacher_fingerprint(teacher), adapter)
     merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32),
