@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--messages-field", help="chat messages field; a final assistant turn is the response")
     ap.add_argument("--response-field", help="reference response field (default 'response' with --prompt-field)")
     ap.add_argument("--id-field", help="stable row id field (default: row index)")
+    ap.add_argument("--tag-field", action="append", default=[], help="a field copied into the rollout tags (for "
+                    "gkd score --tags / the trainer's teachers routing); repeat for several")
     ap.add_argument("--teacher-prompt-field", help="privileged teacher prompt (OPSD): a text or chat field the teacher "
                     "sees instead of the prompt; gkd score scores it + the completion")
     ap.add_argument("--max-len", type=int, help="refuse/skip rows longer than this many tokens in total")
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise PromptError(f"tokenizer {fp} differs from {declared} declared by {other}.ok")
         prompts = load_prompts(args.dataset, prompt_field=args.prompt_field, messages_field=args.messages_field,
                                response_field=response_field, id_field=args.id_field,
-                               teacher_prompt_field=args.teacher_prompt_field)
+                               teacher_prompt_field=args.teacher_prompt_field, tag_fields=args.tag_field)
         mine = [p for p in prompts if assign_shard(p.prompt_id, args.num_shards) == shard]
         rows, skipped = import_rows(tokenizer, mine, max_len=args.max_len, on_bad=args.on_bad, where=args.dataset)
     except (PromptError, FileNotFoundError) as e:

@@ -48,22 +48,26 @@ def load_prompts(
     response_field: str | None = None,
     id_field: str | None = None,
     teacher_prompt_field: str | None = None,
+    tag_fields: Sequence[str] = (),
 ) -> list[Prompt]:
     """All prompts of a source, in source order (ids are stable: the `id_field` value or the row index).
-    `teacher_prompt_field`: a text (one user message) or chat field the teacher sees instead of the prompt (OPSD)."""
+    `teacher_prompt_field`: a text (one user message) or chat field the teacher sees instead of the prompt (OPSD).
+    `tag_fields`: fields copied into each prompt's tags as strings (what score --tags and the trainer route on)."""
     if src.startswith(RG_PREFIX):
-        if teacher_prompt_field:
-            raise PromptError(f"{src}: teacher_prompt_field needs a dataset file with that field (reasoning-gym "
-                              "prompts have none); write the rows to JSONL with a teacher prompt column first")
+        if teacher_prompt_field or tag_fields:
+            raise PromptError(f"{src}: teacher_prompt_field / tag_fields need a dataset file with those fields "
+                              "(reasoning-gym prompts have none; they are tagged data_source=reasoning-gym:TASK)")
         return _reasoning_gym(src)
     rows, where = _read_dataset(src)
     columns = set(rows.column_names)
-    needed = [f for f in (messages_field or prompt_field, response_field, id_field, teacher_prompt_field) if f]
+    needed = [f for f in (messages_field or prompt_field, response_field, id_field, teacher_prompt_field, *tag_fields)
+              if f]
     missing = [f for f in needed if f not in columns]
     if missing:
         raise PromptError(
             f"{where}: no field {', '.join(map(repr, missing))} (fields: {', '.join(sorted(columns))}); "
-            "choose one with prompt_field= / messages_field= / response_field= / id_field= / teacher_prompt_field="
+            "choose one with prompt_field= / messages_field= / response_field= / id_field= / teacher_prompt_field= / "
+            "tag_fields="
         )
     data_source = Path(src).name
     prompts = []
@@ -79,7 +83,8 @@ def load_prompts(
             response = last["content"] if response is None else response
         pid = str(row[id_field]) if id_field else str(i)
         teacher = _teacher_messages(row[teacher_prompt_field]) if teacher_prompt_field else None
-        prompts.append(Prompt(pid, messages, response, {"data_source": data_source}, teacher))
+        tags = {"data_source": data_source, **{f: "" if row[f] is None else str(row[f]) for f in tag_fields}}
+        prompts.append(Prompt(pid, messages, response, tags, teacher))
     return prompts
 
 

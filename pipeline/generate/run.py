@@ -44,6 +44,7 @@ class GenerateConfig:
     messages_field: str | None = None  # when set, used instead of prompt_field
     id_field: str | None = None  # default: the row index
     teacher_prompt_field: str | None = None  # OPSD: a text/chat field the teacher sees instead of the prompt
+    tag_fields: list[str] = field(default_factory=list)  # fields copied into the rollout tags (routing)
     student: str | None = None  # HF folder or trainer export; null = the embedded SmolLM2 student
     adapter: str | None = None  # peft LoRA folder applied to `student` through vLLM's LoRARequest
     out: str = "runs/rollouts"
@@ -156,7 +157,8 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
 
 def task_prompts(cfg: GenerateConfig, shard: int) -> list[Prompt]:
     prompts = load_prompts(cfg.prompts, prompt_field=cfg.prompt_field, messages_field=cfg.messages_field,
-                           id_field=cfg.id_field, teacher_prompt_field=cfg.teacher_prompt_field)
+                           id_field=cfg.id_field, teacher_prompt_field=cfg.teacher_prompt_field,
+                           tag_fields=cfg.tag_fields)
     return [p for p in prompts if assign_shard(p.prompt_id, cfg.num_shards) == shard]
 
 

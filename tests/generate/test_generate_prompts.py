@@ -142,5 +142,18 @@ def test_import_with_a_privileged_teacher_prompt(tmp_path, tiny_student, tok, ca
                                                               got[r["prompt_id"]]["completion_ids"])
     with pytest.raises(PromptError, match="no field 'nope'"):
         load_prompts(str(src), prompt_field="q", teacher_prompt_field="nope")
-    with pytest.raises(PromptError, match="teacher_prompt_field needs a dataset file"):
+    with pytest.raises(PromptError, match="teacher_prompt_field / tag_fields need a dataset file"):
         load_prompts("reasoning-gym:basic_arithmetic?size=2&seed=0", teacher_prompt_field="t")
+
+
+def test_import_tag_fields_become_rollout_tags(tmp_path, tiny_student):
+    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "the cat 1", "response": "sat", "task": "math", "n": 3},
+                                                 {"prompt": "the dog 2", "response": "ran", "task": "code", "n": None}])
+    out = tmp_path / "o"
+    assert importer.main(["--dataset", str(src), "--tokenizer", str(tiny_student), "--out", str(out),
+                          "--tag-field", "task", "--tag-field", "n"]) == 0
+    tags = sorted((r["tags"] for r in iter_rollouts(rollout_shards(out))), key=lambda t: t["task"])
+    assert tags == [{"data_source": "mixed.jsonl", "task": "code", "n": ""},
+                    {"data_source": "mixed.jsonl", "task": "math", "n": "3"}]
+    with pytest.raises(PromptError, match="no field 'nope'"):
+        load_prompts(str(src), tag_fields=["nope"])
