@@ -43,6 +43,8 @@ class GenerateConfig:
     prompt_field: str = "prompt"
     messages_field: str | None = None  # when set, used instead of prompt_field
     id_field: str | None = None  # default: the row index
+    teacher_prompt_field: str | None = None  # OPSD: a text/chat field the teacher sees instead of the prompt
+    tag_fields: list[str] = field(default_factory=list)  # fields copied into the rollout tags (routing)
     student: str | None = None  # HF folder or trainer export; null = the embedded SmolLM2 student
     adapter: str | None = None  # peft LoRA folder applied to `student` through vLLM's LoRARequest
     out: str = "runs/rollouts"
@@ -101,9 +103,12 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
     for p in prompts:
         ids = [] if p.empty else prompt_ids(tokenizer, p.messages)
         reason = "empty" if p.empty else "too_long" if len(ids) > limit else None
+        if reason is None and p.teacher_messages == []:
+            reason = "empty_teacher_prompt"
         if reason and cfg.on_bad_prompt == "error":
-            raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} is {reason.replace('_', ' ')} ({len(ids)} "
-                              f"tokens, limit max_model_len - max_tokens = {limit}); on_bad_prompt=skip skips it")
+            what = (f"has an empty {cfg.teacher_prompt_field or 'teacher prompt'} field" if reason == "empty_teacher_prompt"
+                    else f"is {reason.replace('_', ' ')} ({len(ids)} tokens, limit max_model_len - max_tokens = {limit})")
+            raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} {what}; on_bad_prompt=skip skips it")
         if reason:
             skipped[reason] += 1
         else:
@@ -125,6 +130,8 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in chunk], params,
                                use_tqdm=False, lora_request=lora)
         for (p, ids), out in zip(chunk, outputs, strict=True):
+            # the student sampled from its own prompt; the teacher will score its privileged one (OPSD)
+            teacher = None if p.teacher_messages is None else prompt_ids(tokenizer, p.teacher_messages)
             for c in out.outputs:
                 logprobs = None
                 if cfg.logprobs:
@@ -132,7 +139,7 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
                 rows.append(rollout_row(
                     prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=c.token_ids, source="student",
                     policy_version=cfg.policy_version, completion_logprobs=logprobs,
-                    finish_reason=c.finish_reason, tags=p.tags,
+                    finish_reason=c.finish_reason, tags=p.tags, teacher_prompt_ids=teacher,
                 ))
                 texts.append(c.text)
                 finish[c.finish_reason] += 1
@@ -150,7 +157,8 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
 
 def task_prompts(cfg: GenerateConfig, shard: int) -> list[Prompt]:
     prompts = load_prompts(cfg.prompts, prompt_field=cfg.prompt_field, messages_field=cfg.messages_field,
-                           id_field=cfg.id_field)
+                           id_field=cfg.id_field, teacher_prompt_field=cfg.teacher_prompt_field,
+                           tag_fields=cfg.tag_fields)
     return [p for p in prompts if assign_shard(p.prompt_id, cfg.num_shards) == shard]
 
 
@@ -189,7 +197,7 @@ def run_task(llm: Any, tokenizer: Any, cfg: GenerateConfig, shard: int, *, lora:
 def parse_args(argv: list[str]) -> GenerateConfig:
     ap = argparse.ArgumentParser(prog="gkd generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help=f"YAML config (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
-    for flag in ("prompts", "student", "adapter", "out"):
+    for flag in ("prompts", "student", "adapter", "out", "teacher-prompt-field"):
         ap.add_argument(f"--{flag}")
     for flag in ("shard", "num-shards", "n", "max-tokens", "seed", "policy-version"):
         ap.add_argument(f"--{flag}", type=int)

@@ -29,6 +29,9 @@ class OnPolicyConfig:
     seed: int = 1234  # lmbda draws, trainer seed, sampling seeds
     # -- on-policy sampling
     prompts: str = "reasoning-gym:basic_arithmetic?size=64&seed=0"
+    # OPSD: a text/chat field of `prompts` the teacher sees instead of the prompt (the student samples from its
+    # prompt, the teacher scores teacher prompt + completion); null: the teacher sees the student's prompt
+    teacher_prompt_field: str | None = None
     prompts_per_cycle: int = 8  # cycle c samples prompts [c*ppc, (c+1)*ppc) of the source, wrapping around
     n: int = 2
     temperature: float = 1.0
@@ -159,7 +162,8 @@ class OnPolicyConfig:
     # -- stage configs ----------------------------------------------------------------------------------------
     def generate_config(self, out: Path, student: str, policy_version: int, seed: int) -> GenerateConfig:
         return GenerateConfig(
-            prompts=self.prompts, student=student, out=str(out), num_shards=1, shard=0, n=self.n,
+            prompts=self.prompts, teacher_prompt_field=self.teacher_prompt_field, student=student, out=str(out),
+            num_shards=1, shard=0, n=self.n,
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, seed=seed,
             policy_version=policy_version, on_bad_prompt="skip", dtype=self.dtype, max_model_len=self.max_model_len,
             kv_cache_gib=self.kv_cache_gib, enforce_eager=self.enforce_eager,

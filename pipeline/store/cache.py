@@ -204,7 +204,9 @@ class TeacherCache:
         """Encode and atomically write scored rows as shard `name` (e.g. "scored-00003-of-00008").
 
         Each row: key, sample_id, source, policy_version, input_ids, first_scored, topk_ids [n,k],
-        topk_logprobs [n,k], actual_ranks [n], actual_logprobs [n] with n = len(input_ids) - first_scored.
+        topk_logprobs [n,k], actual_ranks [n], actual_logprobs [n] with n = len(input_ids) - first_scored;
+        optionally tags (the rollout's, for routing) and teacher_prompt_ids (OPSD: what the teacher saw instead of
+        the prompt).
         """
         d = self.descriptor
         enc_rows = []
@@ -233,6 +235,11 @@ class TeacherCache:
                 "tail_logprobs": pa.array(enc.tail_logprobs, pa.binary()),
                 "actual_rank": pa.array(enc.actual_rank, pa.binary()),
                 "actual_logprobs": pa.array(enc.actual_logprobs, pa.binary()),
+                "tags": pa.array([None if r.get("tags") is None else list(r["tags"].items()) for r in rows],
+                                 pa.map_(pa.string(), pa.string())),
+                "teacher_prompt_ids": pa.array([None if r.get("teacher_prompt_ids") is None
+                                                else np.asarray(r["teacher_prompt_ids"], np.int32) for r in rows],
+                                               pa.list_(pa.int32())),
             }
         )
         scored_tokens = int(sum(len(e[2]) for e in enc_rows))

@@ -117,6 +117,8 @@ def write_shard(
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = load_schema(kind)
     try:
+        for name in schema.optional - set(table.column_names):  # rows of an older minor version: nulls
+            table = table.append_column(schema.arrow.field(name), pa.nulls(table.num_rows, schema.arrow.field(name).type))
         table = table.select(schema.names).cast(schema.arrow)
         table = table.replace_schema_metadata({**(footer or {}), **schema.arrow.metadata})
     except (KeyError, pa.ArrowInvalid, ValueError) as e:

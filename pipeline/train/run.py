@@ -43,6 +43,13 @@ class TrainConfig:
     teacher_live: str | None = None
     rollouts: list[str] = field(default_factory=list)
     teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
+    # Several teachers routed by tag (then cache must be []): {TAG: CACHE_DIR, default: CACHE_DIR}; each sample is
+    # taken from the cache of its rollout tag `teacher_tag_key` (or `default`), with an optional KD loss weight
+    # per teacher (default 1); on_unrouted: error (name the tag) | skip (count the samples in the metrics)
+    teachers: dict = field(default_factory=dict)
+    teacher_tag_key: str = "data_source"
+    teacher_weights: dict = field(default_factory=dict)
+    on_unrouted: str = "error"
     seed: int = 1234
     micro_batch_size: int = 8  # rows per micro-batch; with packing a token budget of micro_batch_size * seq_length
     global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
@@ -125,8 +132,20 @@ class TrainConfig:
             p.append("teacher_live needs rollouts=[DIR ...]: the rollout shards whose tokens the live teacher scores")
         if self.rollouts and self.teacher_live is None:
             p.append("rollouts are read only with teacher_live=DIR; to train from a cache, score them with gkd score")
-        if self.teacher_live is None and not self.cache:
-            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts)")
+        if self.teachers and (self.cache or self.teacher_live is not None):
+            p.append("teachers replaces cache and teacher_live: pass cache=[] with teachers={TAG: CACHE, ...}")
+        if any(not isinstance(v, str) or not v for v in self.teachers.values()):
+            p.append(f"teachers: every value must be a cache directory, got {self.teachers!r}")
+        unknown = sorted(set(self.teacher_weights) - set(self.teachers))
+        if unknown:
+            p.append(f"teacher_weights: {', '.join(unknown)} is not a key of teachers ({', '.join(self.teachers)})")
+        if any(not isinstance(w, (int, float)) or w < 0 for w in self.teacher_weights.values()):
+            p.append(f"teacher_weights must be numbers >= 0, got {self.teacher_weights!r}")
+        if self.on_unrouted not in ("error", "skip"):
+            p.append(f"on_unrouted must be error or skip, got {self.on_unrouted!r}")
+        if self.teacher_live is None and not self.cache and not self.teachers:
+            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts, or "
+                     "teachers={TAG: CACHE})")
         if self.teacher_live_topk < 1:
             p.append("teacher_live_topk must be >= 1")
         if self.optimizer not in ("adam", "sgd"):
@@ -285,15 +304,47 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
 
     `output_tensor` is the final hidden states with `fused_loss` (the loss applies the output layer itself, chunk
     by chunk: pipeline/train/fused_loss.py), the logits otherwise. loss=opd: the student-sourced positions take the
-    sampled-token estimator instead of the GKD divergence, normalised by the same global count of all positions."""
+    sampled-token estimator instead of the GKD divergence, normalised by the same global count of all positions.
+    Routed (`teachers`): one loss call per teacher present, on its positions only (both losses gather the masked
+    rows, so the split costs no extra output-layer work), its KD term weighted by teacher_weights[name].
+
+    Report layout (summed over micro-batches and DP ranks by the loop): [KD sum, SFT sum, OPD sum, OPD KL sum,
+    weighted KD sum, then per routed teacher its KD sums, then its KD counts]."""
+    names = sorted(cfg.teachers)
+    if batch.teacher_route is None or not names:
+        loss, kd_n, t = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt, output_tensor)
+        report = torch.stack([t[0], t[1], t[2], t[3], t[0]])
+        return loss, kd_n.int(), {"sums": report}
+    dev = batch.loss_mask.device
+    loss, kd_n, per = 0.0, 0, torch.zeros(2 * len(names), dtype=torch.float64, device=dev)
+    totals = torch.zeros(4, dtype=torch.float64, device=dev)
+    weighted_kd = torch.zeros((), dtype=torch.float64, device=dev)
+    present = [i for i in range(len(names)) if bool((batch.teacher_route == i).any())] or [None]
+    for i in present:
+        mask = batch.loss_mask if i is None else batch.loss_mask & (batch.teacher_route == i)
+        w = 1.0 if i is None else float(cfg.teacher_weights.get(names[i], 1.0))
+        part, n, t = _loss_terms(batch, mask, w, counts, cfg, vocab_size, gpt, output_tensor)
+        loss, kd_n = loss + part, kd_n + n
+        totals = totals + t
+        weighted_kd = weighted_kd + w * t[0]
+        if i is not None:
+            per[i], per[len(names) + i] = t[0], float(n)
+    report = torch.cat([totals, weighted_kd.reshape(1), per])
+    return loss, torch.as_tensor(kd_n).int(), {"sums": report}
+
+
+def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_size: int, gpt, output_tensor):
+    """(loss, active count, float64 [KD sum, SFT sum, OPD sum, OPD KL sum]) of the positions in `mask` (SFT: those
+    of dataset-sourced samples; loss=opd: OPD on the student-sourced ones), KD and OPD scaled by `kd_scale` (a
+    routed teacher's weight)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    sft_mask = batch.sft_mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
-    kd_weight, sft_weight = 1.0 / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
-    kd_mask, opd_mask = batch.loss_mask, None
+    sft_mask = batch.sft_mask & mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
+    kd_weight, sft_weight = kd_scale / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    kd_mask, opd_mask = mask, None
     if cfg.loss == "opd":  # student-sourced positions: OPD; dataset-sourced ones (loss_mask & dataset): GKD
-        kd_mask, opd_mask = batch.sft_mask, batch.loss_mask & ~batch.sft_mask
+        kd_mask, opd_mask = batch.sft_mask & mask, mask & ~batch.sft_mask
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
     opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
     if cfg.fused_loss:
@@ -331,9 +382,8 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
         if sft_mask is not None:
             sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
             loss = loss + sft_weight * sft_sum
-    report = torch.stack([kd_sum.detach().double(), sft_sum.detach().double(), opd_sum.detach().double(),
-                          opd_kl.detach().double()])
-    return loss, kd_n.int(), {"sums": report}
+    sums = torch.stack([x.detach().double() for x in (kd_sum, sft_sum, opd_sum, opd_kl)])
+    return loss, kd_n, sums
 
 
 def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
@@ -471,6 +521,7 @@ def _train(cfg: TrainConfig) -> dict:
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
         window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
         live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
+        routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
     )
 
     step, position = 0, 0
@@ -520,15 +571,23 @@ def _train(cfg: TrainConfig) -> dict:
             opd = (sums[2] / max(counts[0].item(), 1.0)).item()
             # loss=opd: student-sourced positions = all loss positions minus the dataset-sourced ones
             opd_kl = (sums[3] / max(counts[0].item() - counts[1].item(), 1.0)).item()
+            kd_loss = (sums[4] / max(counts[0].item(), 1.0)).item()  # = jsd unless teacher_weights are set
             dt = time.perf_counter() - t0
             positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
-            last = {"step": step, "loss": jsd + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+            last = {"step": step, "loss": kd_loss + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
                     **({"opd": opd, "opd_kl": opd_kl} if cfg.loss == "opd" else {}),
                     "lr": lr, "grad_norm": float(grad_norm or 0.0),
                     "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
                     "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
                     "samples": samples, "truncated": truncated, "folded_positions": folded,
                     "data_position": position}
+            if cfg.teachers:  # per teacher: its mean divergence and its active positions (a sum over ranks)
+                names = sorted(cfg.teachers)
+                for i, name in enumerate(names):
+                    n = sums[5 + len(names) + i].item()  # report layout: loss_func's docstring
+                    last[f"jsd/{name}"] = sums[5 + i].item() / n if n else None
+                    last[f"active_tokens/{name}"] = int(n)
+                last["unrouted_samples"] = loader.unrouted
             if rank == 0:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
@@ -536,6 +595,8 @@ def _train(cfg: TrainConfig) -> dict:
                              "padding_fraction", "samples", "truncated", "folded_positions", "opd_kl"):
                     if name not in last:
                         continue
+                    writer.add_scalar(f"train/{name}", last[name], step)
+                for name in [n for n in last if n.startswith(("jsd/", "active_tokens/")) and last[n] is not None]:
                     writer.add_scalar(f"train/{name}", last[name], step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
