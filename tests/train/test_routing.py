@@ -106,10 +106,11 @@ def test_loss_weights_each_teachers_positions(two, single_process):
                       teacher_valid=mb.teacher_valid) for i in (0, 1)]
     expect = (2.0 * parts[0][0] + 0.5 * parts[1][0]) / count
     torch.testing.assert_close(loss, expect, rtol=1e-6, atol=0)  # the same sums, added in the same order
-    sums = report["sums"]
-    assert int(n) == count == int(sums[5] + sums[6])
-    torch.testing.assert_close(sums[3:5].float(), torch.stack([parts[0][0], parts[1][0]]))
-    torch.testing.assert_close(sums[2], 2.0 * sums[3] + 0.5 * sums[4])
+    sums = report["sums"]  # [KD, SFT, OPD, OPD KL, weighted KD, KD of A, B, count of A, B] (run.loss_func)
+    assert int(n) == count == int(sums[7] + sums[8])
+    torch.testing.assert_close(sums[5:7].float(), torch.stack([parts[0][0], parts[1][0]]))
+    torch.testing.assert_close(sums[4], 2.0 * sums[5] + 0.5 * sums[6])
+    torch.testing.assert_close(sums[0], sums[5] + sums[6])
 
 
 def test_trainer_reports_each_teacher(two, tmp_path):
