@@ -7,7 +7,12 @@ In one process and one vLLM engine, on the same token batches:
   (extraction + encoding + atomic Parquet writes) vs the dict-form + detokenise path a server-based teacher uses;
   rounds interleaved so the shared machine's noise hits all alike;
 - cache size per scored token for English prose and templated math, with baselines encoded from the same rows;
-- codec fidelity (max abs error, KL over the k+1 bins) and decode speed into the trainer's arrays.
+- codec fidelity (max abs error, KL over the k+1 bins) and decode speed into the trainer's arrays;
+- top-p (variable k) caches at P = 0.99 and 0.995 (cap 64, min_k 1) through the same score path: bytes per token
+  and the mean kept k;
+- our codec against Megatron-LM's logits-saver layout (fp16 values + 16-bit ids + a 17th-bit flag plane, zstd-3)
+  on the same unquantised prose rows, at ~1k positions (small shards: per-cycle on-policy views, small parts) and
+  at all of them.
 """
 
 from __future__ import annotations
@@ -92,6 +97,56 @@ def _baselines(raw: list[dict], vocab: int) -> dict[str, float]:
     return out
 
 
+TOPP = (0.99, 0.995)
+
+
+def _topp_stats(cache_dir: Path) -> dict[str, float]:
+    from pipeline.store import TeacherCache
+
+    cache = TeacherCache.open(cache_dir)
+    st = cache.stats()
+    counts = np.concatenate([b.topk.counts for b in cache.iter_batches(batch_rows=256)])
+    return {"scored_tokens": st["scored_tokens"], "bytes_per_token": st["bytes"] / st["scored_tokens"],
+            "mean_k": float(counts.mean()), "median_k": float(np.median(counts)),
+            "share_at_cap": float((counts == K).mean())}
+
+
+def megatron_layout_bytes(ids: np.ndarray, lps: np.ndarray) -> int:
+    """Megatron-LM's logits-saver layout of top-k rows ([n, k] ids and logprobs): fp16 values, the low 16 bits of
+    each id, and one bit plane for the 17th id bit (vocabularies past 65,536), concatenated and compressed with
+    zstd level 3."""
+    import zstandard
+
+    ids = np.asarray(ids, dtype=np.int64)
+    blob = (np.asarray(lps, dtype=np.float16).tobytes() + (ids & 0xFFFF).astype("<u2").tobytes()
+            + np.packbits(((ids >> 16) & 1).astype(np.uint8)).tobytes())
+    return len(zstandard.ZstdCompressor(level=3).compress(blob))
+
+
+def _megatron_comparison(raw: list[dict], work: Path, vocab: int) -> dict[str, dict]:
+    """Same rows, fixed k=64: our whole shard file (every column, footer included) written by the cache vs the
+    Megatron-LM layout of the top-k alone, at the first ~1k positions and at all of them."""
+    from pipeline.store import Descriptor, TeacherCache
+    from pipeline.store.fingerprint import content_key
+
+    out = {}
+    first_1k = int(np.searchsorted(np.cumsum([len(r["topk_ids"]) for r in raw]), 1000)) + 1
+    for label, rows in (("1k", raw[:first_1k]), ("all", raw)):
+        desc = Descriptor(teacher_fingerprint="bench", tokenizer_fingerprint="bench", k=K,
+                          logprob_mode="raw_logprobs", vocab_size=vocab)
+        cache = TeacherCache.create_or_open(work / label, desc)
+        cache.write_shard("part", [{
+            "key": content_key("bench", r["input_ids"], r["first_scored"], K, "raw_logprobs"), "sample_id": f"s{i}",
+            "source": "dataset", "policy_version": None, **r} for i, r in enumerate(rows)])
+        n = sum(len(r["topk_ids"]) for r in rows)
+        ours = (work / label / "shards" / "part.parquet").stat().st_size
+        theirs = megatron_layout_bytes(np.concatenate([r["topk_ids"] for r in rows]),
+                                       np.concatenate([r["topk_logprobs"] for r in rows]))
+        out[label] = {"positions": n, "ours_bytes_per_token": ours / n, "megatron_bytes_per_token": theirs / n,
+                      "ratio": ours / theirs, "rows": len(rows)}
+    return out
+
+
 def _fidelity(raw: list[dict]) -> dict[str, float]:
     from pipeline.store import codec
 
@@ -161,10 +216,11 @@ def run(work: Path | None = None, prose_tokens: int = 12_000, math_samples: int 
                 [[(tid, lp.logprob, lp.decoded_token) for tid, lp in d.items()] for d in pl]
         dict_seconds = time.perf_counter() - t
         dict_tokens = sum(len(r["input_ids"]) for b in half for r in b)
-        for b in batches[: max(1, len(batches) // 3)]:  # raw (unquantised) rows for fidelity and baselines, untimed
+        for b in batches:  # raw (unquantised) rows for fidelity and baselines, untimed
             outs = llm.generate([TokensPrompt(prompt_token_ids=r["input_ids"].tolist()) for r in b], flat, use_tqdm=False)
             for r, o in zip(b, outs, strict=True):
-                raw.append({**extract(o.prompt_logprobs, r["input_ids"], r["first_scored"], K), "actual_ids": r["input_ids"][r["first_scored"]:]})
+                raw.append({**extract(o.prompt_logprobs, r["input_ids"], r["first_scored"], K), **r,
+                            "actual_ids": r["input_ids"][r["first_scored"]:]})
         med = {k: statistics.median(v) for k, v in times.items()}
         res["throughput"] = {
             "tokens": tokens,
@@ -182,7 +238,17 @@ def run(work: Path | None = None, prose_tokens: int = 12_000, math_samples: int 
         for name, cache_dir in (("prose", work / f"cache-prose-{rounds - 1}"), ("math", work / "cache-math")):
             st = TeacherCache.open(cache_dir).stats()
             res["size"][name] = {"scored_tokens": st["scored_tokens"], "bytes_per_token": st["bytes"] / st["scored_tokens"]}
+        # --- top-p caches: the same rollouts through the same score path, variable k ---
+        res["topp"] = {}
+        for topp in TOPP:
+            for name in ("prose", "math"):
+                cache_dir = work / f"cache-{name}-topp{topp}"
+                score(ScoreConfig(rollouts=str(dirs[name]), cache=str(cache_dir), teacher=str(teacher), topk=K,
+                                  topp=topp, min_k=1, max_model_len=2048, batch_tokens=budget, part_rows=100_000),
+                      llm=llm)
+                res["topp"][f"{name}@{topp}"] = _topp_stats(cache_dir)
     res["baselines_prose"] = _baselines(raw, tok.vocab_size if hasattr(tok, "vocab_size") else len(tok))
+    res["megatron_layout"] = _megatron_comparison(raw, work / "megatron", len(tok))
     res["fidelity_prose"] = _fidelity(raw)
     # --- decode speed: warm, single thread, prose cache into the trainer's arrays ---
     cache = TeacherCache.open(work / f"cache-prose-{rounds - 1}")
@@ -226,6 +292,29 @@ def markdown(res: dict) -> str:
         "",
         f"Decode, scored shards → trainer arrays (ids int32 [P,k], logprobs float32 [P,k], tail, actual), one thread, warm: "
         f"**{res['decode_tok_s'] / 1e6:.2f} M tokens/s** (goal ≥ 1 M).",
+        "",
+        "| top-p (variable k, cap 64, min_k 1), same score path | scored tokens | bytes / scored token | mean kept k | goal |",
+        "|---|---|---|---|---|",
+    ]
+    tp = res["topp"]
+    goals = {"prose": "≤ 50", "math": "≤ 25"}
+    for topp in TOPP:
+        for name in ("prose", "math"):
+            r = tp[f"{name}@{topp}"]
+            lines.append(f"| top-p {topp} {name} bytes/token | {r['scored_tokens']} | **{r['bytes_per_token']:.1f}** | "
+                         f"{r['mean_k']:.1f} (median {r['median_k']:.0f}, {r['share_at_cap']:.0%} at the cap) | "
+                         f"{goals[name] if topp == 0.99 else '-'} |")
+    m = res["megatron_layout"]
+    lines += [
+        "",
+        "| codec vs Megatron-LM layout, fixed k=64, same prose rows | positions | ours B/token (whole shard) | "
+        "Megatron-LM layout B/token (fp16 + 16-bit ids + 17th-bit plane, zstd-3; top-k only) | ratio | goal |",
+        "|---|---|---|---|---|---|",
+        f"| codec vs Megatron-LM layout, 1k positions | {m['1k']['positions']} | {m['1k']['ours_bytes_per_token']:.1f} | "
+        f"{m['1k']['megatron_bytes_per_token']:.1f} | **{m['1k']['ratio']:.2f}×** | ≤ 0.8× |",
+        f"| codec vs Megatron-LM layout, {m['all']['positions'] / 1000:.0f}k positions | {m['all']['positions']} | "
+        f"{m['all']['ours_bytes_per_token']:.1f} | {m['all']['megatron_bytes_per_token']:.1f} | "
+        f"**{m['all']['ratio']:.2f}×** | ≤ 0.8× |",
     ]
     return "\n".join(lines)
 

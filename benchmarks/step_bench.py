@@ -80,7 +80,8 @@ def random_batch(vocab: int, batch: int, seq: int, seed: int):
                       labels=ids.roll(-1, 1), loss_mask=mask, sft_mask=torch.zeros_like(mask),
                       doc_ids=torch.zeros(batch, seq, dtype=torch.int32), teacher_ids=teacher_ids,
                       teacher_logprobs=ell, teacher_valid=torch.ones(batch, seq, K, dtype=torch.bool),
-                      teacher_tail=torch.full((batch, seq), math.log(0.05)), keys=[], packed=False, end=0,
+                      teacher_tail=torch.full((batch, seq), math.log(0.05)), teacher_actual=torch.zeros(batch, seq),
+                      keys=[], packed=False, end=0,
                       tokens=batch * seq, positions=batch * seq, samples=batch, truncated=0, folded_positions=0)
 
 

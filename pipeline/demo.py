@@ -196,8 +196,8 @@ def run(cfg: DemoConfig) -> dict:
     t = time.perf_counter()
     _sh(py + ["train", *[a for a in train_args if not a.startswith("cache=")], "cache=[]", f"teacher_live={teacher}",
               f"rollouts=[{train_dir}]", f"teacher_live_topk={cfg.topk}", "seed=1",
-              f"train_steps={cfg.live_probe_steps}", f"save_dir={out / 'live-probe'}",
-              f"save_interval={cfg.live_probe_steps}"], log)
+              f"train_steps={cfg.steps}", f"exit_after={cfg.live_probe_steps}", f"save_dir={out / 'live-probe'}",
+              f"save_interval={cfg.live_probe_steps}"], log)  # student A's schedule, its first steps: like for like
     times["live_probe"] = time.perf_counter() - t
 
     # 5. student B from the same cache: scoring again finds every key cached

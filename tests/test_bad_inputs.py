@@ -126,7 +126,7 @@ def _score(tmp: Path, teacher: Path, cache: Path | None = None, *extra: str) -> 
 def test_prompt_longer_than_max_model_len(tmp_path, teacher, capsys):
     _rollouts(tmp_path, teacher, [_row(0), _row(1, prompt=MAX_LEN + 4)])
     refused(tmp_path, _score(tmp_path, teacher), capsys,
-            r"rollouts: 1 rollout\(s\) are longer than 64 tokens \(max_model_len\)", "raise max_model_len",
+            r"rollouts: 1 rollout\(s\) are longer than 64 tokens \(max_model_len", "raise max_model_len",
             "on_overlong=skip")
 
 

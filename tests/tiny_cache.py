@@ -23,8 +23,11 @@ def build_tiny(out: Path, seed: int = 0) -> Path:
 
 
 def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]], *, k: int = K,
-                     shard_rows: int = 8, codec: str = "rank-grid-esc") -> TeacherCache:
-    """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r."""
+                     shard_rows: int = 8, codec: str = "rank-grid-esc", topp: float | None = None,
+                     min_k: int | None = None, tags: list[dict] | None = None) -> TeacherCache:
+    """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r.
+    `topp`/`min_k`: a variable-k cache with cap k (the codec truncates each position, as in `gkd score`).
+    `tags`: the rollout tags of each sample (what the trainer routes on), stored with its row."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.store.codec import params as codec_params
@@ -32,11 +35,12 @@ def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.nd
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     desc = Descriptor(
         teacher_fingerprint=teacher_fingerprint(model_dir), tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
-        k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size, codec=codec_params(codec),
+        k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size, codec=codec_params(codec, topp),
+        topp=topp, min_k=min_k,
     )
     cache = TeacherCache.create_or_open(cache_dir, desc)
     rows = []
-    for ids, p, source in samples:
+    for i, (ids, p, source) in enumerate(samples):
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.as_tensor(ids[None], dtype=torch.long)).logits[0].float(), -1)
         dist = lp[p - 1 : len(ids) - 1]  # logits at t predict token t + 1
@@ -54,6 +58,7 @@ def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.nd
             "topk_logprobs": top.values.numpy().astype(np.float32),
             "actual_ranks": ((dist > actual_lp[:, None]).sum(1) + 1).numpy().astype(np.int32),
             "actual_logprobs": actual_lp.numpy().astype(np.float32),
+            "tags": None if tags is None else tags[i],
         })
     for i in range(0, len(rows), shard_rows):
         cache.write_shard(f"scored-{i // shard_rows:05d}", rows[i : i + shard_rows])

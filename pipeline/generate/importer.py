@@ -4,6 +4,8 @@
                --tokenizer data/models/smollm2-student-6l --out runs/rollouts/sft
     gkd import --dataset data/chats.parquet --messages-field messages --tokenizer MODEL_DIR --out DIR   # last turn = response
     gkd import --dataset "reasoning-gym:basic_arithmetic?size=100&seed=0" --tokenizer MODEL_DIR --out DIR
+    gkd import --dataset data/opsd.jsonl --prompt-field question --response-field answer \
+               --teacher-prompt-field question_with_solution --tokenizer MODEL_DIR --out DIR   # OPSD teacher view
 
 The prompt is the chat template with the assistant header (the ids a student sampler would be given); the
 completion is the assistant turn as the template renders it in the full conversation (its suffix after the
@@ -36,21 +38,27 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
             reason = "empty_prompt"
         elif p.response is None or not str(p.response).strip():
             reason = "empty_response"
+        elif p.teacher_messages == []:
+            reason = "empty_teacher_prompt"
         else:
             ids = prompt_ids(tokenizer, p.messages)
             completion = response_ids(tokenizer, p.messages, str(p.response), ids)
-            if max_len is not None and len(ids) + len(completion) > max_len:
+            teacher = None if p.teacher_messages is None else prompt_ids(tokenizer, p.teacher_messages)
+            longest = max(len(ids), len(teacher or ())) + len(completion)
+            if max_len is not None and longest > max_len:
                 reason = "too_long"
         if reason:
             if on_bad == "error":
-                field = {"empty_prompt": "prompt", "empty_response": "response"}.get(reason, "prompt + response")
+                field = {"empty_prompt": "prompt", "empty_response": "response",
+                         "empty_teacher_prompt": "teacher prompt"}.get(reason, "prompt + response")
                 fix = "raise --max-len" if reason == "too_long" else "fill it in"
                 raise PromptError(f"{where}: row {p.prompt_id!r}: {reason.replace('_', ' ')} (the {field} field{fields});"
                                   f" {fix}, or pass --on-bad skip to skip and count it")
             skipped[reason] += 1
             continue
         rows.append(rollout_row(prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=completion,
-                                source="dataset", policy_version=None, finish_reason=None, tags=p.tags))
+                                source="dataset", policy_version=None, finish_reason=None, tags=p.tags,
+                                teacher_prompt_ids=teacher))
     return rows, skipped
 
 
@@ -63,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--messages-field", help="chat messages field; a final assistant turn is the response")
     ap.add_argument("--response-field", help="reference response field (default 'response' with --prompt-field)")
     ap.add_argument("--id-field", help="stable row id field (default: row index)")
+    ap.add_argument("--tag-field", action="append", default=[], help="a field copied into the rollout tags (for "
+                    "gkd score --tags / the trainer's teachers routing); repeat for several")
+    ap.add_argument("--teacher-prompt-field", help="privileged teacher prompt (OPSD): a text or chat field the teacher "
+                    "sees instead of the prompt; gkd score scores it + the completion")
     ap.add_argument("--max-len", type=int, help="refuse/skip rows longer than this many tokens in total")
     ap.add_argument("--on-bad", choices=("error", "skip"), default="error")
     ap.add_argument("--shard", type=int, default=None, help="default: $SLURM_ARRAY_TASK_ID, else 0")
@@ -106,7 +118,8 @@ def _import(args: argparse.Namespace, shard: int, path: Path) -> tuple[list[dict
         if declared and declared != fp:
             raise PromptError(f"tokenizer {fp} differs from {declared} declared by {other}.ok")
     prompts = load_prompts(args.dataset, prompt_field=args.prompt_field, messages_field=args.messages_field,
-                           response_field=response_field, id_field=args.id_field)
+                           response_field=response_field, id_field=args.id_field,
+                           teacher_prompt_field=args.teacher_prompt_field, tag_fields=args.tag_field)
     mine = [p for p in prompts if assign_shard(p.prompt_id, args.num_shards) == shard]
     names = [f"--{k.replace('_', '-')} {v}" for k, v in (("messages_field", args.messages_field), ("prompt_field",
              None if args.messages_field else args.prompt_field), ("response_field", response_field)) if v]

@@ -31,6 +31,9 @@ class Prompt:
     messages: list[dict]  # chat turns ending with the user turn the model answers
     response: str | None = None  # reference response (dataset) or answer (reasoning-gym); None when absent
     tags: dict[str, str] = field(default_factory=dict)
+    # Privileged-context teacher (OPSD): the chat the teacher sees instead of `messages` (e.g. the question with
+    # its reference solution); None = the teacher sees `messages`; [] = the row's field is empty (a bad row).
+    teacher_messages: list[dict] | None = None
 
     @property
     def empty(self) -> bool:
@@ -45,19 +48,28 @@ def load_prompts(
     messages_field: str | None = None,
     response_field: str | None = None,
     id_field: str | None = None,
+    teacher_prompt_field: str | None = None,
+    tag_fields: Sequence[str] = (),
 ) -> list[Prompt]:
-    """All prompts of a source, in source order (ids are stable: the `id_field` value or the row index)."""
+    """All prompts of a source, in source order (ids are stable: the `id_field` value or the row index).
+    `teacher_prompt_field`: a text (one user message) or chat field the teacher sees instead of the prompt (OPSD).
+    `tag_fields`: fields copied into each prompt's tags as strings (what score --tags and the trainer route on)."""
     if src.startswith(RG_PREFIX):
+        if teacher_prompt_field or tag_fields:
+            raise PromptError(f"{src}: teacher_prompt_field / tag_fields need a dataset file with those fields "
+                              "(reasoning-gym prompts have none; they are tagged data_source=reasoning-gym:TASK)")
         return _reasoning_gym(src)
     rows, where = _read_dataset(src)
     columns = set(rows.column_names)
-    needed = [f for f in (messages_field or prompt_field, response_field, id_field) if f]
+    needed = [f for f in (messages_field or prompt_field, response_field, id_field, teacher_prompt_field, *tag_fields)
+              if f]
     missing = [f for f in needed if f not in columns]
     if missing:
         raise PromptError(
             f"{where}: no field {', '.join(map(repr, missing))} (fields: {', '.join(sorted(columns))}); "
-            "choose one with prompt_field= / messages_field= / response_field= / id_field= (gkd generate) or "
-            "--prompt-field / --messages-field / --response-field / --id-field (gkd import)"
+            "choose one with prompt_field= / messages_field= / response_field= / id_field= / teacher_prompt_field= / "
+            "tag_fields= (gkd generate) or --prompt-field / --messages-field / --response-field / --id-field / "
+            "--teacher-prompt-field / --tag-field (gkd import)"
         )
     data_source = Path(src).name
     prompts = []
@@ -72,8 +84,18 @@ def load_prompts(
             last = messages.pop()
             response = last["content"] if response is None else response
         pid = str(row[id_field]) if id_field else str(i)
-        prompts.append(Prompt(pid, messages, response, {"data_source": data_source}))
+        teacher = _teacher_messages(row[teacher_prompt_field]) if teacher_prompt_field else None
+        tags = {"data_source": data_source, **{f: "" if row[f] is None else str(row[f]) for f in tag_fields}}
+        prompts.append(Prompt(pid, messages, response, tags, teacher))
     return prompts
+
+
+def _teacher_messages(value) -> list[dict]:
+    """A teacher-prompt field: text -> one user message; a chat -> its turns; empty -> []."""
+    if isinstance(value, list):
+        turns = [{"role": m["role"], "content": m["content"]} for m in value]
+        return turns if turns and str(turns[-1]["content"] or "").strip() else []
+    return [{"role": "user", "content": str(value)}] if value is not None and str(value).strip() else []
 
 
 def _read_dataset(src: str):

@@ -43,6 +43,8 @@ class GenerateConfig:
     prompt_field: str = "prompt"
     messages_field: str | None = None  # when set, used instead of prompt_field
     id_field: str | None = None  # default: the row index
+    teacher_prompt_field: str | None = None  # OPSD: a text/chat field the teacher sees instead of the prompt
+    tag_fields: list[str] = field(default_factory=list)  # fields copied into the rollout tags (routing)
     student: str | None = None  # HF folder or trainer export; null = the embedded SmolLM2 student
     adapter: str | None = None  # peft LoRA folder applied to `student` through vLLM's LoRARequest
     out: str = "runs/rollouts"
@@ -101,11 +103,17 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
     for p in prompts:
         ids = [] if p.empty else prompt_ids(tokenizer, p.messages)
         reason = "empty" if p.empty else "too_long" if len(ids) > limit else None
+        if reason is None and p.teacher_messages == []:
+            reason = "empty_teacher_prompt"
         if reason and cfg.on_bad_prompt == "error":
-            fix = ("give it text" if reason == "empty" else "raise max_model_len, lower max_tokens")
-            raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} is {reason.replace('_', ' ')} (field "
-                              f"{cfg.messages_field or cfg.prompt_field!r}, {len(ids)} tokens, limit max_model_len - "
-                              f"max_tokens = {limit}); {fix}, or pass on_bad_prompt=skip to skip and count it")
+            if reason == "empty_teacher_prompt":
+                what, fix = f"has an empty {cfg.teacher_prompt_field or 'teacher prompt'} field", "give it text"
+            else:
+                what = (f"is {reason.replace('_', ' ')} (field {cfg.messages_field or cfg.prompt_field!r}, {len(ids)} "
+                        f"tokens, limit max_model_len - max_tokens = {limit})")
+                fix = "give it text" if reason == "empty" else "raise max_model_len, lower max_tokens"
+            raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} {what}; {fix}, or pass on_bad_prompt=skip to "
+                              "skip and count it")
         if reason:
             skipped[reason] += 1
         else:
@@ -127,6 +135,8 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in chunk], params,
                                use_tqdm=False, lora_request=lora)
         for (p, ids), out in zip(chunk, outputs, strict=True):
+            # the student sampled from its own prompt; the teacher will score its privileged one (OPSD)
+            teacher = None if p.teacher_messages is None else prompt_ids(tokenizer, p.teacher_messages)
             for c in out.outputs:
                 logprobs = None
                 if cfg.logprobs:
@@ -134,7 +144,7 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
                 rows.append(rollout_row(
                     prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=c.token_ids, source="student",
                     policy_version=cfg.policy_version, completion_logprobs=logprobs,
-                    finish_reason=c.finish_reason, tags=p.tags,
+                    finish_reason=c.finish_reason, tags=p.tags, teacher_prompt_ids=teacher,
                 ))
                 texts.append(c.text)
                 finish[c.finish_reason] += 1
@@ -152,7 +162,8 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
 
 def task_prompts(cfg: GenerateConfig, shard: int) -> list[Prompt]:
     prompts = load_prompts(cfg.prompts, prompt_field=cfg.prompt_field, messages_field=cfg.messages_field,
-                           id_field=cfg.id_field)
+                           id_field=cfg.id_field, teacher_prompt_field=cfg.teacher_prompt_field,
+                           tag_fields=cfg.tag_fields)
     return [p for p in prompts if assign_shard(p.prompt_id, cfg.num_shards) == shard]
 
 
@@ -191,7 +202,7 @@ def run_task(llm: Any, tokenizer: Any, cfg: GenerateConfig, shard: int, *, lora:
 def parse_args(argv: list[str]) -> GenerateConfig:
     ap = argparse.ArgumentParser(prog="gkd generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help=f"YAML config (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
-    for flag in ("prompts", "student", "adapter", "out"):
+    for flag in ("prompts", "student", "adapter", "out", "teacher-prompt-field"):
         ap.add_argument(f"--{flag}")
     for flag in ("shard", "num-shards", "n", "max-tokens", "seed", "policy-version"):
         ap.add_argument(f"--{flag}", type=int)

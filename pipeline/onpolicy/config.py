@@ -29,6 +29,9 @@ class OnPolicyConfig:
     seed: int = 1234  # lmbda draws, trainer seed, sampling seeds
     # -- on-policy sampling
     prompts: str = "reasoning-gym:basic_arithmetic?size=64&seed=0"
+    # OPSD: a text/chat field of `prompts` the teacher sees instead of the prompt (the student samples from its
+    # prompt, the teacher scores teacher prompt + completion); null: the teacher sees the student's prompt
+    teacher_prompt_field: str | None = None
     prompts_per_cycle: int = 8  # cycle c samples prompts [c*ppc, (c+1)*ppc) of the source, wrapping around
     n: int = 2
     temperature: float = 1.0
@@ -43,7 +46,9 @@ class OnPolicyConfig:
     heldout_prompts: str | None = None
     heldout_n: int = 1
     # -- teacher / engines
-    topk: int = 16
+    topk: int = 16  # 0: only the sampled tokens' teacher logprobs (loss=opd; no held-out KL then)
+    topp: float | None = None  # variable k (score stage `topp`/`min_k`, topk the cap); null: fixed k
+    min_k: int | None = None
     dtype: str = "float32"
     max_model_len: int = 512
     kv_cache_gib: float = 0.5
@@ -60,6 +65,7 @@ class OnPolicyConfig:
     beta: float = 0.5
     kd_temperature: float = 1.0
     topk_mode: str = "tail"
+    loss: str = "gkd"  # gkd | opd: the trainer's loss (TrainConfig.loss; opd = sampled-token on-policy distillation)
     sft_alpha: float = 0.0
     train_extra: dict = field(default_factory=dict)  # any other TrainConfig key, e.g. {window_rows: 1024}
     # -- LoRA student: lora_rank > 0 trains adapters on the frozen student, and each cycle ships only the adapter
@@ -99,6 +105,10 @@ class OnPolicyConfig:
             p.append("lmbda < 1 needs off-policy data: offpolicy_cache (an existing cache) and/or offpolicy_dataset")
         if self.offpolicy_dataset and not self.offpolicy_cache:
             p.append("offpolicy_dataset needs offpolicy_cache: the directory it is scored into")
+        if self.topk == 0 and self.loss != "opd":
+            p.append("topk=0 stores no teacher top-k: only loss=opd can train from it")
+        if self.topk == 0 and self.heldout_prompts:
+            p.append("topk=0: the held-out KL needs the teacher's top-k; set heldout_prompts: null (or topk >= 1)")
         if self.max_tokens >= self.max_model_len:
             p.append("max_tokens must be < max_model_len (the prompt needs room)")
         p += self._slurm_problems()
@@ -152,7 +162,8 @@ class OnPolicyConfig:
     # -- stage configs ----------------------------------------------------------------------------------------
     def generate_config(self, out: Path, student: str, policy_version: int, seed: int) -> GenerateConfig:
         return GenerateConfig(
-            prompts=self.prompts, student=student, out=str(out), num_shards=1, shard=0, n=self.n,
+            prompts=self.prompts, teacher_prompt_field=self.teacher_prompt_field, student=student, out=str(out),
+            num_shards=1, shard=0, n=self.n,
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, seed=seed,
             policy_version=policy_version, on_bad_prompt="skip", dtype=self.dtype, max_model_len=self.max_model_len,
             kv_cache_gib=self.kv_cache_gib, enforce_eager=self.enforce_eager,
@@ -160,7 +171,8 @@ class OnPolicyConfig:
 
     def score_config(self, rollouts: Path, cache: str) -> ScoreConfig:
         return ScoreConfig(
-            rollouts=str(rollouts), cache=cache, teacher=self.teacher, topk=self.topk, shard=0, num_shards=1,
+            rollouts=str(rollouts), cache=cache, teacher=self.teacher, topk=self.topk, topp=self.topp,
+            min_k=self.min_k, shard=0, num_shards=1,
             on_overlong="skip", dtype=self.dtype, max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
             enforce_eager=self.enforce_eager, batch_tokens=self.batch_tokens,
         )
@@ -174,7 +186,7 @@ class OnPolicyConfig:
             "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length, "train_steps": self.total_steps, "lr": self.lr, "min_lr": self.min_lr,
             "warmup_steps": self.warmup_steps, "clip_grad": self.clip_grad, "beta": self.beta,
-            "temperature": self.kd_temperature, "topk_mode": self.topk_mode, "sft_alpha": self.sft_alpha,
+            "temperature": self.kd_temperature, "topk_mode": self.topk_mode, "loss": self.loss, "sft_alpha": self.sft_alpha,
             "save_dir": str(save_dir), "save_interval": self.steps_per_generation, "exit_after": exit_after,
             "data_position": data_position, "progress": False, "lora_rank": self.lora_rank,
             "lora_alpha": self.lora_alpha, "lora_targets": list(self.lora_targets), **self.train_extra,

@@ -97,7 +97,7 @@ class Run:
         from pipeline.generate.prompts import load_prompts
 
         if self._prompts is None:
-            self._prompts = load_prompts(self.cfg.prompts)
+            self._prompts = load_prompts(self.cfg.prompts, teacher_prompt_field=self.cfg.teacher_prompt_field)
         ppc, n = self.cfg.prompts_per_cycle, len(self._prompts)
         if ppc > n:
             raise ConfigError(f"prompts_per_cycle={ppc} but {self.cfg.prompts} has only {n} prompts")

@@ -4,11 +4,18 @@
     gkd score --config configs/score.yaml [key=value ...]            # make score
     gkd score ... --shard 3 --num-shards 8                           # one task of a Slurm array
     gkd score ... --num-shards 8 --status                            # which tasks are missing, as --array=...
+    gkd score ... --teacher BASE --teacher-adapter LORA_DIR          # base + LoRA adapter as the teacher
+    gkd score ... --teacher MATH_T --cache c-math --tags math --tag-key task   # one teacher per tag (routing)
 
 One sample's path: rollout row (prompt_ids + completion_ids) -> input_ids x_0..x_{L-1}, P = len(prompt_ids) ->
 content key -> (skipped if cached) -> vLLM prompt_logprobs: entry j >= 1 is the teacher distribution of x_j given
 x_<j (entry 0 is empty) -> positions j = P..L-1 stored as top-k ids/logprobs, the actual token's rank/logprob and the
 tail -> a part shard `scored-<tag>-<task>-pNNNN.parquet` -> the task marker `tasks/<tag>-<task>.done`, written last.
+
+Privileged-context teacher (OPSD): a rollout with `teacher_prompt_ids` T is scored on T + completion (the engine's
+positions |T|..) and stored as the student sees it, input_ids = prompt + completion with first_scored = P, so the
+trainer pairs stored row i (completion token i, given T and the completion before it) with the student's logits on
+prompt + completion at the same completion token. Its content key covers T.
 
 A rerun skips scored keys (so a killed task resumes where its last complete part ended) and a finished task is a
 no-op. Rows go to tasks by a hash of their content key, so identical sequences always meet in the same task.
@@ -32,8 +39,9 @@ import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, load_config, parse_overrides
 from pipeline.store import Descriptor, TeacherCache
+from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
-from pipeline.store.fingerprint import content_key, teacher_fingerprint, tokenizer_fingerprint
+from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
 from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
 from pipeline.store.shards import ShardError, atomic_write_bytes, read_marker, verify_shard
 
@@ -50,7 +58,7 @@ NEUTRAL_ENGINE_OPTIONS = frozenset({
 })
 # ScoreConfig keys that engine_extra must not override (they are passed to vLLM already)
 _OWN_KEYS = ("dtype", "logprobs_mode", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization",
-             "max_num_batched_tokens", "enforce_eager", "model", "tokenizer", "max_logprobs")
+             "max_num_batched_tokens", "enforce_eager", "model", "tokenizer", "max_logprobs", "enable_lora")
 
 
 @dataclass
@@ -58,8 +66,15 @@ class ScoreConfig:
     rollouts: str = "runs/rollouts"
     cache: str = "runs/cache"
     teacher: str = "default"  # an HF folder; "default" = SmolLM2-135M-Instruct built by pipeline.assets
-    topk: int = 64
+    teacher_adapter: str | None = None  # a peft LoRA folder on top of `teacher`, merged for scoring (score/adapter.py)
+    merge_dir: str | None = None  # where the merged teacher is written (needs one base's size); null: $TMPDIR
+    topk: int = 64  # k; with topp the cap of the kept entries; 0: only the actual token's logprob and rank
+    topp: float | None = None  # variable k: keep the fewest top entries with teacher mass >= topp (None: fixed k)
+    min_k: int | None = None  # with topp: at least this many per position (default 1)
     score_prompt: bool = False  # score every position from x_1 on, not just the completion
+    # Routing (several teachers): score only the rollouts whose tags[tag_key] is one of `tags` ([] = all of them)
+    tags: list[str] = field(default_factory=list)
+    tag_key: str = "data_source"
     shard: int | None = None  # defaults to $SLURM_ARRAY_TASK_ID
     num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
     on_overlong: str = "error"  # error | skip
@@ -77,10 +92,19 @@ class ScoreConfig:
     part_rows: int = 512  # rows per output part: bounds memory, and what a killed task loses
     engine_extra: dict = field(default_factory=dict)
 
+    @property
+    def resolved_min_k(self) -> int | None:
+        return (1 if self.min_k is None else self.min_k) if self.topp is not None else self.min_k
+
     def validate(self) -> list[str]:
         p = []
-        if self.topk < 1:
-            p.append(f"topk must be >= 1, got {self.topk}")
+        if self.topk < 0:
+            p.append(f"topk must be >= 0, got {self.topk}")
+        try:
+            check_top_p(self.topk, self.topp, self.resolved_min_k)
+            codec_params(self.codec, self.topp)
+        except CodecError as e:
+            p.append(str(e))
         if self.num_shards < 1:
             p.append(f"num_shards must be >= 1, got {self.num_shards}")
         if self.shard is not None and not 0 <= self.shard < self.num_shards:
@@ -91,6 +115,8 @@ class ScoreConfig:
             p.append(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
         if self.codec not in CODECS:
             p.append(f"codec must be one of {CODECS}, got {self.codec!r}")
+        if any(not isinstance(t, str) or not t for t in self.tags):
+            p.append(f"tags must be non-empty strings (--tags math,code), got {self.tags!r}")
         if self.batch_tokens < 1 or self.part_rows < 1:
             p.append("batch_tokens and part_rows must be >= 1")
         if self.dtype not in DTYPES:
@@ -169,12 +195,15 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
 # -- task bookkeeping --------------------------------------------------------------------------------------------
 
 
-def rollouts_tag(paths: list[Path]) -> str:
-    """Identity of a rollout set, from its shards' names and checksums (cheap: markers only)."""
+def rollouts_tag(paths: list[Path], tags: list[str] | None = None, tag_key: str = "") -> str:
+    """Identity of a rollout set, from its shards' names and checksums (cheap: markers only), and of the tag
+    selection scored from it (scoring tags A then tags B into one cache are two tasks, not one done twice)."""
     h = hashlib.blake2b(digest_size=6)
     for p in paths:
         m = read_marker(p) or {}
         h.update(f"{p.name}:{m.get('sha256')}\n".encode())
+    if tags:
+        h.update(f"tags|{tag_key}|{json.dumps(sorted(set(tags)))}".encode())
     return h.hexdigest()
 
 
@@ -202,26 +231,51 @@ def select_rows(
     cfg: ScoreConfig, rollouts: list[Path], teacher_fp: str, shard: int, vocab_size: int, max_len: int, counts: dict
 ) -> list[dict]:
     """This task's rows, deduplicated by content key; bad input refused (or skipped and counted) before any work.
-    `max_len` is the longest sequence the engine can score."""
+    `max_len` is the longest sequence the engine can score.
+
+    A row with `teacher_prompt_ids` (OPSD) is scored on teacher_prompt_ids + completion_ids (`engine_ids`, its
+    completion from `engine_first` on) and stored as the student sees it: input_ids = prompt_ids + completion_ids,
+    first_scored = len(prompt_ids), so stored row i is still the teacher's distribution of completion token i."""
     rows: dict[str, dict] = {}
-    too_big, overlong = [], []
+    too_big, overlong, privileged = [], [], []
+    wanted = set(cfg.tags)
     for r in iter_rollouts(rollouts):
+        if wanted and r["tags"].get(cfg.tag_key) not in wanted:
+            counts["other_tags"] = counts.get("other_tags", 0) + 1  # another teacher's (or no teacher's) rows
+            continue
         ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
         first = 1 if cfg.score_prompt else len(r["prompt_ids"])
+        teacher_prompt = r.get("teacher_prompt_ids")
+        if teacher_prompt is not None and (cfg.score_prompt or not teacher_prompt):
+            privileged.append(r["sample_id"])
+            continue
         if len(r["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
             counts["empty"] = counts.get("empty", 0) + 1
             continue
-        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode)
+        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode, teacher_prompt=teacher_prompt)
         if assign_shard(key, cfg.num_shards) != shard or key in rows:
             continue
-        if ids.max() >= vocab_size or ids.min() < 0:
+        engine_ids, engine_first = ids, first
+        if teacher_prompt is not None:
+            engine_ids = np.asarray(teacher_prompt + r["completion_ids"], dtype=np.int64)
+            engine_first = len(teacher_prompt)
+        if max(ids.max(), engine_ids.max()) >= vocab_size or min(ids.min(), engine_ids.min()) < 0:
             too_big.append(r["sample_id"])
-        if len(ids) > max_len:
+        if len(engine_ids) > max_len:
             if cfg.on_overlong == "skip":
                 counts["overlong"] = counts.get("overlong", 0) + 1
                 continue
             overlong.append(r["sample_id"])
-        rows[key] = {**r, "key": key, "input_ids": ids.astype(np.int32), "first_scored": first}
+        rows[key] = {**r, "key": key, "input_ids": ids.astype(np.int32), "first_scored": first,
+                     "engine_ids": engine_ids, "engine_first": engine_first}
+    if privileged:
+        raise ScoreInputError(
+            f"{len(privileged)} rollout(s) carry a teacher_prompt_ids that "
+            + ("score_prompt cannot score (the teacher's prompt positions are not the student's)"
+               if cfg.score_prompt else "is empty (the first completion token would have no context)")
+            + f": {', '.join(privileged[:10])}" + (" ..." if len(privileged) > 10 else "")
+            + ("; score them without score_prompt" if cfg.score_prompt else "; rebuild them with a non-empty teacher prompt")
+        )
     if too_big:
         raise ScoreInputError(
             f"{cfg.rollouts}: {len(too_big)} rollout(s) hold token ids (prompt_ids/completion_ids) outside the "
@@ -231,8 +285,8 @@ def select_rows(
         )
     if overlong:
         raise ScoreInputError(
-            f"{cfg.rollouts}: {len(overlong)} rollout(s) are longer than {max_len} tokens (max_model_len): "
-            f"{', '.join(overlong[:10])}"
+            f"{cfg.rollouts}: {len(overlong)} rollout(s) are longer than {max_len} tokens (max_model_len; a privileged "
+            f"teacher prompt counts instead of the prompt): {', '.join(overlong[:10])}"
             + (" ..." if len(overlong) > 10 else "")
             + "; raise max_model_len or pass on_overlong=skip to skip and count them"
         )
@@ -240,10 +294,11 @@ def select_rows(
 
 
 def token_batches(rows: list[dict], budget: int) -> list[list[dict]]:
-    """Consecutive batches whose total length stays within the token budget (a longer row goes alone)."""
+    """Consecutive batches whose total length (of what the engine scores: `engine_ids` where a row has them) stays
+    within the token budget (a longer row goes alone)."""
     batches, cur, used = [], [], 0
     for r in rows:
-        n = len(r["input_ids"])
+        n = len(r.get("engine_ids", r["input_ids"]))
         if cur and used + n > budget:
             batches.append(cur)
             cur, used = [], 0
@@ -307,7 +362,7 @@ def resolve_teacher(name: str) -> Path:
 def status(cfg: ScoreConfig) -> int:
     """Print which of the num_shards tasks are not done, as a ready `--array=` list; exit 1 if any."""
     paths = rollout_shards(cfg.rollouts)
-    tag = rollouts_tag(paths)
+    tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
     root = Path(cfg.cache)
     missing = [i for i in range(cfg.num_shards) if not task_done(root, task_name(tag, i, cfg.num_shards))]
     if not missing:
@@ -352,7 +407,15 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     numerics = scoring_numerics(cfg)
     if llm is not None:
         check_engine_numerics(llm, numerics)
+    if cfg.teacher_adapter:
+        if llm is not None:
+            raise ConfigError("teacher_adapter cannot score through an engine passed to score(): the stage merges the "
+                              "adapter into a temporary teacher folder and opens its own engine on it (llm=None)")
+        if not (Path(cfg.teacher_adapter) / "adapter_config.json").exists():
+            raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_fp = teacher_fingerprint(teacher)
+    if cfg.teacher_adapter:
+        teacher_fp = adapter_fingerprint(teacher_fp, cfg.teacher_adapter)  # base weights + adapter config/weights
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = int(teacher_config.vocab_size)
     # vLLM must fit one sampled token after the scored sequence, so the engine gets max_model_len + 1 where the
@@ -366,15 +429,17 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         tokenizer_fingerprint=tok_fp,
         k=cfg.topk,
         logprob_mode=cfg.logprob_mode,
-        teacher=str(teacher),
+        teacher=str(teacher) + (f" + adapter {cfg.teacher_adapter}" if cfg.teacher_adapter else ""),
         vocab_size=vocab_size,
         engine=engine_version(),
         numerics=numerics,
-        codec=codec_params(cfg.codec),
+        codec=codec_params(cfg.codec, cfg.topp),
+        topp=None if cfg.topp is None else float(cfg.topp),
+        min_k=cfg.resolved_min_k,
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
 
-    tag = rollouts_tag(paths)
+    tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
     name = task_name(tag, shard, cfg.num_shards)
     locks.enter_context(task_lock(cache.root, name))  # also shows a read-only cache before any teacher work
     if task_done(cache.root, name):
@@ -397,8 +462,15 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         from pipeline.engine import EngineArgs, open_engine
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=cfg.topk, detokenize=False, flat_logprobs=True)
+        stack = contextlib.ExitStack()
+        model_dir = teacher
+        if cfg.teacher_adapter:
+            from pipeline.score.adapter import merged_teacher
+
+            model_dir = stack.enter_context(merged_teacher(teacher, cfg.teacher_adapter, dtype=DTYPES[cfg.dtype],
+                                                           parent=cfg.merge_dir))
         engine_args = EngineArgs(
-            model=str(teacher),
+            model=str(model_dir),
             tensor_parallel_size=cfg.tensor_parallel_size,
             dtype=cfg.dtype,
             max_model_len=engine_len,
@@ -408,21 +480,22 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
             enforce_eager=cfg.enforce_eager,
             extra=cfg.engine_extra,
         )
-        total_tokens = sum(len(r["input_ids"]) for r in todo)
+        total_tokens = sum(len(r["engine_ids"]) for r in todo)
         pending: list[dict] = []
-        with (open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode) if llm is None else contextlib.nullcontext(llm)) as engine:
+        with stack, (open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode) if llm is None else contextlib.nullcontext(llm)) as engine:
             bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
             t_score = time.time()
             for batch in token_batches(todo, cfg.batch_tokens):
-                prompts = [TokensPrompt(prompt_token_ids=r["input_ids"].tolist()) for r in batch]
+                prompts = [TokensPrompt(prompt_token_ids=r["engine_ids"].tolist()) for r in batch]
                 outputs = engine.generate(prompts, params, use_tqdm=False)
                 summary["teacher_forwards"] += len(batch)
                 for r, out in zip(batch, outputs, strict=True):
-                    got = extract(out.prompt_logprobs, r["input_ids"].astype(np.int64), r["first_scored"], cfg.topk)
+                    # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
+                    got = extract(out.prompt_logprobs, r["engine_ids"], r["engine_first"], cfg.topk)
                     check_finite(got, r, teacher, cfg)
                     pending.append({**r, **got})
                     summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
-                bar.update(sum(len(r["input_ids"]) for r in batch))
+                bar.update(sum(len(r["engine_ids"]) for r in batch))
                 while len(pending) >= cfg.part_rows:
                     parts += _write_part(cache, name, len(parts), pending[: cfg.part_rows], counts)
                     pending = pending[cfg.part_rows :]
@@ -492,11 +565,16 @@ def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
     ap.add_argument("--rollouts")
     ap.add_argument("--cache")
     ap.add_argument("--teacher")
+    ap.add_argument("--teacher-adapter", help="peft LoRA folder applied to --teacher (e.g. a LoRA student's own base "
+                    "+ its adapter as a self-teacher)")
     ap.add_argument("--topk", type=int)
     ap.add_argument("--score-prompt", action="store_true", default=None)
     ap.add_argument("--shard", type=int)
     ap.add_argument("--num-shards", type=int)
     ap.add_argument("--on-overlong", choices=["error", "skip"])
+    ap.add_argument("--tags", type=lambda v: [t for t in v.split(",") if t],
+                    help="score only rollouts whose tags[tag_key] is one of these (comma-separated)")
+    ap.add_argument("--tag-key", help="which rollout tag --tags matches (default data_source)")
     ap.add_argument("--status", action="store_true", help="print missing task indices as an --array= list")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides (any ScoreConfig field)")
     a = ap.parse_args(argv)

@@ -4,7 +4,8 @@
     CACHE/shards/<name>.parquet + <name>.parquet.ok    scored shards (schemas/scored.json) and completion markers
 
 Rows are keyed by content (`fingerprint.content_key`), so a cache grows incrementally (score only the keys it lacks),
-is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k, logprob mode or
+is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k, top-p setting
+(`topp`, `min_k`: a variable-k cache, codec.py "Top-p"), logprob mode or
 scoring numerics (dtype, quantization, ...: `Descriptor.numerics`). Numerics are refused rather than keyed apart:
 one cache holds rows of one scoring setup, so every row a trainer reads from it has the same meaning.
 """
@@ -59,9 +60,12 @@ class Descriptor:
     schema_version: str = field(default_factory=lambda: load_schema("scored").version)
     # Engine settings that change the stored logprobs (score/run.py `scoring_numerics`); None = not recorded.
     numerics: dict | None = None
+    # Top-p (variable-k) cache: per position the fewest entries with mass >= topp, >= min_k, <= k; None = fixed k.
+    topp: float | None = None
+    min_k: int | None = None
 
     # What must agree for two producers to share one cache (the rest is informational).
-    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "logprob_mode", "numerics")
+    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")
 
     @classmethod
     def read(cls, path: Path) -> Descriptor:
@@ -130,6 +134,8 @@ class ScoredSample:
     tail_logprobs: np.ndarray  # float32 [L-P]: log teacher mass outside the top-k
     actual_logprobs: np.ndarray  # float32 [L-P]: teacher logprob of input_ids[P:]
     actual_ranks: np.ndarray  # int32 [L-P]
+    # top-p cache: entries kept per position, int32 [L-P]; the rest of a row is padding (id 0, logprob -inf)
+    topk_counts: np.ndarray | None = None
 
 
 @dataclass
@@ -230,7 +236,9 @@ class TeacherCache:
         """Encode and atomically write scored rows as shard `name` (e.g. "scored-00003-of-00008").
 
         Each row: key, sample_id, source, policy_version, input_ids, first_scored, topk_ids [n,k],
-        topk_logprobs [n,k], actual_ranks [n], actual_logprobs [n] with n = len(input_ids) - first_scored.
+        topk_logprobs [n,k], actual_ranks [n], actual_logprobs [n] with n = len(input_ids) - first_scored;
+        optionally tags (the rollout's, for routing) and teacher_prompt_ids (OPSD: what the teacher saw instead of
+        the prompt).
         """
         d = self.descriptor
         enc_rows = []
@@ -243,7 +251,8 @@ class TeacherCache:
                     f"expected len(input_ids) - first_scored = {n}"
                 )
             enc_rows.append((r["topk_ids"], r["topk_logprobs"], ids[int(r["first_scored"]) :], r["actual_ranks"], r["actual_logprobs"]))
-        enc = codec.encode(enc_rows, k=d.k, vocab_size=d.vocab_size, name=d.codec.get("name", codec.NAME))
+        enc = codec.encode(enc_rows, k=d.k, vocab_size=d.vocab_size, name=d.codec.get("name", codec.NAME),
+                           topp=d.topp, min_k=d.min_k)
         table = pa.table(
             {
                 "key": [r["key"] for r in rows],
@@ -258,6 +267,11 @@ class TeacherCache:
                 "tail_logprobs": pa.array(enc.tail_logprobs, pa.binary()),
                 "actual_rank": pa.array(enc.actual_rank, pa.binary()),
                 "actual_logprobs": pa.array(enc.actual_logprobs, pa.binary()),
+                "tags": pa.array([None if r.get("tags") is None else list(r["tags"].items()) for r in rows],
+                                 pa.map_(pa.string(), pa.string())),
+                "teacher_prompt_ids": pa.array([None if r.get("teacher_prompt_ids") is None
+                                                else np.asarray(r["teacher_prompt_ids"], np.int32) for r in rows],
+                                               pa.list_(pa.int32())),
             }
         )
         scored_tokens = int(sum(len(e[2]) for e in enc_rows))
@@ -306,6 +320,7 @@ class TeacherCache:
                     tail_logprobs=b.topk.tail_logprobs[lo:hi],
                     actual_logprobs=b.topk.actual_logprobs[lo:hi],
                     actual_ranks=b.topk.actual_ranks[lo:hi],
+                    topk_counts=None if b.topk.counts is None else b.topk.counts[lo:hi],
                 )
 
     # -- inspection -----------------------------------------------------------------------------------------------
@@ -327,6 +342,8 @@ class TeacherCache:
             "bytes": nbytes,
             "bytes_per_scored_token": round(nbytes / tokens, 2) if tokens else None,
             "k": d.k,
+            "topp": d.topp,
+            "min_k": d.min_k,
             "logprob_mode": d.logprob_mode,
             "teacher": d.teacher,
             "teacher_fingerprint": d.teacher_fingerprint,
@@ -356,6 +373,11 @@ class TeacherCache:
             md = pq.read_schema(p).metadata or {}
             if int(md.get(b"gkd.codec.k", b"-1")) != d.k:
                 problems.append(f"{p}: k={md.get(b'gkd.codec.k', b'?').decode()} but the cache descriptor says k={d.k}")
+            topp = float(md[b"gkd.codec.topp"]) if b"gkd.codec.topp" in md else None
+            min_k = int(md[b"gkd.codec.min_k"]) if b"gkd.codec.min_k" in md else None
+            if (topp, min_k) != (d.topp, d.min_k):
+                problems.append(f"{p}: topp={topp}, min_k={min_k} but the cache descriptor says topp={d.topp}, "
+                                f"min_k={d.min_k}")
             for key in pq.read_table(p, columns=["key"]).column("key").to_pylist():
                 if key in seen:
                     problems.append(f"{p}: key {key} is also in {seen[key]} (duplicate row)")

@@ -21,6 +21,13 @@ by Parquet with zstd 9, footer included):
   error instead of inheriting the sum of k rounding errors (1 - sum(p) is ill-conditioned when the tail is small).
 - **The actual next token**: its rank (1-based, may exceed k) and, only when it is not found in the top-k at that
   rank, its own quantised logprob; otherwise the decoder takes the top-k value, so a common case costs nothing.
+- **Top-p** (variable k, `encode(topp=P, min_k=M)`, k the cap): a position keeps its fewest leading entries whose
+  mass (float64, from the unquantised values) reaches P, clipped to [M, k] (`top_p_counts`); only those are stored,
+  value deltas restarting at each position, and the tail is the mass outside them. The kept count is one more byte
+  plane (two when k > 255) of the tail column, so it costs ~1 B/token before zstd and needs no schema change; the
+  footer records P and M. Decoded rows are padded to k (id 0, logprob -inf) with `DecodedBatch.counts`; the value
+  sums are a segmented cumsum in numpy after the kernel's escape decode. k = 0 stores no entries at all (the
+  actual token's rank and logprob, and a tail of all the mass).
 
 Measured (whole Parquet file / positions, B/token): prose 142.0 -> 134.6 (ids 94.7, values 30.6, tail 1.4, actual
 1.5), math 102.0 -> 94.8 (ids 62.3, values 23.0). The order-0 entropy of the rank-ordered
@@ -55,15 +62,19 @@ MIN_LOGPROB = -1000.0
 _GRID = np.concatenate([np.arange(449) / 128, 3.5 + np.arange(1, 97) / 64, 5 + np.arange(1, 31841) / 32])
 _NEG_INF_Q = _GRID.size  # sentinel index for -inf; sorts after every grid point
 _TABLE = np.append(-_GRID, -np.inf).astype(np.float32)  # index -> decoded logprob
+_IDENTITY = np.arange(_NEG_INF_Q + 1, dtype=np.int64)  # index -> itself: the raw numbers of a variable-k row
 
 
-def params(name: str = NAME) -> dict[str, str]:
-    """The codec's descriptor entry (cache.json `codec`); `name` is NAME (the default) or "exact-f32"."""
+def params(name: str = NAME, topp: float | None = None) -> dict[str, str]:
+    """The codec's descriptor entry (cache.json `codec`); `name` is NAME (the default) or "exact-f32"; `topp` set:
+    a variable-k (top-p) cache, which only this module's codec stores."""
     if name != NAME:
         from pipeline.store import exact_codec
 
         if name != exact_codec.NAME:
             raise CodecError(f"unknown codec {name!r}: choose {NAME!r} (default, compact) or {exact_codec.NAME!r}")
+        if topp is not None:
+            raise CodecError(f"codec {name!r} stores a fixed k per position; topp (variable k) needs codec {NAME!r}")
         return exact_codec.params()
     return {
         "name": NAME,
@@ -154,20 +165,53 @@ def tail_logprob(topk_logprobs: np.ndarray) -> np.ndarray:
         return np.where(mass < 1.0, np.log1p(-np.minimum(mass, 1.0)), -np.inf).astype(np.float64)
 
 
+def top_p_counts(lps: np.ndarray, topp: float, min_k: int) -> np.ndarray:
+    """Per position (rows of rank-ordered logprobs [n, K]): the fewest leading entries whose mass, summed in float64
+    from the unquantised values, reaches `topp`, at least `min_k`, at most K (all K where the mass never reaches it)."""
+    lps = np.asarray(lps)
+    n, k = lps.shape
+    if n == 0 or k == 0:
+        return np.zeros(n, np.int64)
+    reached = np.cumsum(np.exp(lps.astype(np.float64)), axis=1) >= topp
+    first = np.where(reached.any(axis=1), reached.argmax(axis=1) + 1, k)
+    return np.clip(first, min(min_k, k), k).astype(np.int64)
+
+
+def check_top_p(k: int, topp: float | None, min_k: int | None) -> None:
+    """Refuse a top-p setting the codec cannot store (see `encode`)."""
+    if topp is None:
+        if min_k is not None:
+            raise CodecError(f"min_k={min_k} given without topp: min_k is the floor of a top-p (variable-k) cache")
+        return
+    if not 0.0 < topp <= 1.0:
+        raise CodecError(f"topp must be in (0, 1], got {topp}")
+    if k < 1:
+        raise CodecError(f"topp needs a cap k >= 1 (--topk K), got k={k}")
+    if min_k is None or not 1 <= min_k <= k:
+        raise CodecError(f"min_k must be in [1, k={k}] with topp, got {min_k}")
+    if k > 0xFFFF:
+        raise CodecError(f"top-p cap k={k} does not fit the 16-bit per-position count")
+
+
 def encode(
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     *,
     k: int,
     vocab_size: int,
     name: str = NAME,
+    topp: float | None = None,
+    min_k: int | None = None,
 ) -> EncodedRows:
     """Encode rows of (topk_ids [n,k], topk_logprobs [n,k], actual_ids [n], actual_ranks [n], actual_logprobs [n]).
 
     Entries of a position are put in rank order (stable sort by descending logprob) before encoding. `name`
-    selects the codec: this module's (default) or the lossless `exact_codec`.
+    selects the codec: this module's (default) or the lossless `exact_codec`. `topp`/`min_k` (a variable-k cache,
+    "Top-p" in the module docstring): each position keeps its `top_p_counts` leading entries, the tail holds the
+    rest; k = 0 stores only the actual token (rank and logprob) and a tail of all the mass.
     """
+    check_top_p(k, topp, min_k)
     if name != NAME:
-        params(name)  # refuses an unknown name
+        params(name, topp)  # refuses an unknown name, and top-p with the exact codec
         from pipeline.store import exact_codec
 
         return exact_codec.encode(rows, k=k, vocab_size=vocab_size)
@@ -181,7 +225,8 @@ def encode(
         aid, arank, alp = (np.asarray(a).reshape(-1) for a in (aid, arank, alp))
         if not (aid.size == arank.size == alp.size == n):
             raise CodecError(f"row {r}: actual-token arrays must have {n} entries")
-        if n and (ids.min() < 0 or ids.max() >= vocab_size or aid.min() < 0 or aid.max() >= vocab_size):
+        if n and ((ids.size and (ids.min() < 0 or ids.max() >= vocab_size)) or aid.min() < 0
+                  or aid.max() >= vocab_size):
             raise CodecError(f"row {r}: token id outside [0, {vocab_size})")
         if n and arank.min() < 1:
             raise CodecError(f"row {r}: actual-token rank must be >= 1")
@@ -189,26 +234,31 @@ def encode(
         order = np.argsort(-lps, axis=1, kind="stable")
         ids, lps, q = (np.take_along_axis(a, order, 1) for a in (ids, lps, q))
         aq = _quantise(alp, f"row {r} actual")
+        counts = top_p_counts(lps, topp, min_k) if topp is not None else np.full(n, k, np.int64)
+        kept = np.arange(k) < counts[:, None]
+        tail = tail_logprob(np.where(kept, lps, -np.inf))  # the mass outside the kept entries, unquantised
         norm.append(
-            (ids, q, _quantise(tail_logprob(lps), f"row {r} tail"), aid.astype(np.int64), arank.astype(np.int64), aq)
+            (ids, q, _quantise(tail, f"row {r} tail"), aid.astype(np.int64), arank.astype(np.int64), aq, counts, kept)
         )
 
-    all_ids = np.concatenate([x[0].ravel() for x in norm]) if norm else np.zeros(0, np.int64)
+    all_ids = np.concatenate([x[0][x[7]] for x in norm]) if norm else np.zeros(0, np.int64)
     by_freq, remap = _id_table(all_ids, vocab_size)
     id_esc = _escape_params(max(by_freq.size - 1, 0))
     nb_rank = _nplanes(vocab_size)
 
     out = EncodedRows([], [], [], [], [], {})
-    for ids, q, tq, aid, arank, aq in norm:
-        out.topk_ids.append(_escape_encode(remap[ids], *id_esc))
+    for ids, q, tq, aid, arank, aq, counts, kept in norm:
+        out.topk_ids.append(_escape_encode(remap[ids[kept]], *id_esc))
         dq = q.copy()
         dq[:, 1:] = np.diff(q, axis=1)  # >= 0 in rank order; the -inf sentinel sorts last
-        out.topk_logprobs.append(_escape_encode(dq, *_VALUE_ESC))
-        out.tail_logprobs.append(_to_planes(tq, 2))
+        out.topk_logprobs.append(_escape_encode(dq[kept], *_VALUE_ESC))
+        # top-p: the kept count rides as a third (fourth) plane of the tail column, so tail and count share a page
+        out.tail_logprobs.append(_to_planes(tq | counts << 16, 2 + _count_planes(k)) if topp is not None
+                                 else _to_planes(tq, 2))
         out.actual_rank.append(_to_planes(arank, nb_rank))
         # 0 = "the value is the top-k entry at that rank"; else grid index + 1.
         in_topk = np.zeros(aid.size, dtype=bool)
-        idx = np.flatnonzero(arank <= k)
+        idx = np.flatnonzero(arank <= counts)
         in_topk[idx] = ids[idx, arank[idx] - 1] == aid[idx]
         out.actual_logprobs.append(_to_planes(np.where(in_topk, 0, aq + 1), 2))
     out.footer = {
@@ -218,7 +268,14 @@ def encode(
         b"gkd.codec.rank_planes": str(nb_rank).encode(),
         b"gkd.codec.id_table": _pack_id_table(by_freq),
     }
+    if topp is not None:
+        out.footer[b"gkd.codec.topp"] = repr(float(topp)).encode()
+        out.footer[b"gkd.codec.min_k"] = str(min_k).encode()
     return out
+
+
+def _count_planes(k: int) -> int:
+    return 1 if k <= 0xFF else 2
 
 
 def _id_table(all_ids: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -244,7 +301,8 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
     """
     import pyarrow as pa
 
-    shared = (b"gkd.codec", b"gkd.codec.k", b"gkd.codec.vocab_size", b"gkd.codec.rank_planes")
+    shared = (b"gkd.codec", b"gkd.codec.k", b"gkd.codec.vocab_size", b"gkd.codec.rank_planes", b"gkd.codec.topp",
+              b"gkd.codec.min_k")
     parts = [(t, f) for t, f in parts if t.num_rows]
     if not parts:
         raise CodecError(f"{where}: no rows to concatenate")
@@ -260,7 +318,7 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
             raise CodecError(f"{where}: shards encoded with different codec parameters cannot be concatenated")
         decoder = Decoder(footer, where=where)
         for batch in table.combine_chunks().to_batches():
-            num = batch.column("num_scored").to_numpy(zero_copy_only=False).astype(np.int64) * decoder.k
+            num = decoder.entries(batch, batch.column("num_scored").to_numpy(zero_copy_only=False))[0]
             data, offsets = Decoder._column(batch, "topk_ids")
             ids = decoder.id_table[_escape_decode(data, offsets, num, *decoder.id_esc)].astype(np.int64)
             row_ids += np.split(ids, np.cumsum(num)[:-1])
@@ -283,6 +341,15 @@ class DecodedBatch:
     tail_logprobs: np.ndarray  # float32 [positions]: log teacher mass outside the top-k
     actual_ranks: np.ndarray | None  # int32 [positions] (None: decoded with actual=False)
     actual_logprobs: np.ndarray | None  # float32 [positions]
+    # top-p cache: entries kept per position, int32 [positions]; entries past it are padding (id 0, logprob -inf)
+    # that are not teacher entries at all. None: every position holds k.
+    counts: np.ndarray | None = None
+
+    def valid(self) -> np.ndarray | None:
+        """bool [positions, k]: which entries are teacher entries (None: all of them)."""
+        if self.counts is None:
+            return None
+        return np.arange(self.topk_ids.shape[1]) < self.counts[:, None]
 
 
 class Decoder:
@@ -300,6 +367,26 @@ class Decoder:
         self.id_table = np.frombuffer(table, dtype="<u4").astype(np.int32)
         self.id_esc = _escape_params(max(self.id_table.size - 1, 0))
         self.where = where
+        try:  # a top-p (variable-k) shard names its P and floor; k is then the cap
+            self.topp = float(footer[b"gkd.codec.topp"]) if b"gkd.codec.topp" in footer else None
+            self.min_k = int(footer[b"gkd.codec.min_k"]) if self.topp is not None else None
+        except (KeyError, ValueError) as e:
+            raise CodecError(f"{where}: codec footer damaged ({e})") from e
+
+    def entries(self, batch, num_scored: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(entries per row, the tail column's grid indices [positions], kept count per position or None)."""
+        num_scored = np.asarray(num_scored, dtype=np.int64)
+        data, off = self._column(batch, "tail_logprobs")
+        if self.topp is None:
+            return num_scored * self.k, _from_planes(data, off, 2), None
+        v = _from_planes(data, off, 2 + _count_planes(self.k))
+        counts = (v >> 16).astype(np.int64)
+        if v.size != num_scored.sum() or (counts.size and (counts.max() > self.k or counts.min() < self.min_k)):
+            raise CodecError(f"{self.where}: tail column's kept counts disagree with the footer (k={self.k}, "
+                             f"min_k={self.min_k}) or with num_scored")
+        csum = np.concatenate([[0], np.cumsum(counts)])
+        pos = np.concatenate([[0], np.cumsum(num_scored)])
+        return csum[pos[1:]] - csum[pos[:-1]], v & 0xFFFF, counts
 
     @staticmethod
     def _column(batch, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -318,24 +405,26 @@ class Decoder:
         k = self.k
         num_scored = np.asarray(num_scored, dtype=np.int64)
         pos_off = np.concatenate([[0], np.cumsum(num_scored)])
+        n_pos = int(pos_off[-1])
         try:
-            data, off = self._column(batch, "topk_ids")
-            ids = lookup(data, off, num_scored * k, *self.id_esc, self.id_table, use_kernel=use_kernel)
-            if isinstance(ids, int):
-                raise CodecError("topk_ids refers past the id table")
-            ids = ids.reshape(-1, k)
-            # values: rank-to-rank deltas of grid indices, summed per position, then looked up on the grid
-            data, off = self._column(batch, "topk_logprobs")
-            lps = lookup(data, off, num_scored * k, *_VALUE_ESC, _TABLE, k, use_kernel=use_kernel)
-            if isinstance(lps, int):
-                raise CodecError("topk_logprobs holds a value index past the grid")
-            lps = lps.reshape(-1, k)
-
-            data, off = self._column(batch, "tail_logprobs")
-            tq = _from_planes(data, off, 2)
-            if tq.size != ids.shape[0]:
+            per_row, tq, counts = self.entries(batch, num_scored)
+            if tq.size != n_pos:
                 raise CodecError("tail column disagrees in length with the top-k columns")
             tail = _TABLE[tq]
+            data, off = self._column(batch, "topk_ids")
+            ids = lookup(data, off, per_row, *self.id_esc, self.id_table, use_kernel=use_kernel)
+            if isinstance(ids, int):
+                raise CodecError("topk_ids refers past the id table")
+            # values: rank-to-rank deltas of grid indices, summed per position, then looked up on the grid
+            data, off = self._column(batch, "topk_logprobs")
+            if counts is None:
+                ids = ids.reshape(n_pos, k)
+                lps = lookup(data, off, per_row, *_VALUE_ESC, _TABLE, k, use_kernel=use_kernel)
+                if isinstance(lps, int):
+                    raise CodecError("topk_logprobs holds a value index past the grid")
+                lps = lps.reshape(n_pos, k)
+            else:
+                ids, lps = self._variable(data, off, per_row, counts, ids, use_kernel)
             ranks = alp = None
             if actual:
                 data, off = self._column(batch, "actual_rank")
@@ -353,7 +442,24 @@ class Decoder:
             from_topk = np.flatnonzero(aq == 0)
             if from_topk.size:  # a flat take: ~2x faster than 2-D fancy indexing
                 alp[from_topk] = np.take(lps.reshape(-1), from_topk * k + np.clip(ranks[from_topk] - 1, 0, k - 1))
-        return DecodedBatch(pos_off, ids, lps, tail, ranks, alp)
+        return DecodedBatch(pos_off, ids, lps, tail, ranks, alp,
+                            None if counts is None else counts.astype(np.int32))
+
+    def _variable(self, data, off, per_row, counts, flat_ids, use_kernel) -> tuple[np.ndarray, np.ndarray]:
+        """Top-p rows: the deltas' running sums restart at each position's first kept entry (a segmented cumsum
+        over the raw numbers), then kept entries are laid into [positions, k] with padding after them."""
+        d = lookup(data, off, per_row, *_VALUE_ESC, _IDENTITY, use_kernel=use_kernel)
+        if isinstance(d, int):
+            raise CodecError("topk_logprobs holds a value index past the grid")
+        c = np.concatenate([[0], np.cumsum(d, dtype=np.int64)])
+        q = c[1:] - np.repeat(c[np.concatenate([[0], np.cumsum(counts)[:-1]])], counts) if counts.size else c[1:]
+        if q.size and q.max() > _NEG_INF_Q:
+            raise CodecError("topk_logprobs holds a value index past the grid")
+        kept = np.arange(self.k) < counts[:, None]
+        ids = np.zeros(kept.shape, np.int32)
+        lps = np.full(kept.shape, -np.inf, np.float32)
+        ids[kept], lps[kept] = flat_ids, _TABLE[q]
+        return ids, lps
 
 
 def open_decoder(footer: dict[bytes, bytes], where: str = "shard"):

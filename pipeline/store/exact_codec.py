@@ -34,13 +34,14 @@ def encode(rows: Sequence[tuple], *, k: int, vocab_size: int) -> EncodedRows:
         aid, arank, alp = (np.asarray(a).reshape(-1) for a in (aid, arank, alp))
         if not (aid.size == arank.size == alp.size == n):
             raise CodecError(f"row {r}: actual-token arrays must have {n} entries")
-        if n and (ids.min() < 0 or ids.max() >= vocab_size or aid.min() < 0 or aid.max() >= vocab_size):
+        if n and ((ids.size and (ids.min() < 0 or ids.max() >= vocab_size)) or aid.min() < 0
+                  or aid.max() >= vocab_size):
             raise CodecError(f"row {r}: token id outside [0, {vocab_size})")
         if n and arank.min() < 1:
             raise CodecError(f"row {r}: actual-token rank must be >= 1")
         if np.isnan(lps).any() or np.isnan(np.asarray(alp, dtype=np.float64)).any():
             raise CodecError(f"row {r}: NaN logprob; the teacher produced an invalid distribution")
-        if n and (lps.max() > 1e-3):
+        if lps.size and (lps.max() > 1e-3):
             raise CodecError(f"row {r}: logprob {float(lps.max()):.4f} > 0; expected log-probabilities")
         order = np.argsort(-lps, axis=1, kind="stable")
         ids, lps = np.take_along_axis(ids, order, 1), np.take_along_axis(lps, order, 1)

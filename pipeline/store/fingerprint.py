@@ -68,11 +68,39 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_scored: int, k: int, mode: str) -> str:
-    """Key of one scored row: the same tokens scored by the same teacher the same way always get the same key."""
+def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_scored: int, k: int, mode: str,
+                teacher_prompt: Sequence[int] | np.ndarray | None = None) -> str:
+    """Key of one scored row: the same tokens scored by the same teacher the same way always get the same key.
+    `teacher_prompt` (OPSD): the teacher saw these ids instead of token_ids[:first_scored]; it is part of the key,
+    so the same completion scored with and without the privileged context are two rows (None: the plain key)."""
     h = _digest()
     h.update(f"{teacher_fp}|{int(first_scored)}|{int(k)}|{mode}|".encode())
     h.update(np.ascontiguousarray(token_ids, dtype="<i4").tobytes())
+    if teacher_prompt is not None:
+        tp = np.ascontiguousarray(teacher_prompt, dtype="<i4")
+        h.update(f"|teacher_prompt|{len(tp)}|".encode())
+        h.update(tp.tobytes())
+    return h.hexdigest()
+
+
+def adapter_fingerprint(base_fp: str, adapter_dir: str | Path) -> str:
+    """A teacher that is a base model plus a peft LoRA adapter: the base's fingerprint, the adapter's config
+    (canonical JSON) and the contents of its weight files."""
+    adapter_dir = Path(adapter_dir)
+    config = adapter_dir / "adapter_config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json; a teacher adapter must be a peft LoRA folder")
+    weights = sorted({p for pat in WEIGHT_PATTERNS for p in adapter_dir.glob(pat)})
+    if not weights:
+        raise FileNotFoundError(f"{adapter_dir}: no adapter weight files ({', '.join(WEIGHT_PATTERNS)})")
+    h = _digest()
+    h.update(f"adapter|{base_fp}|".encode())
+    h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    for p in weights:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
     return h.hexdigest()
 
 

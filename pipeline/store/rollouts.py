@@ -56,8 +56,10 @@ def rollout_row(
     completion_logprobs: Sequence[float] | None = None,
     finish_reason: str | None = None,
     tags: dict[str, str] | None = None,
+    teacher_prompt_ids: Sequence[int] | None = None,
 ) -> dict:
-    """Build one rollout row, computing its stable sample_id."""
+    """Build one rollout row, computing its stable sample_id. `teacher_prompt_ids` (OPSD): the privileged prompt
+    the teacher sees before the completion instead of `prompt_ids` (the student still sees `prompt_ids`)."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if source == "student" and policy_version is None:
@@ -72,6 +74,7 @@ def rollout_row(
         "completion_logprobs": None if completion_logprobs is None else [float(x) for x in completion_logprobs],
         "finish_reason": finish_reason,
         "tags": dict(tags or {}),
+        "teacher_prompt_ids": None if teacher_prompt_ids is None else [int(t) for t in teacher_prompt_ids],
     }
 
 
@@ -124,4 +127,5 @@ def iter_rollouts(paths: Sequence[str | Path], *, batch_size: int = 512) -> Iter
     for _, batch in iter_batches(paths, "rollout", batch_size=batch_size):
         for row in batch.to_pylist():
             row["tags"] = dict(row["tags"] or [])
+            row.setdefault("teacher_prompt_ids", None)  # shards before rollout schema 1.2
             yield row

@@ -2,7 +2,9 @@
 
 The JSON files are the single source of truth: the Arrow schemas the writers use and the checks the readers run
 are both built from them. A file records `kind/version` in its Parquet key-value metadata; a reader refuses an
-unknown *major* version (a minor bump only adds nullable fields, which old readers can ignore).
+unknown *major* version (a minor bump only adds nullable fields, which old readers can ignore). A field with a
+`since` version may be absent from files of an older minor version: readers take it as null, and writers fill it
+with nulls when the rows do not carry it.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class Schema:
     def names(self) -> list[str]:
         return [f["name"] for f in self.fields]
 
+    @property
+    def optional(self) -> set[str]:
+        """Fields added by a minor version (`since`): files of an older minor version lack them."""
+        return {f["name"] for f in self.fields if "since" in f}
+
 
 @cache
 def load_schema(kind: str) -> Schema:
@@ -98,9 +105,11 @@ def check_tag(tag: bytes | str | None, kind: str, where: str | Path) -> None:
 def check_arrow_schema(found: pa.Schema, kind: str, where: str | Path) -> None:
     """Version tag first, then every field this code reads must be there with the declared type."""
     check_tag((found.metadata or {}).get(META_KEY), kind, where)
-    expected = load_schema(kind).arrow
-    for field in expected:
+    schema = load_schema(kind)
+    for field in schema.arrow:
         idx = found.get_field_index(field.name)
+        if idx < 0 and field.name in schema.optional:
+            continue
         if idx < 0:
             raise SchemaError(f"{where}: missing field {field.name!r} of the {kind} schema")
         if not found.field(idx).type.equals(field.type):

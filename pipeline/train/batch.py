@@ -26,6 +26,9 @@ class MicroBatch:
     teacher_logprobs: torch.Tensor  # float32 [B, S, k] (-inf where invalid)
     teacher_valid: torch.Tensor  # bool [B, S, k]: a real teacher entry the student can represent
     teacher_tail: torch.Tensor  # float32 [B, S]: log teacher mass outside the valid top-k entries
+    # float32 [B, S]: the teacher's logprob of labels[t] (the actual next token), 0 where inactive or not loaded
+    # (ScoredLoader(actual=True) reads it: loss=opd)
+    teacher_actual: torch.Tensor
     keys: list[str]  # content keys of the samples, in order
     packed: bool  # several samples per row: the trainer passes packing.attention_mask(doc_ids) to the model
     end: int  # global sample position right after this micro-batch's round (the resume state at a step end)
@@ -34,6 +37,9 @@ class MicroBatch:
     samples: int
     truncated: int  # samples longer than seq_length (cut)
     folded_positions: int  # active positions with teacher entries past the student's vocab (mass folded into the tail)
+    # Routing (`teachers`): index into the loader's `route_names` of the teacher each position's row came from
+    # (-1 where inactive); None without routing.
+    teacher_route: torch.Tensor | None = None  # int64 [B, S]
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The tensors moved to `device` (a no-op on CPU)."""
@@ -56,6 +62,8 @@ class Block:
     tail: np.ndarray  # float32 [positions]
     valid: np.ndarray | None  # bool [positions, k]; None: all valid
     folded: np.ndarray | None  # bool [positions]; None: none folded
+    actual: np.ndarray | None = None  # float32 [positions]: teacher logprob of the actual token; None: not read
+    route: np.ndarray | None = None  # int64 [rows]: routed teacher index of each row; None: no routing
 
 
 def fold_past_vocab(ids: np.ndarray, lps: np.ndarray, tail: np.ndarray, vocab_size: int) -> tuple:
@@ -89,7 +97,10 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
     t_lp = np.zeros((B, width, k), np.float32)
     t_valid = np.zeros((B, width, k), bool)
     t_tail = np.zeros((B, width), np.float32)
+    t_actual = np.zeros((B, width), np.float32)
     in_row = np.zeros(B, np.int32)
+    routed = any(blk.route is not None for blk, _ in fetched)
+    route = np.full((B, width), -1, np.int64) if routed else None
     folded = 0
     for (blk, j), r, o, n in zip(fetched, row_of.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
         a = blk.token_offsets[j]
@@ -108,6 +119,10 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
             t_ids[r, t0:t1] = blk.topk_ids[lo + q0 : lo + q1]
             t_lp[r, t0:t1] = blk.topk_logprobs[lo + q0 : lo + q1]
             t_tail[r, t0:t1] = blk.tail[lo + q0 : lo + q1]
+            if blk.actual is not None:
+                t_actual[r, t0:t1] = blk.actual[lo + q0 : lo + q1]
+            if route is not None:
+                route[r, t0:t1] = blk.route[j]
             if blk.valid is None:
                 t_valid[r, t0:t1] = True
             else:
@@ -128,6 +143,7 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         teacher_logprobs=torch.from_numpy(t_lp),
         teacher_valid=torch.from_numpy(t_valid),
         teacher_tail=torch.from_numpy(t_tail),
+        teacher_actual=torch.from_numpy(t_actual),
         keys=[blk.keys[j] for blk, j in fetched],
         packed=packed,
         end=round_end,
@@ -136,4 +152,5 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         samples=len(fetched),
         truncated=int((full > S).sum()),
         folded_positions=folded,
+        teacher_route=None if route is None else torch.from_numpy(route),
     )

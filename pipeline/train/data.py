@@ -86,7 +86,7 @@ class _Shard:
     fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
 
 
-def _resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descriptor]]:
+def resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descriptor]]:
     """Cache directories (all complete shards) or explicit shard files (descriptor from their cache root)."""
     out: list[tuple[Path, Descriptor]] = []
     for src in sources:
@@ -150,6 +150,10 @@ class ScoredLoader:
         packing: bool = False,
         rows_per_step: int | None = None,
         live_k: int | None = None,
+        actual: bool = False,
+        routes: dict[str, str | Path] | None = None,
+        route_key: str = "data_source",
+        on_unrouted: str = "error",
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
@@ -160,16 +164,25 @@ class ScoredLoader:
             raise ValueError(f"rows_per_step {self.G} is not a multiple of micro_batch_size * dp = "
                              f"{micro_batch_size * dp_size}")
         self.vocab_size = vocab_size
+        self.actual = actual  # also decode the actual token's teacher logprob (MicroBatch.teacher_actual: loss=opd)
         # live_k: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each
         # micro-batch are placeholders of width live_k that the trainer fills from its live teacher.
         self.live = live_k is not None
+        # Routing: `routes` {TAG: cache dir, "default": cache dir} replaces `sources`; a sample (sample_id) is taken
+        # from the cache of its tags[route_key] (or "default"); see _route.
+        self.route_names = sorted(routes) if routes else []
+        self.route_key, self.on_unrouted, self.unrouted = route_key, on_unrouted, 0
+        self._routes = {n: Path(routes[n]).resolve() for n in self.route_names}
+        if routes:
+            sources = sorted({str(v) for v in self._routes.values()})
         if self.live:
             resolved = _resolve_rollouts(sources, tokenizer_fingerprint)
             self.k = int(live_k)
+            self.topp = self.min_k = None
             self._build_index(resolved, verify_checksums)
             self._init_state()
             return
-        resolved = _resolve_sources(sources)
+        resolved = resolve_sources(sources)
         for where, desc in {p.parent.parent: d for p, d in resolved}.items():
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise TokenizerMismatchError(
@@ -186,6 +199,13 @@ class ScoredLoader:
         if len(ks) != 1:
             raise ValueError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch")
         self.k = ks.pop()
+        # (rows of one content key are the same sequence in every cache: which top-p setting a row comes from
+        # would then depend on which cache is listed first)
+        tops = {(d.topp, d.min_k) for _, d in resolved}
+        if len(tops) != 1:
+            raise ValueError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
+                             "read together; train from one of them")
+        self.topp, self.min_k = tops.pop()
         self._build_index(resolved, verify_checksums)
         self._init_state()
 
@@ -200,6 +220,9 @@ class ScoredLoader:
     def _build_index(self, resolved: list[tuple[Path, Descriptor]], verify_checksums: bool) -> None:
         self.shards: list[_Shard] = []
         keys, nums, firsts, starts = [], [], [], [0]
+        route_rows: list[np.ndarray] = []  # routing: per row, the teacher index it is kept for (-1 drop, -2 no route)
+        self._route_ids: list[np.ndarray] = []  # routing: sample ids and tags of every row, for the checks
+        self._route_tags: list[str | None] = []
         h = hashlib.blake2b(digest_size=16)
         for path, desc in resolved:
             problems = verify_shard(path, "rollout" if self.live else "scored", checksum=verify_checksums)
@@ -212,10 +235,17 @@ class ScoredLoader:
                     key = table.column("sample_id")
                     first = pc.list_value_length(table.column("prompt_ids")).to_numpy(zero_copy_only=False)
                     num = pc.list_value_length(table.column("completion_ids")).to_numpy(zero_copy_only=False)
+                    if "teacher_prompt_ids" in pf.schema_arrow.names and pf.read(
+                            columns=["teacher_prompt_ids"]).column(0).null_count != pf.metadata.num_rows:
+                        raise ShardError(
+                            f"{path}: rollouts with a privileged teacher_prompt_ids (OPSD) cannot be scored by a live "
+                            "teacher (it sees the student's prompt); score them with `gkd score` into a cache")
                 else:
                     table = pf.read(columns=["key", "num_scored", "first_scored"])
                     key, num = table.column("key"), table.column("num_scored").to_numpy()
                     first = table.column("first_scored").to_numpy()
+                    if self.route_names:
+                        route_rows.append(self._route(pf, path))
             except (pa.ArrowException, OSError) as e:
                 raise ShardError(f"{path}: cannot read its key and length columns ({e})") from e
             rg = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
@@ -226,6 +256,8 @@ class ScoredLoader:
             firsts.append(np.asarray(first, dtype=np.int64))
             starts.append(starts[-1] + table.num_rows)
             h.update(f"{path.resolve()}|{table.num_rows}|".encode())
+        if self.route_names:  # other routes keep other rows: another order
+            h.update(f"routes|{self.route_key}|{sorted((n, str(v)) for n, v in self._routes.items())}".encode())
         self.fingerprint = h.hexdigest()  # changes when the set of shards changes: the order would too
         all_keys = np.concatenate(keys) if keys else np.zeros(0, "S32")
         num = np.concatenate(nums).astype(np.int64) if nums else np.zeros(0, np.int64)
@@ -235,6 +267,9 @@ class ScoredLoader:
         keep = np.zeros(len(all_keys), bool)
         keep[first] = True
         keep &= num > 0
+        self.route_of = None
+        if self.route_names:
+            keep &= self._check_routes(np.concatenate(route_rows), keep)
         self.valid = keep
         self.num_samples = int(keep.sum())
         self.duplicates = len(all_keys) - len(first)
@@ -243,6 +278,51 @@ class ScoredLoader:
         if self.num_samples == 0:
             raise ShardError(f"no scored rows in {', '.join(str(s.path) for s in self.shards)}")
         self._mean_length = float(np.minimum(self.lengths[keep], self.S).mean())
+
+    def _route(self, pf: pq.ParquetFile, path: Path) -> np.ndarray:
+        """Per row of a scored shard: the index of the teacher (route) it is kept for; -1: its sample routes to
+        another cache; -2: its tag has no route (and there is no default)."""
+        if "tags" not in pf.schema_arrow.names:
+            raise ShardError(f"{path}: scored before schema 1.1, its rows carry no tags to route on; rescore it with "
+                             "gkd score, or train on it with cache=[...] instead of teachers")
+        cache = path.parent.parent.resolve()
+        table = pf.read(columns=["sample_id", "tags"])
+        self._route_ids.append(np.asarray(table.column("sample_id").to_pylist(), "U"))
+        out = np.empty(table.num_rows, np.int64)
+        for i, tags in enumerate(table.column("tags").to_pylist()):
+            tag = dict(tags or []).get(self.route_key)
+            name = tag if tag in self._routes and tag != "default" else "default" if "default" in self._routes else None
+            self._route_tags.append(tag)
+            if name is None:
+                out[i] = -2
+            else:
+                out[i] = self.route_names.index(name) if self._routes[name] == cache else -1
+        return out
+
+    def _check_routes(self, route: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Which rows to keep under routing; refuses (or skips and counts) samples whose tag has no route, and
+        samples whose route's cache has no row for them."""
+        ids, tags = np.concatenate(self._route_ids), self._route_tags
+        unrouted = route == -2
+        if unrouted.any():
+            found = sorted({str(tags[i]) for i in np.flatnonzero(unrouted)})
+            if self.on_unrouted == "error":
+                raise ValueError(
+                    f"{int(unrouted.sum())} cached row(s) have {self.route_key}={', '.join(found)}, which no teacher "
+                    f"route covers (teachers: {', '.join(self.route_names)}); add a route or `default`, or "
+                    "on_unrouted=skip to skip and count them")
+            self.unrouted = len(set(ids[unrouted]))
+        kept = route >= 0
+        missing = set(ids[(route != -2)]) - set(ids[kept & keep])
+        if missing:
+            first = sorted(missing)[:5]
+            where = {str(ids[i]): (tags[i], self.route_names[route[i]] if route[i] >= 0 else None) for i in range(len(ids))}
+            raise ShardError(
+                f"{len(missing)} sample(s) route to a teacher cache that has no row for them, e.g. "
+                + ", ".join(f"{s} ({self.route_key}={where[s][0]})" for s in first)
+                + "; score them into that cache (gkd score --tags TAG --cache CACHE)")
+        self.route_of = route
+        return kept
 
     def order(self, epoch: int) -> np.ndarray:
         """Global row ids of one epoch, in training order: a pure function of (seed, epoch) and the shards."""
@@ -363,10 +443,11 @@ class ScoredLoader:
             pf, decoder = self._file(s)
             path = self.shards[s].path
             try:
-                table = pf.read_row_group(rg, columns=_COLUMNS, use_threads=False).combine_chunks()
+                columns = _COLUMNS + (["actual_rank", "actual_logprobs"] if self.actual else [])
+                table = pf.read_row_group(rg, columns=columns, use_threads=False).combine_chunks()
                 batch = table.to_batches(max_chunksize=table.num_rows)[0] if table.num_rows else None
                 num_scored = table.column("num_scored").to_numpy()
-                topk = decoder.decode(batch, num_scored, actual=False)
+                topk = decoder.decode(batch, num_scored, actual=self.actual)
                 ids = table.column("input_ids").chunk(0)
                 offsets = ids.offsets.to_numpy().astype(np.int64)
                 first = table.column("first_scored").to_numpy().astype(np.int64)
@@ -380,10 +461,17 @@ class ScoredLoader:
             tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
             if self.shards[s].fold:
                 tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
+            kept = topk.valid()  # a top-p cache: the padding after each position's kept entries is not a bin
+            if kept is not None:
+                valid = kept if valid is None else valid & kept
+                folded = np.zeros(len(tail), bool) if folded is None else folded
             self._blocks[b] = Block(
                 token_offsets=offsets - offsets[0], tokens=ids.values.to_numpy().astype(np.int64)[offsets[0]:],
                 first_scored=first, is_dataset=is_dataset, keys=table.column("key").to_pylist(),
                 row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
+                actual=topk.actual_logprobs if self.actual else None,
+                route=None if self.route_of is None else
+                self.route_of[self._block_starts[b]: self._block_starts[b] + table.num_rows],
             )
             max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
             while len(self._blocks) > max_blocks:

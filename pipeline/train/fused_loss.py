@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.loss import divergence, student_bins, teacher_bins
+from pipeline.train.loss import TEACHER_EPS, divergence, student_bins, teacher_bins
 
 # Each [chunk, V_local] float32 buffer is about this big (a few exist at once); at V = 151,936 that is 110 rows.
 CHUNK_BYTES = 64 << 20
@@ -86,12 +86,17 @@ class FusedOut:
     kd_count: Tensor
     sft_sum: Tensor  # Σ CE over SFT-active positions (detached)
     sft_count: Tensor
+    opd_sum: Tensor  # Σ sg(log s − log p)·log s over OPD-active positions (detached; loss.opd_loss)
+    opd_kl_sum: Tensor  # Σ (log s − log p) there: the per-token reverse-KL estimate
+    opd_count: Tensor
 
 
 class _FusedLinearGKD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, rows, ids, valid, a, kd_on, labels, sft_on, kd_weight, sft_weight, opts):
+    def forward(ctx, hidden, weight, rows, ids, valid, a, kd_on, labels, sft_on, kd_weight, sft_weight, opts, opd):
         beta, tau, mode, group, chunk, n_vocab = opts
+        opd_on, log_p, opd_weight = opd  # rows of the sampled-token estimator and their teacher logprobs
+        ce_on = sft_on | opd_on  # rows that need log s(y): the full logsumexp and z_y
         rank, _ = _tp(group)
         v_local = weight.shape[0]
         n_valid = v_local if n_vocab is None else min(max(n_vocab - rank * v_local, 0), v_local)
@@ -101,17 +106,19 @@ class _FusedLinearGKD(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if want_w else None
         kd_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
         sft_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
+        opd_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
+        opd_kl = torch.zeros((), dtype=cdtype, device=hidden.device)
         local = ids - rank * v_local
         owned = (local >= 0) & (local < n_valid) & valid
         idx = local.clamp(0, max(v_local - 1, 0))
         y_local = labels - rank * v_local
-        y_owned = (y_local >= 0) & (y_local < n_valid) & sft_on
+        y_owned = (y_local >= 0) & (y_local < n_valid) & ce_on
         y_idx = y_local.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
         fill = torch.where(owned, -math.inf, math.inf).to(cdtype)  # amin-scatter: only owned ids leave the tail
         for s in range(0, rows.numel(), chunk):
             e = min(s + chunk, rows.numel())
             hc = hidden[rows[s:e]]
-            any_sft = bool(sft_on[s:e].any())
+            any_sft = bool(ce_on[s:e].any())
             dense = mode == "tail" or any_sft
             if dense:
                 z = (hc.to(weight.dtype) @ weight.t()).to(cdtype)
@@ -148,6 +155,12 @@ class _FusedLinearGKD(torch.autograd.Function):
                     total = total + sft_weight * ce.sum()
                     leaves += [full_l, zy_l]
                     sft_sum += ce.detach().sum()
+                    log_s = zy_l - full_l
+                    adv = torch.where(opd_on[s:e], log_s.detach() - log_p[s:e].to(log_s.dtype), 0.0)
+                    term = adv * torch.where(opd_on[s:e], log_s, 0.0)
+                    total = total + opd_weight * term.sum()
+                    opd_sum += term.detach().sum()
+                    opd_kl += adv.sum()
                 grads = torch.autograd.grad(total, leaves, allow_unused=True)
             kd_sum += d.detach().sum()
             if not (want_h or want_w):
@@ -186,11 +199,11 @@ class _FusedLinearGKD(torch.autograd.Function):
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.have = (want_h, want_w)
         ctx.weight_dtype = weight.dtype
-        loss = kd_weight * kd_sum + sft_weight * sft_sum
-        return loss, kd_sum, sft_sum
+        loss = kd_weight * kd_sum + sft_weight * sft_sum + opd_weight * opd_sum
+        return loss, kd_sum, sft_sum, opd_sum, opd_kl
 
     @staticmethod
-    def backward(ctx, g_loss, _g_kd, _g_sft):
+    def backward(ctx, g_loss, _g_kd, _g_sft, _g_opd, _g_kl):
         saved = list(ctx.saved_tensors)
         want_h, want_w = ctx.have
         grad_h = saved.pop(0) if want_h else None
@@ -200,7 +213,7 @@ class _FusedLinearGKD(torch.autograd.Function):
             grad_h = grad_h if bool(g == 1) else grad_h * g
         if grad_w is not None:
             grad_w = (grad_w if bool(g == 1) else grad_w * g.to(grad_w.dtype)).to(ctx.weight_dtype)
-        return (grad_h, grad_w) + (None,) * 10
+        return (grad_h, grad_w) + (None,) * 11
 
 
 def fused_gkd_loss(
@@ -222,13 +235,19 @@ def fused_gkd_loss(
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
     vocab_size: int | None = None,
+    opd_mask: Tensor | None = None,
+    teacher_actual: Tensor | None = None,
+    opd_weight: float = 0.0,
 ) -> FusedOut:
     """GKD divergence (and SFT cross-entropy) of ``logits = hidden · weightᵀ`` without materialising the logits.
 
     ``hidden``: ``[..., H]`` (leading dims flattened like ``mask``); ``weight``: ``[V_local, H]``, this TP rank's
     vocab slice of the output layer (tied or not); the teacher arguments, ``mask``, ``tp_group`` and ``vocab_size``
     as in :func:`pipeline.train.loss.gkd_loss`. SFT: CE on ``labels`` at ``sft_mask`` positions. Returns the
-    weighted loss (differentiable w.r.t. ``hidden`` and ``weight``) and the plain sums and counts.
+    weighted loss (differentiable w.r.t. ``hidden`` and ``weight``) and the plain sums and counts. OPD
+    (``loss=opd``): at ``opd_mask`` positions (not KD positions) the sampled-token estimator of
+    :func:`pipeline.train.loss.opd_loss` on ``labels`` with ``teacher_actual``, weighted by ``opd_weight``; it
+    reads log s(y) from the same full logsumexp as SFT's CE. k = 0 (no teacher entries): OPD/SFT rows only.
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
@@ -240,28 +259,41 @@ def fused_gkd_loss(
     k = teacher_ids.shape[-1]
     kd_flat = mask.reshape(-1)
     sft_flat = sft_mask.reshape(-1) if sft_mask is not None else torch.zeros_like(kd_flat)
-    if sft_mask is not None and labels is None:
-        raise ValueError("sft_mask needs labels")
-    rows = (kd_flat | sft_flat).nonzero().squeeze(-1)
-    ids = teacher_ids.reshape(-1, k)[rows].long()
-    valid = (teacher_valid.reshape(-1, k)[rows] if teacher_valid is not None
+    opd_flat = opd_mask.reshape(-1) if opd_mask is not None else torch.zeros_like(kd_flat)
+    if (sft_mask is not None or opd_mask is not None) and labels is None:
+        raise ValueError("sft_mask and opd_mask need labels")
+    if opd_mask is not None and teacher_actual is None:
+        raise ValueError("opd_mask needs teacher_actual (the teacher's logprob of each label)")
+    if bool((kd_flat & opd_flat).any()):
+        raise ValueError("a position is both a KD (mask) and an OPD (opd_mask) position")
+    if k == 0:
+        if bool(kd_flat.any()):
+            raise ValueError("KD positions need teacher top-k entries; these teacher rows have k = 0")
+        mode = "renorm"  # no bins at all: no divergence, and no tail pass to make
+    rows = (kd_flat | sft_flat | opd_flat).nonzero().squeeze(-1)
+    ids = teacher_ids.reshape(kd_flat.numel(), k)[rows].long()
+    valid = (teacher_valid.reshape(kd_flat.numel(), k)[rows] if teacher_valid is not None
              else torch.ones(ids.shape, dtype=torch.bool, device=ids.device))
     kd_on, sft_on = kd_flat[rows], sft_flat[rows]
     # Rows active for SFT only carry no teacher row: finite stand-ins (never counted: d is masked by kd_on).
-    ell = torch.where(kd_on.unsqueeze(-1), teacher_logprobs.reshape(-1, k)[rows], 0.0)
+    ell = torch.where(kd_on.unsqueeze(-1), teacher_logprobs.reshape(kd_flat.numel(), k)[rows], 0.0)
     valid = valid | ~kd_on.unsqueeze(-1)
     tail = torch.where(kd_on, teacher_tail.reshape(-1)[rows], 0.0) if teacher_tail is not None else None
     a = teacher_bins(ell, tail, valid, temperature, mode)
     y = labels.reshape(-1)[rows].long() if labels is not None else torch.zeros_like(rows)
-    y = torch.where(sft_on, y, 0)  # ignored labels (-100) are never read
+    opd_on = opd_flat[rows]
+    log_p = (teacher_actual.reshape(-1)[rows].clamp_min(math.log(TEACHER_EPS)) if teacher_actual is not None
+             else torch.zeros(rows.shape, device=h.device))
+    y = torch.where(sft_on | opd_on, y, 0)  # ignored labels (-100) are never read
     chunk = chunk_size or chunk_rows(weight.shape[0])
-    loss, kd_sum, sft_sum = _FusedLinearGKD.apply(
+    loss, kd_sum, sft_sum, opd_sum, opd_kl = _FusedLinearGKD.apply(
         h, weight, rows, ids, valid, a, kd_on, y, sft_on, float(kd_weight), float(sft_weight),
-        (beta, temperature, mode, tp_group, chunk, vocab_size),
+        (beta, temperature, mode, tp_group, chunk, vocab_size), (opd_on, log_p, float(opd_weight)),
     )
     dev = h.device
     return FusedOut(loss, kd_sum.detach(), torch.tensor(int(kd_on.sum()), device=dev), sft_sum.detach(),
-                    torch.tensor(int(sft_on.sum()), device=dev))
+                    torch.tensor(int(sft_on.sum()), device=dev), opd_sum.detach(), opd_kl.detach(),
+                    torch.tensor(int(opd_on.sum()), device=dev))
 
 
 # ---------------------------------------------------------------- the model side

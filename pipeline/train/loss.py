@@ -32,6 +32,9 @@ is recomputed in backward, so beyond the logits and their gradient only ``[chunk
 The trainer's default (``fused_loss: true``) does better: ``fused_loss.py`` never builds the logits at all; this
 module is its reference (``fused_loss: false``).
 
+``opd_loss`` (``loss=opd``): the sampled-token on-policy distillation estimator on the student's own tokens; see
+its docstring.
+
 Test: ``python -m pytest tests/train/test_loss.py``; benchmark: ``python benchmarks/loss_bench.py``.
 """
 
@@ -284,3 +287,32 @@ def vocab_parallel_ce(
     zy, lse_rest = _TopkAndTailLSE.apply(logits, rows, ids, 1.0, tp_group, chunk_size, True, vocab_size)
     lse = torch.logsumexp(torch.cat([zy, lse_rest.unsqueeze(-1)], dim=-1), dim=-1)
     return (lse - zy[:, 0]).sum(), count
+
+
+def opd_loss(
+    logits: Tensor,
+    labels: Tensor,
+    teacher_actual: Tensor,
+    mask: Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+    vocab_size: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Sampled-token on-policy distillation (``loss=opd``): ``Σ_t sg(log s(x_t) − log p(x_t)) · log s(x_t)`` over
+    active positions, i.e. ``−Σ sg(log p − log s) · log s``, with ``x_t = labels`` the student's own sampled
+    tokens and ``log p(x_t) = teacher_actual`` (the cache's actual-token logprob, floored at ``log TEACHER_EPS``
+    as the teacher bins are). Its gradient is a single-sample estimate of ∇ KL(s‖p) at each position (the
+    score-function identity, ``E_s[∇ log s] = 0``); the loss value itself is not the KL. Returns (that sum, the
+    active count, ``Σ (log s − log p)``: the per-token reverse-KL estimate, detached). ``vocab_size``, TP: as in
+    :func:`gkd_loss`; ``log s`` uses the same kernel as :func:`vocab_parallel_ce`.
+    """
+    logits = logits.reshape(-1, logits.shape[-1])
+    rows = mask.reshape(-1).nonzero().squeeze(-1)
+    count = torch.tensor(rows.numel(), dtype=torch.long, device=logits.device)
+    ids = labels.reshape(-1)[rows].long().unsqueeze(-1)
+    zy, lse_rest = _TopkAndTailLSE.apply(logits, rows, ids, 1.0, tp_group, chunk_size, True, vocab_size)
+    log_s = zy[:, 0] - torch.logaddexp(zy[:, 0], lse_rest)
+    log_p = teacher_actual.reshape(-1)[rows].to(log_s.dtype).clamp_min(math.log(TEACHER_EPS))
+    adv = log_s.detach() - log_p
+    return (adv * log_s).sum(), count, adv.sum()

@@ -44,6 +44,13 @@ class TrainConfig:
     teacher_live: str | None = None
     rollouts: list[str] = field(default_factory=list)
     teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
+    # Several teachers routed by tag (then cache must be []): {TAG: CACHE_DIR, default: CACHE_DIR}; each sample is
+    # taken from the cache of its rollout tag `teacher_tag_key` (or `default`), with an optional KD loss weight
+    # per teacher (default 1); on_unrouted: error (name the tag) | skip (count the samples in the metrics)
+    teachers: dict = field(default_factory=dict)
+    teacher_tag_key: str = "data_source"
+    teacher_weights: dict = field(default_factory=dict)
+    on_unrouted: str = "error"
     seed: int = 1234
     micro_batch_size: int = 8  # rows per micro-batch; with packing a token budget of micro_batch_size * seq_length
     global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
@@ -58,6 +65,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     optimizer: str = "adam"  # adam (AdamW, betas 0.9/0.95) | sgd (momentum 0.9: an update linear in the gradient)
+    # gkd: the GKD divergence on the teacher's top-k (beta, temperature, topk_mode) at every position.
+    # opd: sampled-token on-policy distillation on student-sourced rows (pipeline/train/loss.py `opd_loss`: reads
+    # only the actual token's teacher logprob, so any k works, k = 0 included); dataset-sourced rows in the same run
+    # get the GKD loss above (refused on a k = 0 cache, which has no top-k for them).
+    loss: str = "gkd"
     beta: float = 0.5  # 0 forward KL, 1 reverse KL, else generalised JSD
     temperature: float = 1.0
     topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
@@ -116,6 +128,10 @@ class TrainConfig:
             p.append("temperature must be > 0")
         if self.topk_mode not in ("tail", "renorm"):
             p.append("topk_mode must be tail or renorm")
+        if self.loss not in ("gkd", "opd"):
+            p.append(f"loss must be gkd or opd, got {self.loss!r}")
+        if self.loss == "opd" and self.teacher_live is not None:
+            p.append("loss=opd reads the cached actual-token teacher logprobs; teacher_live computes a top-k only")
         if self.attention not in ("sdpa", "local"):
             p.append(f"attention must be sdpa or local, got {self.attention!r}")
         if self.recompute not in ("none", "selective", "full"):
@@ -127,8 +143,20 @@ class TrainConfig:
             p.append("teacher_live needs rollouts=[DIR ...]: the rollout shards whose tokens the live teacher scores")
         if self.rollouts and self.teacher_live is None:
             p.append("rollouts are read only with teacher_live=DIR; to train from a cache, score them with gkd score")
-        if self.teacher_live is None and not self.cache:
-            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts)")
+        if self.teachers and (self.cache or self.teacher_live is not None):
+            p.append("teachers replaces cache and teacher_live: pass cache=[] with teachers={TAG: CACHE, ...}")
+        if any(not isinstance(v, str) or not v for v in self.teachers.values()):
+            p.append(f"teachers: every value must be a cache directory, got {self.teachers!r}")
+        unknown = sorted(set(self.teacher_weights) - set(self.teachers))
+        if unknown:
+            p.append(f"teacher_weights: {', '.join(unknown)} is not a key of teachers ({', '.join(self.teachers)})")
+        if any(not isinstance(w, (int, float)) or w < 0 for w in self.teacher_weights.values()):
+            p.append(f"teacher_weights must be numbers >= 0, got {self.teacher_weights!r}")
+        if self.on_unrouted not in ("error", "skip"):
+            p.append(f"on_unrouted must be error or skip, got {self.on_unrouted!r}")
+        if self.teacher_live is None and not self.cache and not self.teachers:
+            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts, or "
+                     "teachers={TAG: CACHE})")
         if self.teacher_live_topk < 1:
             p.append("teacher_live_topk must be >= 1")
         if self.optimizer not in ("adam", "sgd"):
@@ -286,39 +314,87 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step.
 
     `output_tensor` is the final hidden states with `fused_loss` (the loss applies the output layer itself, chunk
-    by chunk: pipeline/train/fused_loss.py), the logits otherwise."""
+    by chunk: pipeline/train/fused_loss.py), the logits otherwise. loss=opd: the student-sourced positions take the
+    sampled-token estimator instead of the GKD divergence, normalised by the same global count of all positions.
+    Routed (`teachers`): one loss call per teacher present, on its positions only (both losses gather the masked
+    rows, so the split costs no extra output-layer work), its KD term weighted by teacher_weights[name].
+
+    Report layout (summed over micro-batches and DP ranks by the loop): [KD sum, SFT sum, OPD sum, OPD KL sum,
+    weighted KD sum, then per routed teacher its KD sums, then its KD counts]."""
+    names = sorted(cfg.teachers)
+    if batch.teacher_route is None or not names:
+        loss, kd_n, t = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt, output_tensor)
+        report = torch.stack([t[0], t[1], t[2], t[3], t[0]])
+        return loss, kd_n.int(), {"sums": report}
+    dev = batch.loss_mask.device
+    loss, kd_n, per = 0.0, 0, torch.zeros(2 * len(names), dtype=torch.float64, device=dev)
+    totals = torch.zeros(4, dtype=torch.float64, device=dev)
+    weighted_kd = torch.zeros((), dtype=torch.float64, device=dev)
+    present = [i for i in range(len(names)) if bool((batch.teacher_route == i).any())] or [None]
+    for i in present:
+        mask = batch.loss_mask if i is None else batch.loss_mask & (batch.teacher_route == i)
+        w = 1.0 if i is None else float(cfg.teacher_weights.get(names[i], 1.0))
+        part, n, t = _loss_terms(batch, mask, w, counts, cfg, vocab_size, gpt, output_tensor)
+        loss, kd_n = loss + part, kd_n + n
+        totals = totals + t
+        weighted_kd = weighted_kd + w * t[0]
+        if i is not None:
+            per[i], per[len(names) + i] = t[0], float(n)
+    report = torch.cat([totals, weighted_kd.reshape(1), per])
+    return loss, torch.as_tensor(kd_n).int(), {"sums": report}
+
+
+def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_size: int, gpt, output_tensor):
+    """(loss, active count, float64 [KD sum, SFT sum, OPD sum, OPD KL sum]) of the positions in `mask` (SFT: those
+    of dataset-sourced samples; loss=opd: OPD on the student-sourced ones), KD and OPD scaled by `kd_scale` (a
+    routed teacher's weight)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    sft_mask = batch.sft_mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
-    kd_weight, sft_weight = 1.0 / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    sft_mask = batch.sft_mask & mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
+    kd_weight, sft_weight = kd_scale / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    kd_mask, opd_mask = mask, None
+    if cfg.loss == "opd":  # student-sourced positions: OPD; dataset-sourced ones (loss_mask & dataset): GKD
+        kd_mask, opd_mask = batch.sft_mask & mask, mask & ~batch.sft_mask
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
+    opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
     if cfg.fused_loss:
         from pipeline.train.fused_loss import fused_gkd_loss, output_weight
 
         out = fused_gkd_loss(
-            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask,
+            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
             beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
             sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
+            opd_mask=opd_mask, teacher_actual=batch.teacher_actual, opd_weight=kd_weight,
         )
-        loss, kd_sum, kd_n, sft_sum = out.loss, out.kd_sum, out.kd_count, out.sft_sum
+        loss, kd_sum, sft_sum = out.loss, out.kd_sum, out.sft_sum
+        kd_n = out.kd_count + out.opd_count
+        if opd_mask is not None:
+            opd_sum, opd_kl = out.opd_sum, out.opd_kl_sum
     else:
-        from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+        from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
 
         logits = output_tensor.float()
         # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
         # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
-        kd_sum, kd_n = gkd_loss(
-            logits, batch.teacher_ids, batch.teacher_logprobs, batch.loss_mask, beta=cfg.beta,
-            temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
-        )
+        if batch.teacher_ids.shape[-1] or bool(kd_mask.any()):
+            kd_sum, kd_n = gkd_loss(
+                logits, batch.teacher_ids, batch.teacher_logprobs, kd_mask, beta=cfg.beta,
+                temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
+            )
+        else:  # k = 0 rows (loss=opd, student-sourced only): no divergence to compute
+            kd_sum, kd_n = logits.new_zeros(()), torch.zeros((), dtype=torch.long, device=logits.device)
         loss = kd_weight * kd_sum
+        if opd_mask is not None:
+            opd_sum, opd_n, opd_kl = opd_loss(logits, batch.labels, batch.teacher_actual, opd_mask, tp_group,
+                                              vocab_size=vocab_size)
+            loss, kd_n = loss + kd_weight * opd_sum, kd_n + opd_n
         sft_sum = torch.zeros((), device=logits.device)
         if sft_mask is not None:
             sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
             loss = loss + sft_weight * sft_sum
-    report = torch.stack([kd_sum.detach(), sft_sum.detach().to(kd_sum.dtype)]).double()
-    return loss, kd_n.int(), {"sums": report}
+    sums = torch.stack([x.detach().double() for x in (kd_sum, sft_sum, opd_sum, opd_kl)])
+    return loss, kd_n, sums
 
 
 def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
@@ -387,6 +463,29 @@ def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_s
 
 # ---------------------------------------------------------------- the loop
 
+
+def check_cache_holds_loss(cfg: TrainConfig) -> None:
+    """Refuse a cache that holds less than the configured loss reads: a k = 0 cache (only the actual token's
+    teacher logprob) cannot feed the GKD divergence (loss=gkd, or the dataset-sourced rows of loss=opd)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from pipeline.train.data import resolve_sources
+
+    for path, desc in resolve_sources(cfg.cache):
+        if desc.k > 0:
+            continue
+        where = path.parent.parent
+        if cfg.loss == "gkd":
+            raise ConfigError(f"{where}: a k = 0 cache holds only the actual token's teacher logprob; loss=gkd "
+                              f"(topk_mode={cfg.topk_mode}) needs its top-k entries. Train with loss=opd, or score "
+                              "with --topk >= 1")
+        dataset = pc.sum(pc.equal(pq.read_table(path, columns=["source"]).column("source"), "dataset")).as_py()
+        if dataset:
+            raise ConfigError(f"{path}: {dataset} dataset-sourced row(s); loss=opd trains them with the GKD loss "
+                              f"(topk_mode={cfg.topk_mode}), which needs top-k entries, and this cache has k = 0. "
+                              "Score them into a top-k cache, or leave them out")
+
 # MicroBatch counters summed over a step (all ranks) for the metrics: positions = real + padding tokens.
 _DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
 
@@ -423,6 +522,8 @@ def _train(cfg: TrainConfig) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    if cfg.teacher_live is None:
+        check_cache_holds_loss(cfg)  # before the model is built: a cache that cannot feed this loss is refused
     model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir)
     teacher = setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer)) if cfg.teacher_live else None
     loader = ScoredLoader(
@@ -430,7 +531,8 @@ def _train(cfg: TrainConfig) -> dict:
         seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id, dp_rank=dp_rank, dp_size=dp,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
         window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
-        live_k=cfg.teacher_live_topk if teacher is not None else None,
+        live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
+        routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
     )
 
     step, position = 0, 0
@@ -479,14 +581,26 @@ def _train(cfg: TrainConfig) -> dict:
             dist.all_reduce(sums, group=dp_group)
             jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
             sft = (sums[1] / max(counts[1].item(), 1.0)).item()
+            opd = (sums[2] / max(counts[0].item(), 1.0)).item()
+            # loss=opd: student-sourced positions = all loss positions minus the dataset-sourced ones
+            opd_kl = (sums[3] / max(counts[0].item() - counts[1].item(), 1.0)).item()
+            kd_loss = (sums[4] / max(counts[0].item(), 1.0)).item()  # = jsd unless teacher_weights are set
             dt = time.perf_counter() - t0
             positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
-            last = {"step": step, "loss": jsd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+            last = {"step": step, "loss": kd_loss + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+                    **({"opd": opd, "opd_kl": opd_kl} if cfg.loss == "opd" else {}),
                     "lr": lr, "grad_norm": float(grad_norm or 0.0),
                     "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
                     "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
                     "samples": samples, "truncated": truncated, "folded_positions": folded,
                     "data_position": position}
+            if cfg.teachers:  # per teacher: its mean divergence and its active positions (a sum over ranks)
+                names = sorted(cfg.teachers)
+                for i, name in enumerate(names):
+                    n = sums[5 + len(names) + i].item()  # report layout: loss_func's docstring
+                    last[f"jsd/{name}"] = sums[5 + i].item() / n if n else None
+                    last[f"active_tokens/{name}"] = int(n)
+                last["unrouted_samples"] = loader.unrouted
             if rank == 0:
                 try:
                     metrics_file.write(json.dumps(last) + "\n")
@@ -496,7 +610,11 @@ def _train(cfg: TrainConfig) -> dict:
 
                     raise WriteError(log_dir / "metrics.jsonl", e, f"metrics of step {step} not written") from e
                 for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
-                             "padding_fraction", "samples", "truncated", "folded_positions"):
+                             "padding_fraction", "samples", "truncated", "folded_positions", "opd_kl"):
+                    if name not in last:
+                        continue
+                    writer.add_scalar(f"train/{name}", last[name], step)
+                for name in [n for n in last if n.startswith(("jsd/", "active_tokens/")) and last[n] is not None]:
                     writer.add_scalar(f"train/{name}", last[name], step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",

@@ -110,3 +110,50 @@ def test_import_reasoning_gym_and_tokenizer_mismatch(tmp_path, tiny_student, cap
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "tokenizer_fingerprint": "0" * 32}))
     assert importer.main([*args, "--out", str(out), "--shard", "0", "--num-shards", "2"]) == 2
     assert "differs" in capsys.readouterr().err
+
+
+def test_import_with_a_privileged_teacher_prompt(tmp_path, tiny_student, tok, capsys):
+    """--teacher-prompt-field: a text field becomes one user message, a chat field its turns, each through the chat
+    template; the student's prompt and completion are unchanged; an empty field is refused or skipped."""
+    rows = [{"q": "the cat 1", "a": "sat 1", "t": "the cat 1 solution: sat 1"},
+            {"q": "the dog 2", "a": "ran 2", "t": "the dog 2 solution: ran 2"},
+            {"q": "the mat 3", "a": "red 3", "t": " "}]
+    src = write_jsonl(tmp_path / "opsd.jsonl", rows)
+    base = ["--dataset", str(src), "--tokenizer", str(tiny_student), "--prompt-field", "q", "--response-field", "a",
+            "--teacher-prompt-field", "t"]
+    assert importer.main([*base, "--out", str(tmp_path / "x")]) == 2
+    assert "row '2': empty teacher prompt" in capsys.readouterr().err
+    assert importer.main([*base, "--out", str(tmp_path / "o"), "--on-bad", "skip"]) == 0
+    (shard,) = rollout_shards(tmp_path / "o")
+    got = {r["prompt_id"]: r for r in iter_rollouts([shard])}
+    assert set(got) == {"0", "1"} and read_marker(shard)["skipped"] == {"empty_teacher_prompt": 1}
+    assert got["0"]["teacher_prompt_ids"] == prompt_ids(tok, [{"role": "user", "content": rows[0]["t"]}])
+    chat = [{"role": "system", "content": "ref: ran 2"}, {"role": "user", "content": "the dog 2"}]
+    src_chat = write_jsonl(tmp_path / "chat.jsonl", [{"q": "the dog 2", "t": chat}])
+    (p,) = load_prompts(str(src_chat), prompt_field="q", teacher_prompt_field="t")
+    assert p.teacher_messages == chat and p.messages == [{"role": "user", "content": "the dog 2"}]
+    plain = importer.main(["--dataset", str(src), "--tokenizer", str(tiny_student), "--prompt-field", "q",
+                           "--response-field", "a", "--out", str(tmp_path / "p")])
+    assert plain == 0
+    for r in iter_rollouts(rollout_shards(tmp_path / "p")):
+        assert r["teacher_prompt_ids"] is None
+        if r["prompt_id"] in got:  # the student's view does not change
+            assert (r["prompt_ids"], r["completion_ids"]) == (got[r["prompt_id"]]["prompt_ids"],
+                                                              got[r["prompt_id"]]["completion_ids"])
+    with pytest.raises(PromptError, match="no field 'nope'"):
+        load_prompts(str(src), prompt_field="q", teacher_prompt_field="nope")
+    with pytest.raises(PromptError, match="teacher_prompt_field / tag_fields need a dataset file"):
+        load_prompts("reasoning-gym:basic_arithmetic?size=2&seed=0", teacher_prompt_field="t")
+
+
+def test_import_tag_fields_become_rollout_tags(tmp_path, tiny_student):
+    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "the cat 1", "response": "sat", "task": "math", "n": 3},
+                                                 {"prompt": "the dog 2", "response": "ran", "task": "code", "n": None}])
+    out = tmp_path / "o"
+    assert importer.main(["--dataset", str(src), "--tokenizer", str(tiny_student), "--out", str(out),
+                          "--tag-field", "task", "--tag-field", "n"]) == 0
+    tags = sorted((r["tags"] for r in iter_rollouts(rollout_shards(out))), key=lambda t: t["task"])
+    assert tags == [{"data_source": "mixed.jsonl", "task": "code", "n": ""},
+                    {"data_source": "mixed.jsonl", "task": "math", "n": "3"}]
+    with pytest.raises(PromptError, match="no field 'nope'"):
+        load_prompts(str(src), tag_fields=["nope"])

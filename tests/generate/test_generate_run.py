@@ -124,6 +124,24 @@ def test_bad_prompts_refused_or_skipped(llm, tok):
     assert r.stats["skipped"] == {"empty": 1, "too_long": 1} and r.stats["prompts"] == 1
 
 
+def test_privileged_teacher_prompt_rides_along_and_does_not_change_the_samples(llm, tok):
+    """OPSD: the student samples from its own prompt (same samples as without a teacher prompt); each row carries
+    the teacher's prompt ids for the score stage; an empty teacher prompt is refused or skipped."""
+    from pipeline.generate.prompts import prompt_ids
+
+    plain = [user(i) for i in range(3)]
+    teacher = [{"role": "user", "content": "solution first: the cat sat"}]
+    opsd = [Prompt(p.prompt_id, p.messages, tags=p.tags, teacher_messages=teacher) for p in plain]
+    a, b = generate(llm, tok, plain, cfg()), generate(llm, tok, opsd, cfg())
+    assert ids(a) == ids(b)
+    assert all(r["teacher_prompt_ids"] is None for r in a.rows)
+    assert all(r["teacher_prompt_ids"] == prompt_ids(tok, teacher) for r in b.rows)
+    empty = Prompt("e", plain[0].messages, teacher_messages=[])
+    with pytest.raises(PromptError, match="'e' has an empty t field"):
+        generate(llm, tok, [empty], cfg(teacher_prompt_field="t"))
+    assert generate(llm, tok, [empty, opsd[0]], cfg(on_bad_prompt="skip")).stats["skipped"] == {"empty_teacher_prompt": 1}
+
+
 def test_tokenizer_mismatch_refused(tok, tmp_path):
     with pytest.raises(ConfigError, match="differs"):
         check_tokenizer(tok, cfg(out=str(tmp_path), expect_tokenizer_fingerprint="0" * 32))

@@ -161,3 +161,14 @@ def test_lora_student_ships_only_the_adapter(models, engines, tmp_path):
     assert [r["prompt_id"] for r in r0] == [r["prompt_id"] for r in r1]
     assert [r["completion_ids"] for r in r0] != [r["completion_ids"] for r in r1]  # the adapter reached the sampler
     assert lines[-1]["heldout_kl"] < lines[0]["heldout_kl"]
+
+
+def test_onpolicy_loss_opd_two_cycles(models, engines, tmp_path):
+    """loss=opd through the driver (the key reaches the trainer): two cycles on the student's own samples, each
+    trained with the sampled-token estimator; the held-out KL(teacher || student) on the teacher's top-k + tail
+    falls, and the trainer reports its per-token reverse-KL estimate."""
+    lines = run(_cfg(models, tmp_path, loss="opd"), engines)
+    assert [m["cycle"] for m in lines] == [-1, 0, 1]
+    assert lines[-1]["heldout_kl"] < lines[0]["heldout_kl"]
+    train = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(train) == 4 and all("opd_kl" in m and m["jsd"] == 0.0 for m in train)  # student rows only: no GKD

@@ -371,3 +371,219 @@ def test_full_disk_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher, ll
         assert again["skipped"]["cached"] == 4 * len(landed)  # the parts that landed were kept, not redone
         _assert_same_rows(cache, tmp_path / "clean", n)
         assert TeacherCache.open(cache).verify() == [] and leftovers(disk) == []
+
+
+def test_top_p_and_k0_caches_match_transformers(tmp_path, teacher, llm):
+    """topp=0.9 min_k=2 (cap K): each position keeps a rank-order prefix, the fewest entries whose reference mass
+    reaches P (at least 2, at most K) except at near-ties of the running mass with P, and the tail bin holds the
+    rest; --topk 0 stores the actual token only. Another top-p setting into the same cache is refused."""
+    rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(5, 20), (9, 30)], teacher, seed=3)
+    score(_cfg(tmp_path, teacher, topp=0.9, min_k=2), llm=llm)
+    score(_cfg(tmp_path, teacher, cache=str(tmp_path / "k0"), topk=0), llm=llm)
+    cached = {s.sample_id: s for s in read_cache(tmp_path / "cache")}
+    k0 = {s.sample_id: s for s in read_cache(tmp_path / "k0")}
+    kept_total = 0
+    for r in rows:
+        s, z = cached[r["sample_id"]], k0[r["sample_id"]]
+        ids = r["prompt_ids"] + r["completion_ids"]
+        P = len(r["prompt_ids"])
+        hf32, hf64 = _hf_logprobs(teacher, ids), _hf_logprobs(teacher, ids, torch.float64)
+        tol = max(50 * np.abs(hf32 - hf64).max(), 1e-4)  # the engine's error, as in the test above
+        assert s.topk_ids.shape == (len(ids) - P, K) and z.topk_ids.shape == (len(ids) - P, 0)
+        for i, j in enumerate(range(P, len(ids))):
+            ref = hf32[j - 1]
+            n = int(s.topk_counts[i])
+            kept_total += n
+            assert 2 <= n <= K and np.all(s.topk_ids[i, n:] == 0) and np.all(np.isneginf(s.topk_logprobs[i, n:]))
+            mass = np.cumsum(np.exp(np.sort(ref)[::-1][:K]))
+            if n < K:  # reached P at n (not before, unless the floor of 2 holds it), up to the engine's error
+                assert mass[n - 1] >= 0.9 - K * tol
+            if n > 2:
+                assert mass[n - 2] < 0.9 + K * tol
+            np.testing.assert_allclose(s.topk_logprobs[i, :n], ref[s.topk_ids[i, :n]], atol=tol + 1 / 64)
+            rest = 1.0 - np.exp(ref[s.topk_ids[i, :n]]).sum()
+            assert abs(np.exp(s.tail_logprobs[i]) - rest) <= rest * (np.exp(1 / 64) - 1) + K * tol
+            assert abs(z.actual_logprobs[i] - ref[ids[j]]) <= tol + 1 / 64 and z.tail_logprobs[i] == 0.0
+        np.testing.assert_array_equal(z.actual_ranks, s.actual_ranks)
+    assert kept_total < K * sum(len(r["completion_ids"]) for r in rows)  # the cap is not all there is
+    with pytest.raises(CacheMismatchError, match="topp: cache has 0.9"):
+        score(_cfg(tmp_path, teacher, topp=0.95, min_k=2), llm=llm)
+    with pytest.raises(ValueError, match="needs codec"):
+        score(_cfg(tmp_path, teacher, cache=str(tmp_path / "x"), topp=0.9, codec="exact-f32"), llm=llm)
+
+
+# -- privileged-context teacher (OPSD) ---------------------------------------------------------------------------
+
+
+def test_privileged_teacher_prompt_rows_align_to_the_students_completion_tokens(tmp_path, teacher, llm):
+    """Rollouts with a teacher_prompt: stored row i is the teacher's forward on teacher_prompt + completion at
+    completion token i, stored under the student's prompt + completion; the loader pairs it with the student's
+    position predicting that same token (and the plain view of the same sample is another key)."""
+    from pipeline.train.data import ScoredLoader
+    from pipeline.train.loss import gkd_loss
+
+    rng = np.random.default_rng(7)
+    specs = [(5, 12, 9), (9, 3, 6), (4, 30, 1)]  # (prompt, teacher prompt, completion): longer, shorter, length-1
+    rows = []
+    for i, (p, t, c) in enumerate(specs):
+        rows.append(rollout_row(prompt_id=f"o{i}", prompt_ids=rng.integers(3, 384, p).tolist(),
+                                completion_ids=rng.integers(3, 384, c).tolist(), source="student", policy_version=0,
+                                teacher_prompt_ids=rng.integers(3, 384, t).tolist(), tags={"task": "math"}))
+    plain = {**rows[0], "teacher_prompt_ids": None}  # the same sample, teacher without the privileged view
+    write_rollouts(tmp_path / "rollouts" / "r.parquet", rows + [plain], tokenizer_fingerprint=_fp(teacher))
+    summary = score(_cfg(tmp_path, teacher), llm=llm)
+    assert summary["scored"] == 4 and summary["tokens"] == sum(c for *_, c in specs) + specs[0][2]
+    cache = tmp_path / "cache"
+    stored = {}
+    for p in TeacherCache.open(cache).shard_paths():
+        t = pq.read_table(p, columns=["key", "teacher_prompt_ids", "tags"]).to_pylist()
+        stored.update({r["key"]: r for r in t})
+    samples = list(read_cache(cache))
+    assert len({s.key for s in samples}) == 4 and len({s.sample_id for s in samples}) == 3
+    hf = {}
+    for s in samples:
+        r = next(r for r in rows if r["sample_id"] == s.sample_id)
+        priv = stored[s.key]["teacher_prompt_ids"]
+        assert stored[s.key]["tags"] == [("task", "math")]
+        comp, P = r["completion_ids"], len(r["prompt_ids"])
+        assert s.input_ids.tolist() == r["prompt_ids"] + comp and s.first_scored == P  # the student's view
+        view = priv if priv is not None else r["prompt_ids"]
+        assert priv is None or priv == r["teacher_prompt_ids"]
+        ref = _hf_logprobs(teacher, view + comp)[len(view) - 1: len(view) + len(comp) - 1]  # row i -> comp[i]
+        hf[s.key] = ref
+        tol = 1e-3 + 1 / 64  # engine vs transformers in fp32 (measured ~1e-5 above) + the codec's max abs error
+        np.testing.assert_allclose(s.actual_logprobs, ref[np.arange(len(comp)), comp], atol=tol)
+        np.testing.assert_allclose(s.topk_logprobs, np.take_along_axis(ref, s.topk_ids.astype(np.int64), 1), atol=tol)
+        if priv is not None:  # the student's view would give other rows: the test can see a wrong context
+            other = _hf_logprobs(teacher, r["prompt_ids"] + comp)[P - 1: P + len(comp) - 1]
+            assert np.abs(other[np.arange(len(comp)), comp] - s.actual_logprobs).max() > 0.1
+    # the loader: the row of completion token c sits where the student's logits on prompt + completion[:c] predict it
+    mb = ScoredLoader([cache], micro_batch_size=4, seq_length=64, seed=0).micro_batch(0)
+    logits = torch.full((*mb.input_ids.shape, 384), -30.0, dtype=torch.float64)
+    for b, key in enumerate(mb.keys):
+        s = next(s for s in samples if s.key == key)
+        P, n = s.first_scored, len(s.input_ids)
+        assert mb.loss_mask[b].nonzero().flatten().tolist() == list(range(P - 1, n - 1))
+        for c, t in enumerate(range(P - 1, n - 1)):
+            assert mb.input_ids[b, : t + 1].tolist() == s.input_ids[: P + c].tolist()
+            assert mb.labels[b, t] == s.input_ids[P + c]
+            assert mb.teacher_ids[b, t].tolist() == s.topk_ids[c].tolist()
+            logits[b, t, : hf[key].shape[1]] = torch.from_numpy(hf[key][c])
+    # a student whose logits at t are the teacher's own (privileged) forward for that token: loss ~ the codec error
+    # only; the same logits one position late (the classic off-by-one) are far off
+    loss, count = gkd_loss(logits.float(), mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=0.5, mode="tail")
+    late, _ = gkd_loss(torch.roll(logits, 1, dims=1).float(), mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask,
+                       beta=0.5, mode="tail")
+    assert count == summary["tokens"] and (loss / count).item() < 1e-3 and (late / count).item() > 0.05
+
+
+def test_privileged_teacher_prompt_is_refused_with_score_prompt(tmp_path, teacher, llm):
+    row = rollout_row(prompt_id="q", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset",
+                      teacher_prompt_ids=[9, 10, 11])
+    empty = rollout_row(prompt_id="e", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset", teacher_prompt_ids=[])
+    write_rollouts(tmp_path / "rollouts" / "r.parquet", [row], tokenizer_fingerprint=_fp(teacher))
+    with pytest.raises(ScoreInputError, match=f"score_prompt cannot score.*{row['sample_id']}"):
+        score(_cfg(tmp_path, teacher, score_prompt=True), llm=llm)
+    write_rollouts(tmp_path / "r2" / "r.parquet", [empty], tokenizer_fingerprint=_fp(teacher))
+    with pytest.raises(ScoreInputError, match=f"is empty.*{empty['sample_id']}"):
+        score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "r2")), llm=llm)
+
+
+# -- self-teacher: base + LoRA adapter ----------------------------------------------------------------------------
+
+
+def _random_adapter(base: Path, out: Path, rank: int = 4) -> Path:
+    """A peft LoRA adapter with a non-zero B (peft's B = 0 would change nothing), on attention and MLP."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def test_base_plus_adapter_teacher_scores_like_peft_merged_model(tmp_path, teacher, llm):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.config import ConfigError
+    from pipeline.store.fingerprint import adapter_fingerprint, teacher_fingerprint
+
+    adapter = _random_adapter(teacher, tmp_path / "adapter")
+    rows = _rollouts(tmp_path / "rollouts" / "r.parquet", [(5, 9), (12, 20), (3, 1)], teacher, seed=4)
+    score(_cfg(tmp_path, teacher, cache=str(tmp_path / "base")), llm=llm)  # the base alone: another teacher
+    with pytest.raises(CacheMismatchError, match="teacher_fingerprint: cache has"):
+        score(_cfg(tmp_path, teacher, cache=str(tmp_path / "base"), teacher_adapter=str(adapter)))  # before an engine
+    with pytest.raises(ConfigError, match="cannot score through an engine passed to score"):
+        score(_cfg(tmp_path, teacher, teacher_adapter=str(adapter)), llm=llm)
+    with pytest.raises(ConfigError, match="not a peft LoRA folder"):
+        score(_cfg(tmp_path, teacher, teacher_adapter=str(tmp_path)))
+    # Through the CLI in its own process: the stage opens an engine on the merged folder, and a second engine in
+    # this process would tear down vLLM's process groups under the module's `llm` when it shuts down.
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    base = _score_cmd(tmp_path, teacher, tmp_path / "cache")
+    at = base.index(f"max_model_len={MAX_LEN}")  # flags before the key=value overrides
+    cmd = [*base[:at], "--teacher-adapter", str(adapter), *base[at:], f"merge_dir={tmp_path / 'tmp'}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "scored 3 samples" in out.stdout
+    assert not list((tmp_path / "tmp").iterdir())  # the merged folder is gone
+    desc = TeacherCache.open(tmp_path / "cache").descriptor
+    assert desc.teacher_fingerprint == adapter_fingerprint(teacher_fingerprint(teacher), adapter)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32),
+                                       adapter).merge_and_unload().eval()
+    base = {s.sample_id: s for s in read_cache(tmp_path / "base")}
+    for s in read_cache(tmp_path / "cache"):
+        r = next(r for r in rows if r["sample_id"] == s.sample_id)
+        ids, P = r["prompt_ids"] + r["completion_ids"], len(r["prompt_ids"])
+        with torch.no_grad():
+            ref = torch.log_softmax(merged(torch.tensor([ids])).logits[0], -1).double().numpy()[P - 1: len(ids) - 1]
+        tol = 1e-3 + 1 / 64  # vLLM vs transformers on the same merged fp32 weights (~1e-5) + the codec's error
+        np.testing.assert_allclose(s.actual_logprobs, ref[np.arange(len(ids) - P), ids[P:]], atol=tol)
+        np.testing.assert_allclose(s.topk_logprobs, np.take_along_axis(ref, s.topk_ids.astype(np.int64), 1), atol=tol)
+        # the adapter matters: the base's rows are visibly different
+        assert np.abs(base[s.sample_id].actual_logprobs - s.actual_logprobs).max() > 0.1
+
+
+# -- routing: one teacher per tag ---------------------------------------------------------------------------------
+
+
+def test_tags_score_only_the_rollouts_of_those_tags(tmp_path, teacher, llm, capsys):
+    """--tags A scores the A rows only (the rest counted); --tags B into the same cache is another task that adds the
+    B rows; rows without the tag key are scored by neither; the stored rows keep their tags."""
+    rng = np.random.default_rng(3)
+    rows = [rollout_row(prompt_id=f"t{i}", prompt_ids=rng.integers(3, 384, 4).tolist(),
+                        completion_ids=rng.integers(3, 384, 5).tolist(), source="dataset",
+                        tags={"task": tag} if tag else {"data_source": "x"})
+            for i, tag in enumerate(["A", "A", "B", "C", None, "B", "A"])]
+    write_rollouts(tmp_path / "rollouts" / "r.parquet", rows, tokenizer_fingerprint=_fp(teacher))
+    a = score(_cfg(tmp_path, teacher, tags=["A"], tag_key="task"), llm=llm)
+    assert a["scored"] == 3 and a["skipped"]["other_tags"] == 4
+    b = score(_cfg(tmp_path, teacher, tags=["B", "C"], tag_key="task"), llm=llm)
+    assert b["scored"] == 3 and b["skipped"]["other_tags"] == 4
+    assert score(_cfg(tmp_path, teacher, tags=["C", "B"], tag_key="task"), llm=llm)["done_before"]  # same selection
+    stored = [r for p in TeacherCache.open(tmp_path / "cache").shard_paths()
+              for r in pq.read_table(p, columns=["sample_id", "tags"]).to_pylist()]
+    by_id = {r["sample_id"]: r for r in rows}
+    assert sorted(dict(r["tags"])["task"] for r in stored) == ["A", "A", "A", "B", "B", "C"]
+    assert all(dict(r["tags"]) == by_id[r["sample_id"]]["tags"] for r in stored)
+    assert status(_cfg(tmp_path, teacher, tags=["A"], tag_key="task")) == 0
+    assert status(_cfg(tmp_path, teacher, tags=["Z"], tag_key="task")) == 1  # never scored: a task of its own
+    capsys.readouterr()
+
+
+def test_tags_flag_parses_a_comma_list():
+    from pipeline.score.run import parse_args
+
+    cfg, _ = parse_args(["--tags", "math,code", "--tag-key", "task"])
+    assert (cfg.tags, cfg.tag_key) == (["math", "code"], "task")
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tags must be non-empty strings"):
+        parse_args(["tags=['']"])

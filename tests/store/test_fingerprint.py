@@ -53,3 +53,33 @@ def test_content_key_depends_on_every_part():
 def test_sample_id_sees_the_prompt_completion_split():
     assert sample_id("p", [1, 2], [3]) != sample_id("p", [1], [2, 3])
     assert sample_id("p", [1, 2], [3]) == sample_id("p", np.array([1, 2]), np.array([3]))
+
+
+def test_content_key_covers_the_teachers_privileged_prompt():
+    ids = np.arange(10)
+    plain = content_key("T", ids, 4, 64, "raw_logprobs")
+    assert content_key("T", ids, 4, 64, "raw_logprobs", teacher_prompt=None) == plain
+    a = content_key("T", ids, 4, 64, "raw_logprobs", teacher_prompt=[7, 8, 9])
+    assert a == content_key("T", ids, 4, 64, "raw_logprobs", teacher_prompt=np.array([7, 8, 9]))
+    # another privileged view of the same completion, or the student's own prompt as the teacher's: other rows
+    assert len({plain, a, content_key("T", ids, 4, 64, "raw_logprobs", teacher_prompt=[7, 8]),
+                content_key("T", ids, 4, 64, "raw_logprobs", teacher_prompt=ids[:4])}) == 4
+
+
+def test_adapter_fingerprint_covers_base_config_and_adapter_weights(tmp_path):
+    from pipeline.store.fingerprint import adapter_fingerprint
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    fp = adapter_fingerprint("BASE", tmp_path)
+    assert fp != adapter_fingerprint("OTHER", tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16}))
+    assert adapter_fingerprint("BASE", tmp_path) != fp
+    fp = adapter_fingerprint("BASE", tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * 63 + b"\1")
+    assert adapter_fingerprint("BASE", tmp_path) != fp
+    (tmp_path / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no adapter weight files"):
+        adapter_fingerprint("BASE", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
+        adapter_fingerprint("BASE", tmp_path / "missing")

@@ -128,3 +128,25 @@ def test_sigkill_leaves_no_partial_shard_and_rerun_completes(tmp_path):
     assert len(cache.shard_paths()) == n
     assert cache.verify() == []
     assert not [p for p in shard_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_fields_of_a_later_minor_version_may_be_absent_from_older_files(tmp_path):
+    """A rollout shard of schema 1.1 has no teacher_prompt_ids: it is accepted and read as null; a file lacking a
+    field every version has is still refused."""
+    from pipeline.store.schema import check_arrow_schema
+
+    rows = [{**r, "teacher_prompt_ids": [9, 8]} for r in _rows(2)]
+    write_rollouts(tmp_path / "r.parquet", rows)
+    assert [r["teacher_prompt_ids"] for r in iter_rollouts([tmp_path / "r.parquet"])] == [[9, 8], [9, 8]]
+    assert "teacher_prompt_ids" in load_schema("rollout").optional
+    table = pq.read_table(tmp_path / "r.parquet").drop_columns(["teacher_prompt_ids"])
+    old = tmp_path / "old.parquet"
+    pq.write_table(table.replace_schema_metadata({META_KEY: b"rollout/1.1"}), old)
+    check_arrow_schema(pq.read_schema(old), "rollout", old)
+    broken = tmp_path / "broken.parquet"
+    pq.write_table(table.drop_columns(["tags"]).replace_schema_metadata({META_KEY: b"rollout/1.1"}), broken)
+    with pytest.raises(SchemaError, match="broken.parquet: missing field 'tags'"):
+        check_arrow_schema(pq.read_schema(broken), "rollout", broken)
+    # a writer given rows without the new field fills it with nulls
+    write_rollouts(tmp_path / "plain.parquet", _rows(1))
+    assert next(iter_rollouts([tmp_path / "plain.parquet"]))["teacher_prompt_ids"] is None

@@ -145,3 +145,20 @@ def test_default_codec_stays_within_its_bound(same_rows, tmp_path):
     print(f"[default codec] live {d_live:.6f} vs cached {d_q:.6f}: |diff| {abs(d_q - d_live):.2e} <= bound {bound:.3f}",
           file=sys.stderr)
     assert 0 < abs(d_q - d_live) <= bound, (d_q, d_live, bound)
+
+
+def test_privileged_teacher_prompts_are_refused_by_the_live_teacher(tmp_path):
+    """A live teacher scores prompt + completion; rollouts whose teacher sees another prompt (OPSD) need the score
+    stage, so the loader refuses them by file instead of training on the wrong teacher view."""
+    from pipeline.store.rollouts import rollout_row, write_rollouts
+    from pipeline.store.shards import ShardError
+    from pipeline.train.data import ScoredLoader
+
+    rows = [rollout_row(prompt_id="a", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset"),
+            rollout_row(prompt_id="b", prompt_ids=[5, 6], completion_ids=[7, 9], source="dataset",
+                        teacher_prompt_ids=[3, 4, 5])]
+    write_rollouts(tmp_path / "plain.parquet", rows[:1])
+    write_rollouts(tmp_path / "opsd.parquet", rows)
+    assert ScoredLoader([tmp_path / "plain.parquet"], micro_batch_size=1, seq_length=8, seed=0, live_k=4).num_samples == 1
+    with pytest.raises(ShardError, match=r"opsd\.parquet: rollouts with a privileged teacher_prompt_ids"):
+        ScoredLoader([tmp_path / "opsd.parquet"], micro_batch_size=1, seq_length=8, seed=0, live_k=4)
