@@ -203,7 +203,7 @@ def test_unknown_config_key(tmp_path, teacher, capsys):
 def test_zero_or_negative_sizes(tmp_path, teacher, capsys):
     refused(tmp_path, ["train", "micro_batch_size=0"], capsys, r"micro_batch_size must be >= 1, got 0")
     refused(tmp_path, ["train", "seq_length=-4"], capsys, r"seq_length must be >= 1, got -4")
-    refused(tmp_path, _score(tmp_path, teacher, None, "--topk", "0"), capsys, r"topk must be >= 1, got 0")
+    refused(tmp_path, _score(tmp_path, teacher, None, "--topk", "-1"), capsys, r"topk must be >= 0, got -1")
     refused(tmp_path, _score(tmp_path, teacher, None, "part_rows=-1"), capsys, r"part_rows must be >= 1")
 
 
