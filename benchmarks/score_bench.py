@@ -293,7 +293,7 @@ def markdown(res: dict) -> str:
         f"Decode, scored shards → trainer arrays (ids int32 [P,k], logprobs float32 [P,k], tail, actual), one thread, warm: "
         f"**{res['decode_tok_s'] / 1e6:.2f} M tokens/s** (goal ≥ 1 M).",
         "",
-        "| top-p (variable k, cap 64, min_k 1), same score path | scored tokens | bytes / scored token | mean kept k | goal |",
+        "| top-p (variable k, cap 64, min_k 1), same score path | bytes / scored token | scored tokens | mean kept k | goal |",
         "|---|---|---|---|---|",
     ]
     tp = res["topp"]
@@ -301,20 +301,20 @@ def markdown(res: dict) -> str:
     for topp in TOPP:
         for name in ("prose", "math"):
             r = tp[f"{name}@{topp}"]
-            lines.append(f"| top-p {topp} {name} bytes/token | {r['scored_tokens']} | **{r['bytes_per_token']:.1f}** | "
+            lines.append(f"| top-p {topp} {name} bytes/token | **{r['bytes_per_token']:.1f}** | {r['scored_tokens']} | "
                          f"{r['mean_k']:.1f} (median {r['median_k']:.0f}, {r['share_at_cap']:.0%} at the cap) | "
                          f"{goals[name] if topp == 0.99 else '-'} |")
     m = res["megatron_layout"]
     lines += [
         "",
-        "| codec vs Megatron-LM layout, fixed k=64, same prose rows | positions | ours B/token (whole shard) | "
-        "Megatron-LM layout B/token (fp16 + 16-bit ids + 17th-bit plane, zstd-3; top-k only) | ratio | goal |",
+        "| codec vs Megatron-LM layout, fixed k=64, same prose rows | ratio | positions | ours B/token (whole shard) | "
+        "Megatron-LM layout B/token (fp16 + 16-bit ids + 17th-bit plane, zstd-3; top-k only) | goal |",
         "|---|---|---|---|---|---|",
-        f"| codec vs Megatron-LM layout, 1k positions | {m['1k']['positions']} | {m['1k']['ours_bytes_per_token']:.1f} | "
-        f"{m['1k']['megatron_bytes_per_token']:.1f} | **{m['1k']['ratio']:.2f}×** | ≤ 0.8× |",
-        f"| codec vs Megatron-LM layout, {m['all']['positions'] / 1000:.0f}k positions | {m['all']['positions']} | "
-        f"{m['all']['ours_bytes_per_token']:.1f} | {m['all']['megatron_bytes_per_token']:.1f} | "
-        f"**{m['all']['ratio']:.2f}×** | ≤ 0.8× |",
+        f"| codec vs Megatron-LM layout, 1k positions | **{m['1k']['ratio']:.2f}×** | {m['1k']['positions']} | "
+        f"{m['1k']['ours_bytes_per_token']:.1f} | {m['1k']['megatron_bytes_per_token']:.1f} | ≤ 0.8× |",
+        f"| codec vs Megatron-LM layout, {m['all']['positions'] / 1000:.0f}k positions | **{m['all']['ratio']:.2f}×** | "
+        f"{m['all']['positions']} | {m['all']['ours_bytes_per_token']:.1f} | {m['all']['megatron_bytes_per_token']:.1f} | "
+        f"≤ 0.8× |",
     ]
     return "\n".join(lines)
 
