@@ -193,6 +193,26 @@ def check_top_p(k: int, topp: float | None, min_k: int | None) -> None:
         raise CodecError(f"top-p cap k={k} does not fit the 16-bit per-position count")
 
 
+def check_row(r: int, row: tuple, *, k: int, vocab_size: int) -> tuple[np.ndarray, ...]:
+    """Row `r` of an encoder's input as arrays (ids int64 [n,k], logprobs float32 [n,k], actual ids, ranks,
+    logprobs [n]), or a CodecError naming what is wrong: the shape and id checks both codecs share."""
+    ids, lps, aid, arank, alp = row
+    ids = np.asarray(ids, dtype=np.int64)
+    lps = np.asarray(lps, dtype=np.float32)
+    n = ids.shape[0] if ids.ndim else 0
+    if ids.shape != (n, k) or lps.shape != (n, k):
+        raise CodecError(f"row {r}: top-k arrays have shapes {ids.shape}, {lps.shape}; expected ({n}, {k})")
+    aid, arank, alp = (np.asarray(a).reshape(-1) for a in (aid, arank, alp))
+    if not (aid.size == arank.size == alp.size == n):
+        raise CodecError(f"row {r}: actual-token arrays must have {n} entries")
+    if n and ((ids.size and (ids.min() < 0 or ids.max() >= vocab_size)) or aid.min() < 0
+              or aid.max() >= vocab_size):
+        raise CodecError(f"row {r}: token id outside [0, {vocab_size})")
+    if n and arank.min() < 1:
+        raise CodecError(f"row {r}: actual-token rank must be >= 1")
+    return ids, lps, aid, arank, alp
+
+
 def encode(
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     *,
@@ -216,20 +236,9 @@ def encode(
 
         return exact_codec.encode(rows, k=k, vocab_size=vocab_size)
     norm = []
-    for r, (ids, lps, aid, arank, alp) in enumerate(rows):
-        ids = np.asarray(ids, dtype=np.int64)
-        lps = np.asarray(lps, dtype=np.float32)
-        n = ids.shape[0] if ids.ndim else 0
-        if ids.shape != (n, k) or lps.shape != (n, k):
-            raise CodecError(f"row {r}: top-k arrays have shapes {ids.shape}, {lps.shape}; expected ({n}, {k})")
-        aid, arank, alp = (np.asarray(a).reshape(-1) for a in (aid, arank, alp))
-        if not (aid.size == arank.size == alp.size == n):
-            raise CodecError(f"row {r}: actual-token arrays must have {n} entries")
-        if n and ((ids.size and (ids.min() < 0 or ids.max() >= vocab_size)) or aid.min() < 0
-                  or aid.max() >= vocab_size):
-            raise CodecError(f"row {r}: token id outside [0, {vocab_size})")
-        if n and arank.min() < 1:
-            raise CodecError(f"row {r}: actual-token rank must be >= 1")
+    for r, row in enumerate(rows):
+        ids, lps, aid, arank, alp = check_row(r, row, k=k, vocab_size=vocab_size)
+        n = ids.shape[0]
         q = _quantise(lps, f"row {r}")
         order = np.argsort(-lps, axis=1, kind="stable")
         ids, lps, q = (np.take_along_axis(a, order, 1) for a in (ids, lps, q))

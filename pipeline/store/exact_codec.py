@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.store.codec import CodecError, DecodedBatch, EncodedRows, tail_logprob
+from pipeline.store.codec import CodecError, DecodedBatch, EncodedRows, check_row, tail_logprob
 
 NAME = "exact-f32"
 
@@ -25,20 +25,8 @@ def params() -> dict[str, str]:
 def encode(rows: Sequence[tuple], *, k: int, vocab_size: int) -> EncodedRows:
     """Same rows and checks as `codec.encode`; entries put in rank order (stable by descending logprob)."""
     out = EncodedRows([], [], [], [], [], {})
-    for r, (ids, lps, aid, arank, alp) in enumerate(rows):
-        ids = np.asarray(ids, dtype=np.int64)
-        lps = np.asarray(lps, dtype=np.float32)
-        n = ids.shape[0] if ids.ndim else 0
-        if ids.shape != (n, k) or lps.shape != (n, k):
-            raise CodecError(f"row {r}: top-k arrays have shapes {ids.shape}, {lps.shape}; expected ({n}, {k})")
-        aid, arank, alp = (np.asarray(a).reshape(-1) for a in (aid, arank, alp))
-        if not (aid.size == arank.size == alp.size == n):
-            raise CodecError(f"row {r}: actual-token arrays must have {n} entries")
-        if n and ((ids.size and (ids.min() < 0 or ids.max() >= vocab_size)) or aid.min() < 0
-                  or aid.max() >= vocab_size):
-            raise CodecError(f"row {r}: token id outside [0, {vocab_size})")
-        if n and arank.min() < 1:
-            raise CodecError(f"row {r}: actual-token rank must be >= 1")
+    for r, row in enumerate(rows):
+        ids, lps, aid, arank, alp = check_row(r, row, k=k, vocab_size=vocab_size)
         if np.isnan(lps).any() or np.isnan(np.asarray(alp, dtype=np.float64)).any():
             raise CodecError(f"row {r}: NaN logprob; the teacher produced an invalid distribution")
         if lps.size and (lps.max() > 1e-3):
