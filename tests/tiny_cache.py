@@ -73,3 +73,15 @@ def random_samples(n: int, vocab: int, seed: int = 0, lengths=(12, 40)) -> list[
         p = int(rng.integers(1, length // 2))
         out.append((rng.integers(3, vocab, size=length).astype(np.int32), p, "dataset" if i % 2 else "student"))
     return out
+
+
+def train_tiny(student: Path, cache: Path, save: Path, steps: int) -> list[dict]:
+    """`gkd train` (in-process CLI) of a tiny student on one cache, micro-batches of 2 x 64; its metrics.jsonl rows."""
+    import json
+
+    from pipeline.cli import main as cli
+
+    args = dict(student=str(student), cache=f"[{cache}]", micro_batch_size=2, global_batch_size=2, seq_length=64,
+                train_steps=steps, warmup_steps=1, save_interval=steps, save_dir=str(save), progress=False)
+    assert cli(["train", *[f"{k}={v}" for k, v in args.items()]]) == 0
+    return [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()]

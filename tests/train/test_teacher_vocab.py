@@ -6,14 +6,13 @@ Run: ``python -m pytest tests/train/test_teacher_vocab.py`` (tiny random Llamas 
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import random_samples, score_into_cache
+from tiny_cache import train_tiny
 
 from pipeline.store import read_cache
 from pipeline.store.fingerprint import tokenizer_fingerprint
@@ -85,13 +84,6 @@ def test_larger_teacher_vocab_needs_a_matching_tokenizer(big_teacher):
 
 
 def test_student_with_fewer_rows_trains(tiny, big_teacher, tmp_path):
-    from pipeline.cli import main as cli
-
-    save = tmp_path / "run"
-    args = dict(student=str(tiny["student"]), cache=f"[{big_teacher['cache']}]", micro_batch_size=2,
-                global_batch_size=2, seq_length=64, train_steps=3, warmup_steps=1, save_interval=3,
-                save_dir=str(save), progress=False)
-    assert cli(["train", *[f"{k}={v}" for k, v in args.items()]]) == 0
-    metrics = [json.loads(line) for line in Path(save / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_tiny(tiny["student"], big_teacher["cache"], tmp_path / "run", steps=3)
     assert len(metrics) == 3 and all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
     assert sum(m["folded_positions"] for m in metrics) > 0

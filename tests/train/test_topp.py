@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_samples, score_into_cache
+from tiny_cache import train_tiny
 
 from pipeline.store import read_cache
 from pipeline.train.data import ScoredLoader
@@ -123,15 +124,5 @@ def test_heldout_kl_on_a_top_p_cache(tiny, topp_cache):
 
 
 def test_gkd_train_from_a_top_p_cache(tiny, topp_cache, tmp_path):
-    import json
-    from pathlib import Path
-
-    from pipeline.cli import main as cli
-
-    save = tmp_path / "run"
-    args = dict(student=str(tiny["student"]), cache=f"[{topp_cache['cache']}]", micro_batch_size=2,
-                global_batch_size=2, seq_length=64, train_steps=2, warmup_steps=1, save_interval=2,
-                save_dir=str(save), progress=False)
-    assert cli(["train", *[f"{k}={v}" for k, v in args.items()]]) == 0
-    metrics = [json.loads(line) for line in Path(save / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_tiny(tiny["student"], topp_cache["cache"], tmp_path / "run", steps=2)
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
