@@ -42,9 +42,11 @@ SECTIONS = {  # name -> heading, in file order
     "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
     "baselines": "Cache vs live teacher: step time and break-even (issue: honest baselines)",
     "onpolicy": "On-policy vs off-policy GKD (issue: on-policy)",
+    "opd": "On-policy OPD (k=0 rows) vs GKD's tail loss (k=64 rows) (issue: top-p and k=0)",
+    "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
 }
-DEFAULT = "score,loss,train,lora,baselines"  # onpolicy runs two whole distillation runs (~1 h on 2 cores), faults
+DEFAULT = "score,loss,train,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -116,6 +118,16 @@ def main() -> int:
 
         res = onpolicy_bench.run(work / "onpolicy", cycles=args.onpolicy_cycles)
         sections["onpolicy"] = _section("onpolicy", onpolicy_bench.markdown(res), res, command, started)
+    if "opd" in only:
+        from benchmarks import onpolicy_bench
+
+        res = onpolicy_bench.run_opd(work / "opd", cycles=args.onpolicy_cycles)
+        sections["opd"] = _section("opd", onpolicy_bench.markdown_opd(res), res, command, started)
+    if "topp" in only:
+        from benchmarks import topp_bench
+
+        res = topp_bench.run(work / "topp")
+        sections["topp"] = _section("topp", topp_bench.markdown(res), res, command, started)
     if "faults" in only:
         from benchmarks import faults
 

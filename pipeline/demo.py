@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,7 +106,22 @@ def answer_accuracy(rollouts: list[dict], tokenizer) -> float:
     return hits / max(len(rollouts), 1)
 
 
-def run(cfg: DemoConfig) -> dict:
+@dataclass
+class Prepared:
+    """What steps 1-3 leave on disk (each step skipped where its outputs are complete): the inputs of training."""
+    out: Path
+    teacher: Path
+    student: Path
+    train_rollouts: Path  # imported answers + student samples
+    teacher_answers: Path  # the teacher's greedy answers to the held-out prompts (for NLL and task accuracy)
+    answers: list[tuple[list[int], list[int]]]
+    score_config: dict  # the ScoreConfig settings the caches were scored with
+    first_score: dict  # what the first score of the training rollouts reported
+    times: dict[str, float]
+
+
+def prepare(cfg: DemoConfig) -> Prepared:
+    """Steps 1-3: import, generate, score into out/cache (training) and out/cache-eval (held-out student samples)."""
     from transformers import AutoTokenizer
 
     from pipeline.assets import student_dir, teacher_dir
@@ -114,13 +130,11 @@ def run(cfg: DemoConfig) -> dict:
     from pipeline.generate.prompts import load_prompts
     from pipeline.generate.run import GenerateConfig, run_task
     from pipeline.score.run import ScoreConfig, score
-    from pipeline.store import TeacherCache
     from pipeline.store.fingerprint import tokenizer_fingerprint
     from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "demo.log"
     times: dict[str, float] = {}
     t = time.perf_counter()
     teacher = Path(cfg.teacher) if cfg.teacher else teacher_dir()
@@ -172,29 +186,59 @@ def run(cfg: DemoConfig) -> dict:
     times["teacher"] = time.perf_counter() - t
     answers = [(r["prompt_ids"], r["completion_ids"]) for r in iter_rollouts(rollout_shards(teacher_ans.out))]
 
-    # 4. student A, evaluated every eval_every steps through an HF export
+    return Prepared(out=out, teacher=teacher, student=student, train_rollouts=train_dir,
+                    teacher_answers=Path(teacher_ans.out), answers=answers, score_config=sc, first_score=first,
+                    times=times)
+
+
+def train_args(cfg: DemoConfig, student: Path, cache: Path) -> list[str]:
+    """`gkd train` settings of every demo student (and of the bench that compares caches through the demo)."""
+    return [f"student={student}", f"cache=[{cache}]", f"micro_batch_size={cfg.micro_batch_size}",
+            f"global_batch_size={cfg.micro_batch_size}", f"seq_length={cfg.seq_length}", f"lr={cfg.lr}",
+            f"min_lr={cfg.lr / 10}", f"warmup_steps={max(1, cfg.steps // 10)}", "beta=0.0", "topk_mode=tail"]
+
+
+def run(cfg: DemoConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    from pipeline.engine import EngineArgs, open_engine
+    from pipeline.generate.run import GenerateConfig, run_task
+    from pipeline.score.run import ScoreConfig, score
+    from pipeline.store import TeacherCache
+    from pipeline.store.rollouts import iter_rollouts, rollout_shards
+    from pipeline.train.checkpoint import step_dir
+
+    p = prepare(cfg)
+    out, teacher, student, train_dir, times, answers = p.out, p.teacher, p.student, p.train_rollouts, p.times, p.answers
+    sc, first, log = p.score_config, p.first_score, p.out / "demo.log"
+    tok = AutoTokenizer.from_pretrained(student)
+    eval_src = f"reasoning-gym:{cfg.tasks}?size={cfg.eval_prompts}&seed=12345"
+
+    # 4. student A in one training run that saves every eval_every steps, then each checkpoint exported to HF and
+    # evaluated. The students are trained afresh on every demo run (the caches are what is reused), so a rerun's
+    # curve and train time are measured, not resumed from an earlier run's last checkpoint.
+    for d in ("student-a", "student-a-hf", "live-probe", "student-b"):
+        shutil.rmtree(out / d, ignore_errors=True)
     curve = [{"step": 0, **heldout_metrics(student, out / "cache-eval", answers)}]
     py = [sys.executable, "-m", "pipeline"]
-    train_args = [f"student={student}", f"cache=[{out / 'cache'}]", f"micro_batch_size={cfg.micro_batch_size}",
-                  f"global_batch_size={cfg.micro_batch_size}", f"seq_length={cfg.seq_length}", f"lr={cfg.lr}",
-                  f"min_lr={cfg.lr / 10}", f"warmup_steps={max(1, cfg.steps // 10)}", "beta=0.0", "topk_mode=tail"]
     t = time.perf_counter()
-    t_train = 0.0
+    args = train_args(cfg, student, out / "cache")
+    _sh(py + ["train", *args, "seed=1", f"train_steps={cfg.steps}", f"save_dir={out / 'student-a'}",
+              f"save_interval={cfg.eval_every}"], log)
+    times["train_a"] = time.perf_counter() - t
+    export_dir = out / "student-a-hf"
     for step in range(cfg.eval_every, cfg.steps + 1, cfg.eval_every):
-        t0 = time.perf_counter()
-        _sh(py + ["train", *train_args, "seed=1", f"train_steps={cfg.steps}", f"save_dir={out / 'student-a'}",
-                  f"save_interval={cfg.eval_every}", f"exit_after={cfg.eval_every}"], log)
-        t_train += time.perf_counter() - t0
-        export_dir = out / "student-a-hf"
-        _sh(py + ["export", "--checkpoint", str(out / "student-a"), "--out", str(export_dir)], log)
+        _sh(py + ["export", "--checkpoint", str(step_dir(out / "student-a", step)), "--out", str(export_dir)], log)
         curve.append({"step": step, **heldout_metrics(export_dir, out / "cache-eval", answers)})
         print(f"[demo] step {step}: held-out KL {curve[-1]['heldout_kl']:.3f} nats", flush=True)
-    times["train_a"] = t_train
+    if curve[-1]["step"] != cfg.steps:  # steps not a multiple of eval_every: the report's "after" is the last step
+        _sh(py + ["export", "--checkpoint", str(step_dir(out / "student-a", cfg.steps)), "--out", str(export_dir)], log)
+        curve.append({"step": cfg.steps, **heldout_metrics(export_dir, out / "cache-eval", answers)})
     times["train_a_with_evals"] = time.perf_counter() - t
 
     # 4b. the same training with a live teacher, a few steps: the per-step cost the cache saves (break-even's L)
     t = time.perf_counter()
-    _sh(py + ["train", *[a for a in train_args if not a.startswith("cache=")], "cache=[]", f"teacher_live={teacher}",
+    _sh(py + ["train", *[a for a in args if not a.startswith("cache=")], "cache=[]", f"teacher_live={teacher}",
               f"rollouts=[{train_dir}]", f"teacher_live_topk={cfg.topk}", "seed=1",
               f"train_steps={cfg.steps}", f"exit_after={cfg.live_probe_steps}", f"save_dir={out / 'live-probe'}",
               f"save_interval={cfg.live_probe_steps}"], log)  # student A's schedule, its first steps: like for like
@@ -205,7 +249,7 @@ def run(cfg: DemoConfig) -> dict:
     again = score(ScoreConfig(rollouts=str(train_dir), cache=str(out / "cache"), **sc))
     times["score_again"] = time.perf_counter() - t
     t = time.perf_counter()
-    _sh(py + ["train", *train_args, "seed=2", f"train_steps={cfg.second_run_steps}", f"save_dir={out / 'student-b'}",
+    _sh(py + ["train", *args, "seed=2", f"train_steps={cfg.second_run_steps}", f"save_dir={out / 'student-b'}",
               f"save_interval={cfg.second_run_steps}"], log)
     times["train_b"] = time.perf_counter() - t
 
@@ -220,7 +264,7 @@ def run(cfg: DemoConfig) -> dict:
     cached_step = statistics.median(m["step_seconds"] for m in (metrics_a[1:] or metrics_a))
     live_step = statistics.median(m["step_seconds"] for m in (metrics_live[1:] or metrics_live))
     extra_per_run = (live_step - cached_step) * cfg.steps
-    teacher_acc = answer_accuracy(list(iter_rollouts(rollout_shards(teacher_ans.out))), tok)
+    teacher_acc = answer_accuracy(list(iter_rollouts(rollout_shards(p.teacher_answers))), tok)
     report = {
         "config": asdict(cfg),
         "heldout_kl_before": kl0,
