@@ -93,7 +93,20 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
     else:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     kwargs.update(args.extra)
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except ValueError as e:  # vLLM checks the length against config.json before it loads any weight
+        if "User-specified max_model_len" not in str(e):
+            raise
+        import re
+
+        from pipeline.config import ConfigError
+
+        m = re.search(r"derived max_model_len \((\w+)=([\d.]+)", str(e))
+        limit = f"{m[1]}={int(float(m[2]))}" if m else str(e).split(" To allow", 1)[0]
+        raise ConfigError(f"{args.model}/config.json: max_model_len={args.max_model_len} is above the model's limit "
+                          f"({limit}); lower max_model_len to at most that, or leave it unset to use the model's "
+                          "own") from None
     try:
         yield llm
     finally:

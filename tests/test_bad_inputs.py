@@ -130,6 +130,16 @@ def test_prompt_longer_than_max_model_len(tmp_path, teacher, capsys):
             "on_overlong=skip")
 
 
+def test_generate_max_model_len_above_the_model(tmp_path, teacher, capsys):
+    """vLLM's own length check (before any weight loads), as one line naming the model's config and the fix."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "what is 1?"}) + "\n")
+    refused(tmp_path, ["generate", f"prompts={prompts}", f"out={tmp_path / 'rollouts'}", f"student={teacher}",
+                       "max_model_len=4096", "max_tokens=4", "kv_cache_gib=0.05", "enforce_eager=true"], capsys,
+            r"config\.json: max_model_len=4096 is above the model's limit \(max_position_embeddings=128\)",
+            "lower max_model_len")
+
+
 def test_token_ids_outside_the_vocabulary(tmp_path, teacher, capsys):
     _rollouts(tmp_path, teacher, [_row(0), _row(1, high=100_000)])
     refused(tmp_path, _score(tmp_path, teacher), capsys,
