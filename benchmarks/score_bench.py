@@ -171,7 +171,7 @@ def run(work: Path | None = None, prose_tokens: int = 12_000, math_samples: int 
 
     from pipeline.assets import teacher_dir
     from pipeline.engine import EngineArgs, open_engine
-    from pipeline.score.run import ScoreConfig, extract, score, token_batches
+    from pipeline.score.scorer import ScoreConfig, extract, score, token_batches
     from pipeline.store import TeacherCache
 
     teacher = teacher_dir()

@@ -58,7 +58,7 @@ class Descriptor:
     engine: str = ""
     codec: dict = field(default_factory=codec.params)
     schema_version: str = field(default_factory=lambda: load_schema("scored").version)
-    # Engine settings that change the stored logprobs (score/run.py `scoring_numerics`); None = not recorded.
+    # Engine settings that change the stored logprobs (score/scorer.py `scoring_numerics`); None = not recorded.
     numerics: dict | None = None
     # Top-p (variable-k) cache: per position the fewest entries with mass >= topp, >= min_k, <= k; None = fixed k.
     topp: float | None = None
