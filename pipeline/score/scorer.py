@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,14 @@ class ScoreConfig:
     teacher: str = "default"  # an HF folder; "default" = SmolLM2-135M-Instruct built by pipeline.assets
     teacher_adapter: str | None = None  # a peft LoRA folder on top of `teacher`, merged for scoring (score/adapter.py)
     merge_dir: str | None = None  # where the merged teacher is written (needs one base's size); null: $TMPDIR
+    # A served teacher (score/served.py): a vLLM OpenAI-compatible server scores instead of an engine in this
+    # process; `teacher` then only supplies the tokenizer and config.json (its weights are not read)
+    teacher_url: str | None = None  # e.g. http://HOST:PORT/v1
+    teacher_model: str | None = None  # the served model name (--served-model-name); null: the server's only model
+    served_inflight_tokens: int = 16384  # tokens of requests at the server at once (keeps its scheduler fed)
+    served_concurrency: int = 16  # HTTP requests at once (one rollout each)
+    served_retries: int = 8  # per request, on timeouts, connection errors, 429 and 5xx (backoff 1 s, doubling, <= 30 s)
+    served_timeout_s: float = 600.0  # per request
     topk: int = 64  # k; with topp the cap of the kept entries; 0: only the actual token's logprob and rank
     topp: float | None = None  # variable k: keep the fewest top entries with teacher mass >= topp (None: fixed k)
     min_k: int | None = None  # with topp: at least this many per position (default 1)
@@ -115,6 +124,17 @@ class ScoreConfig:
         if self.dtype not in DTYPES:
             p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}: the scoring dtype is part of the "
                      "cache's identity, so name it ('auto' resolves differently per machine and model)")
+        if self.teacher_url is not None:
+            if not str(self.teacher_url).startswith(("http://", "https://")):
+                p.append(f"teacher_url must be an http(s) URL like http://HOST:PORT/v1, got {self.teacher_url!r}")
+            if self.teacher_adapter:
+                p.append("teacher_adapter cannot be applied to a served teacher: serve the merged model instead")
+            if min(self.served_inflight_tokens, self.served_concurrency) < 1 or self.served_retries < 0 \
+                    or self.served_timeout_s <= 0:
+                p.append("served_inflight_tokens and served_concurrency must be >= 1, served_retries >= 0, "
+                         "served_timeout_s > 0")
+        elif self.teacher_model is not None:
+            p.append("teacher_model names a served model: pass teacher_url too (--teacher-url http://HOST:PORT/v1)")
         for key in sorted(set(self.engine_extra) & set(_OWN_KEYS)):
             p.append(f"engine_extra.{key}: set the score key {key.replace('logprobs_mode', 'logprob_mode')} instead")
         return p
@@ -392,7 +412,8 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     # Cheap checks first: the rollouts' tokenizer against the teacher's, before the weights are even hashed.
-    tok_fp = tokenizer_fingerprint(AutoTokenizer.from_pretrained(teacher))
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tok_fp = tokenizer_fingerprint(tokenizer)
     paths = rollout_shards(cfg.rollouts)
     if not paths:
         raise ScoreInputError(f"{cfg.rollouts}: no complete rollout shards (*.parquet with a .ok marker)")
@@ -406,29 +427,40 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
                               "adapter into a temporary teacher folder and opens its own engine on it (llm=None)")
         if not (Path(cfg.teacher_adapter) / "adapter_config.json").exists():
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
-    teacher_fp = teacher_fingerprint(teacher)
-    if cfg.teacher_adapter:
-        teacher_fp = adapter_fingerprint(teacher_fp, cfg.teacher_adapter)  # base weights + adapter config/weights
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = int(teacher_config.vocab_size)
     # vLLM must fit one sampled token after the scored sequence, so the engine gets max_model_len + 1 where the
     # model's positions allow it: a sequence of exactly max_model_len tokens is then scorable.
     max_pos = int(getattr(teacher_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
     engine_len = min(cfg.max_model_len + 1, max_pos)
-    from pipeline.engine import engine_version
+    served = probe = None
+    if cfg.teacher_url:
+        if llm is not None:
+            raise ConfigError("teacher_url: a served teacher scores through its server, not an engine passed to score()")
+        served, teacher_fp, probe, teacher_name, engine_name = _served_teacher(cfg, teacher, tokenizer, vocab_size,
+                                                                              engine_len)
+    else:
+        teacher_fp = teacher_fingerprint(teacher)
+        if cfg.teacher_adapter:
+            teacher_fp = adapter_fingerprint(teacher_fp, cfg.teacher_adapter)  # base weights + adapter config/weights
+        from pipeline.engine import engine_version
+
+        teacher_name = str(teacher) + (f" + adapter {cfg.teacher_adapter}" if cfg.teacher_adapter else "")
+        engine_name = engine_version()
 
     descriptor = Descriptor(
         teacher_fingerprint=teacher_fp,
         tokenizer_fingerprint=tok_fp,
         k=cfg.topk,
         logprob_mode=cfg.logprob_mode,
-        teacher=str(teacher) + (f" + adapter {cfg.teacher_adapter}" if cfg.teacher_adapter else ""),
+        teacher=teacher_name,
         vocab_size=vocab_size,
-        engine=engine_version(),
+        engine=engine_name,
         numerics=numerics,
         codec=codec_params(cfg.codec, cfg.topp),
         topp=None if cfg.topp is None else float(cfg.topp),
         min_k=cfg.resolved_min_k,
+        teacher_probe=probe,
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
 
@@ -449,43 +481,22 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     summary = {"task": name, "rows": len(rows), "scored": 0, "tokens": 0, "teacher_forwards": 0, "skipped": counts}
     parts = list(prior_parts)
     if todo:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        from pipeline.engine import EngineArgs, open_engine
-
-        params = SamplingParams(max_tokens=1, prompt_logprobs=cfg.topk, detokenize=False, flat_logprobs=True)
         stack = contextlib.ExitStack()
-        model_dir = teacher
-        if cfg.teacher_adapter:
-            from pipeline.score.adapter import merged_teacher
-
-            model_dir = stack.enter_context(merged_teacher(teacher, cfg.teacher_adapter, dtype=DTYPES[cfg.dtype],
-                                                           parent=cfg.merge_dir))
-        engine_args = EngineArgs(
-            model=str(model_dir),
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            dtype=cfg.dtype,
-            max_model_len=engine_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_cache_gib=cfg.kv_cache_gib,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or max(cfg.batch_tokens, engine_len),
-            enforce_eager=cfg.enforce_eager,
-            extra=cfg.engine_extra,
-        )
+        if served is not None:
+            engine = served
+        else:
+            engine = stack.enter_context(_in_process_teacher(cfg, teacher, llm, engine_len))
         total_tokens = sum(len(r["engine_ids"]) for r in todo)
         pending: list[dict] = []
-        with stack, (open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode) if llm is None else contextlib.nullcontext(llm)) as engine:
+        with stack:
             bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
             t_score = time.time()
-            for batch in token_batches(todo, cfg.batch_tokens):
-                prompts = [TokensPrompt(prompt_token_ids=r["engine_ids"].tolist()) for r in batch]
-                outputs = engine.generate(prompts, params, use_tqdm=False)
+            for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
                 summary["teacher_forwards"] += len(batch)
-                for r, out in zip(batch, outputs, strict=True):
+                for r, flat in zip(batch, flats, strict=True):
                     # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
-                    got = extract(out.prompt_logprobs, r["engine_ids"], r["engine_first"], cfg.topk)
-                    check_finite(got, r, teacher, cfg)
+                    got = extract(flat, r["engine_ids"], r["engine_first"], cfg.topk)
+                    check_finite(got, r, teacher if served is None else cfg.teacher_url, cfg)
                     pending.append({**r, **got})
                     summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
                 bar.update(sum(len(r["engine_ids"]) for r in batch))
@@ -515,6 +526,75 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         + ("" if todo else " — no rows assigned to this task" if not rows else " — everything was already cached")
     )
     return summary
+
+
+class InProcessTeacher:
+    """The score loop's engine for a vLLM `LLM` in this process: one `generate` call per token batch."""
+
+    def __init__(self, llm, k: int) -> None:
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
+
+    def score_batches(self, batches: Iterable[list[dict]]) -> Iterator[tuple[list[dict], list]]:
+        """Each batch with its rows' flat prompt logprobs (vLLM's FlatLogprobs), in order."""
+        from vllm.inputs import TokensPrompt
+
+        for batch in batches:
+            prompts = [TokensPrompt(prompt_token_ids=r["engine_ids"].tolist()) for r in batch]
+            outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
+            yield batch, [out.prompt_logprobs for out in outputs]
+
+
+@contextlib.contextmanager
+def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int) -> Iterator[InProcessTeacher]:
+    """The engine handed in, or one opened on the teacher (merged with its adapter first, if any) and closed after."""
+    if llm is not None:
+        yield InProcessTeacher(llm, cfg.topk)
+        return
+    from pipeline.engine import EngineArgs, open_engine
+
+    with contextlib.ExitStack() as stack:
+        model_dir = teacher
+        if cfg.teacher_adapter:
+            from pipeline.score.adapter import merged_teacher
+
+            model_dir = stack.enter_context(merged_teacher(teacher, cfg.teacher_adapter, dtype=DTYPES[cfg.dtype],
+                                                           parent=cfg.merge_dir))
+        engine_args = EngineArgs(
+            model=str(model_dir),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=cfg.dtype,
+            max_model_len=engine_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_gib=cfg.kv_cache_gib,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or max(cfg.batch_tokens, engine_len),
+            enforce_eager=cfg.enforce_eager,
+            extra=cfg.engine_extra,
+        )
+        engine = stack.enter_context(open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode))
+        yield InProcessTeacher(engine, cfg.topk)
+
+
+def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int):
+    """The served teacher's engine and identity (score/served.py), checked against the server and against an
+    existing cache before the cache is touched: (engine, fingerprint, probe, descriptor teacher, engine name)."""
+    from pipeline.score.served import ServedTeacher, reconcile_probe
+
+    served = ServedTeacher(cfg.teacher_url, cfg.teacher_model, cfg.topk, inflight_tokens=cfg.served_inflight_tokens,
+                           concurrency=cfg.served_concurrency, retries=cfg.served_retries,
+                           timeout_s=cfg.served_timeout_s)
+    info = served.describe(vocab_size, tokenizer)
+    served_len = info["max_model_len"]
+    if served_len is not None and int(served_len) < engine_len:
+        raise ConfigError(
+            f"teacher_url: {cfg.teacher_url} serves {served.model!r} with max_model_len {served_len}, but scoring "
+            f"sequences of up to max_model_len={engine_len - 1} tokens needs {engine_len} (one sampled token after "
+            f"them): restart the server with --max-model-len {engine_len}, or score with max_model_len={int(served_len) - 1}")
+    fingerprint = reconcile_probe(cfg.cache, info["fingerprint"], info["probe"])
+    return (served, fingerprint, info["probe"], f"served {served.model} at {cfg.teacher_url} (tokenizer {teacher})",
+            f"vllm {info['version']} (OpenAI server)")
 
 
 def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], counts: dict) -> list[str]:
