@@ -6,6 +6,7 @@
     gkd score ... --num-shards 8 --status                            # which tasks are missing, as --array=...
     gkd score ... --teacher BASE --teacher-adapter LORA_DIR          # base + LoRA adapter as the teacher
     gkd score ... --teacher MATH_T --cache c-math --tags math --tag-key task   # one teacher per tag (routing)
+    gkd score ... --teacher-url http://HOST:PORT/v1 --teacher-model NAME --teacher TOKENIZER_DIR   # a served teacher
 
 The stage itself (ScoreConfig, score(), the scoring loop) lives in pipeline/score/scorer.py; this file is its
 command line only. The names below are re-exported so `from pipeline.score.run import score, ScoreConfig` keeps
@@ -34,6 +35,7 @@ from pipeline.score.scorer import (  # noqa: F401 - re-exported for `from pipeli
     task_name,
     token_batches,
 )
+from pipeline.score.served import ServedTeacherError
 from pipeline.store.shards import ShardError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
@@ -47,6 +49,9 @@ def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
     ap.add_argument("--teacher")
     ap.add_argument("--teacher-adapter", help="peft LoRA folder applied to --teacher (e.g. a LoRA student's own base "
                     "+ its adapter as a self-teacher)")
+    ap.add_argument("--teacher-url", help="score through a running vLLM OpenAI-compatible server (http://HOST:PORT/v1) "
+                    "instead of loading the teacher here; --teacher then names the folder of its tokenizer and config.json")
+    ap.add_argument("--teacher-model", help="the model name the server serves (--served-model-name); default: its only one")
     ap.add_argument("--topk", type=int)
     ap.add_argument("--score-prompt", action="store_true", default=None)
     ap.add_argument("--shard", type=int)
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             return status(cfg)
         score(cfg)
         return 0
-    except (ValueError, ShardError) as e:  # config, input, cache mismatch, schema: messages name the file and fix
+    except (ValueError, ShardError, ServedTeacherError) as e:  # config, input, cache mismatch, schema, server: messages name the file and fix
         print(f"gkd score: {e}", file=sys.stderr)
         return 2
 

