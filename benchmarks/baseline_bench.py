@@ -37,7 +37,7 @@ def run(work: Path, rounds: int = 2, steps: int = 4, micro_batch_size: int = 4, 
 
     from benchmarks.score_bench import build_rollouts
     from pipeline.assets import student_dir, teacher_dir
-    from pipeline.score.run import ScoreConfig, score
+    from pipeline.score.scorer import ScoreConfig, score
 
     teacher, student = teacher_dir(), student_dir()
     dirs = build_rollouts(work / "rollouts", AutoTokenizer.from_pretrained(teacher), prose_tokens=96 * 256,

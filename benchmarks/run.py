@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,loss,train,lora,baselines,onpolicy,faults] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,served,loss,train,lora,baselines,onpolicy,faults] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -37,6 +37,7 @@ def machine() -> str:
 
 SECTIONS = {  # name -> heading, in file order
     "score": "Score stage and the cache (issues: foundation, score)",
+    "served": "Served teacher vs in-process scoring (issue #19: a served teacher)",
     "loss": "GKD loss (issue: train stage)",
     "train": "Trainer (issue: train stage)",
     "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
@@ -46,7 +47,7 @@ SECTIONS = {  # name -> heading, in file order
     "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
 }
-DEFAULT = "score,loss,train,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
+DEFAULT = "score,served,loss,train,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -89,6 +90,11 @@ def main() -> int:
         score = score_bench.run(work)
         if "score" in only:
             sections["score"] = _section("score", score_bench.markdown(score), score, command, started)
+    if "served" in only:
+        from benchmarks import score_bench
+
+        res = score_bench.served_run(work / "served")
+        sections["served"] = _section("served", score_bench.served_markdown(res), res, command, started)
     if "loss" in only:
         out = work / "loss.json"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_bench.py"), "--tokens", str(args.loss_tokens),

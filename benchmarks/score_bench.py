@@ -171,7 +171,7 @@ def run(work: Path | None = None, prose_tokens: int = 12_000, math_samples: int 
 
     from pipeline.assets import teacher_dir
     from pipeline.engine import EngineArgs, open_engine
-    from pipeline.score.run import ScoreConfig, extract, score, token_batches
+    from pipeline.score.scorer import ScoreConfig, extract, score, token_batches
     from pipeline.store import TeacherCache
 
     teacher = teacher_dir()
@@ -322,3 +322,68 @@ def markdown(res: dict) -> str:
 if __name__ == "__main__":
     r = run()
     print(markdown(r))
+
+
+def served_run(work: Path | None = None, prose_tokens: int = 6_000, rounds: int = 2) -> dict:
+    """A served teacher vs the in-process engine: the same SmolLM2 teacher (fp32), the same prose rollouts, k=64,
+    the whole `gkd score` path each time (fresh caches), rounds interleaved. The server runs with the flags the
+    README gives, in its own process group, its log in `work`; the in-process engine stays open beside it (idle
+    while the server scores, and the server idle while it does)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.assets import teacher_dir
+    from pipeline.engine import EngineArgs, open_engine
+    from pipeline.score.scorer import ScoreConfig, score
+    from pipeline.score.served import LocalServer
+
+    teacher = teacher_dir()
+    tok = AutoTokenizer.from_pretrained(teacher)
+    work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="gkd-bench-served-"))
+    text, source = prose_text()
+    ids = tok(text)["input_ids"][:prose_tokens]
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+    from pipeline.store.rollouts import rollout_row, write_rollouts
+
+    rows = [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + 1], completion_ids=ids[i + 1 : i + 256],
+                        source="dataset") for i in range(0, len(ids) - 16, 256)]
+    write_rollouts(work / "rollouts" / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
+    budget = 4096
+    base = dict(rollouts=str(work / "rollouts"), teacher=str(teacher), topk=K, max_model_len=2048, batch_tokens=budget,
+                part_rows=100_000)
+    res: dict = {"teacher": "SmolLM2-135M-Instruct (fp32, vLLM CPU)", "k": K, "prose_source": source, "rounds": rounds}
+    times: dict[str, list[float]] = {"in_process": [], "served": []}
+    tokens = 0
+    t = time.perf_counter()
+    with LocalServer(teacher, work / "server.log", name="teacher", max_logprobs=K, max_model_len=2049,
+                     kv_cache_gib=1.0, extra=["--max-num-batched-tokens", str(budget)]) as server:
+        res["server_start_s"] = time.perf_counter() - t
+        args = EngineArgs(model=str(teacher), dtype="float32", max_model_len=2049, kv_cache_gib=1.0,
+                          max_num_batched_tokens=budget)
+        with open_engine(args, max_logprobs=K, logprobs_mode="raw_logprobs") as llm:
+            for rnd in range(rounds):
+                s = score(ScoreConfig(**base, cache=str(work / f"local-{rnd}")), llm=llm)
+                times["in_process"].append(s["score_seconds"])
+                s = score(ScoreConfig(**base, cache=str(work / f"served-{rnd}"), teacher_url=server.url,
+                                      teacher_model="teacher"))
+                times["served"].append(s["score_seconds"])
+                tokens = s["tokens"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    res.update(tokens=tokens, in_process_tok_s=tokens / med["in_process"], served_tok_s=tokens / med["served"],
+               ratio=med["in_process"] / med["served"], seconds=times)
+    return res
+
+
+def served_markdown(res: dict) -> str:
+    return "\n".join([
+        f"Teacher: {res['teacher']}, k={res['k']}, the same prose rollouts ({res['prose_source']}) through the whole "
+        "`gkd score` path on one machine; served = a vLLM OpenAI server on 127.0.0.1 (`--teacher-url`), in-process "
+        "= the engine in the score process.",
+        "",
+        "| measurement | ratio | served tokens/s | in-process tokens/s | goal |",
+        "|---|---|---|---|---|",
+        f"| served vs in-process score tokens/s | **{res['ratio']:.2f}×** | {res['served_tok_s']:.0f} | "
+        f"{res['in_process_tok_s']:.0f} | ≥ 0.8× |",
+        "",
+        f"({res['tokens']} scored tokens per round, median of {res['rounds']} interleaved rounds, scoring loop only: "
+        f"the server's start ({res['server_start_s']:.0f} s) and the probe are not in it.)",
+    ])

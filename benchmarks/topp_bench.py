@@ -24,7 +24,7 @@ def run(work: Path) -> dict:
     from pipeline.demo import DemoConfig, prepare, train_args
     from pipeline.engine import EngineArgs, open_engine
     from pipeline.evaluate import heldout_kl
-    from pipeline.score.run import ScoreConfig, score
+    from pipeline.score.scorer import ScoreConfig, score
     from pipeline.store import TeacherCache
     from pipeline.train.checkpoint import step_dir
 

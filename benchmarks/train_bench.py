@@ -78,7 +78,7 @@ def build_caches(work: Path, seq_length: int = 512) -> dict[str, Path]:
 
     from pipeline.assets import teacher_dir
     from pipeline.engine import EngineArgs, open_engine
-    from pipeline.score.run import ScoreConfig, score
+    from pipeline.score.scorer import ScoreConfig, score
 
     teacher = teacher_dir()
     dirs = build_rollouts(work / "train-rollouts", AutoTokenizer.from_pretrained(teacher), seq_length)

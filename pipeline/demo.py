@@ -129,7 +129,7 @@ def prepare(cfg: DemoConfig) -> Prepared:
     from pipeline.generate.importer import import_rows
     from pipeline.generate.prompts import load_prompts
     from pipeline.generate.run import GenerateConfig, run_task
-    from pipeline.score.run import ScoreConfig, score
+    from pipeline.score.scorer import ScoreConfig, score
     from pipeline.store.fingerprint import tokenizer_fingerprint
     from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts
 
@@ -203,7 +203,7 @@ def run(cfg: DemoConfig) -> dict:
 
     from pipeline.engine import EngineArgs, open_engine
     from pipeline.generate.run import GenerateConfig, run_task
-    from pipeline.score.run import ScoreConfig, score
+    from pipeline.score.scorer import ScoreConfig, score
     from pipeline.store import TeacherCache
     from pipeline.store.rollouts import iter_rollouts, rollout_shards
     from pipeline.train.checkpoint import step_dir

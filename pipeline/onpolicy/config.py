@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
 from pipeline.generate.run import GenerateConfig
-from pipeline.score.run import ScoreConfig
+from pipeline.score.scorer import ScoreConfig
 from pipeline.train.run import TrainConfig
 
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one

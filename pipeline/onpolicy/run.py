@@ -40,7 +40,7 @@ class Run:
     """One run's paths, models and state; `stage_*` methods are the state machine's stages."""
 
     def __init__(self, cfg: OnPolicyConfig, engines: Engines) -> None:
-        from pipeline.score.run import resolve_teacher
+        from pipeline.score.scorer import resolve_teacher
 
         self.cfg, self.engines, self.out = cfg, engines, Path(cfg.out)
         self.save_dir = self.out / "train"
@@ -132,7 +132,7 @@ class Run:
                 "samples": result.stats["samples"], "sync_s": round(sync_s, 3)}
 
     def score_into(self, rollouts: Path, cache: str) -> dict:
-        from pipeline.score.run import score
+        from pipeline.score.scorer import score
 
         s = score(self.cfg.score_config(rollouts, cache), llm=self.engines.scorer(self.cfg, self.teacher))
         seconds = s.get("score_seconds")

@@ -122,7 +122,7 @@ def missing(r: Run, stage: str, cycle: int) -> list[int]:
         return [] if not on_policy else [
             i for i in range(n) if not is_complete(folder / f"{shard_name('rollouts', i, n)}.parquet", "rollout")]
     if stage == "score":
-        from pipeline.score.run import rollouts_tag, task_done, task_name
+        from pipeline.score.scorer import rollouts_tag, task_done, task_name
 
         m = cfg.slurm_score_shards
         if not on_policy:
@@ -191,7 +191,7 @@ def _generate(r: TaskRun, cycle: int, shard: int, n: int) -> dict | None:
 
 
 def _score(r: TaskRun, cycle: int, shard: int, n: int) -> dict | None:
-    from pipeline.score.run import score
+    from pipeline.score.scorer import score
 
     _require(r, "generate", cycle)
     scfg = r.cfg.score_config(r.rollouts(f"cycle-{cycle:04d}"), r.cfg.cache)

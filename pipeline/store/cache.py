@@ -58,11 +58,15 @@ class Descriptor:
     engine: str = ""
     codec: dict = field(default_factory=codec.params)
     schema_version: str = field(default_factory=lambda: load_schema("scored").version)
-    # Engine settings that change the stored logprobs (score/run.py `scoring_numerics`); None = not recorded.
+    # Engine settings that change the stored logprobs (score/scorer.py `scoring_numerics`); None = not recorded.
     numerics: dict | None = None
     # Top-p (variable-k) cache: per position the fewest entries with mass >= topp, >= min_k, <= k; None = fixed k.
     topp: float | None = None
     min_k: int | None = None
+    # A served teacher (score/served.py): its model name and logprobs of the fixed probe sequence, which a later run
+    # against this cache compares with its server's (within a tolerance: float noise must not refuse the same
+    # server); informational for the identity check itself, whose teacher_fingerprint hashes them rounded.
+    teacher_probe: dict | None = None
 
     # What must agree for two producers to share one cache (the rest is informational).
     IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")

@@ -1,0 +1,632 @@
+"""Score stage, the library: rollouts -> the teacher's sparse top-k logprobs in the content-keyed cache.
+
+`score(cfg)` runs one score task (`ScoreConfig`); `pipeline/score/run.py` is its command line (`gkd score`).
+
+One sample's path: rollout row (prompt_ids + completion_ids) -> input_ids x_0..x_{L-1}, P = len(prompt_ids) ->
+content key -> (skipped if cached) -> vLLM prompt_logprobs: entry j >= 1 is the teacher distribution of x_j given
+x_<j (entry 0 is empty) -> positions j = P..L-1 stored as top-k ids/logprobs, the actual token's rank/logprob and the
+tail -> a part shard `scored-<tag>-<task>-pNNNN.parquet` -> the task marker `tasks/<tag>-<task>.done`, written last.
+
+Privileged-context teacher (OPSD): a rollout with `teacher_prompt_ids` T is scored on T + completion (the engine's
+positions |T|..) and stored as the student sees it, input_ids = prompt + completion with first_scored = P, so the
+trainer pairs stored row i (completion token i, given T and the completion before it) with the student's logits on
+prompt + completion at the same completion token. Its content key covers T.
+
+A rerun skips scored keys (so a killed task resumes where its last complete part ended) and a finished task is a
+no-op. Rows go to tasks by a hash of their content key, so identical sequences always meet in the same task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import ConfigError
+from pipeline.store import Descriptor, TeacherCache
+from pipeline.store.codec import CodecError, check_top_p
+from pipeline.store.codec import params as codec_params
+from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
+from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
+from pipeline.store.shards import ShardError, atomic_write_bytes, read_marker, verify_shard
+
+LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
+CODECS = ("rank-grid-esc", "exact-f32")
+# vLLM's spellings of the scoring dtypes -> one name each ("auto" is refused: it resolves per machine and model).
+DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+# engine_extra options that only change scheduling, memory or placement, never the logprobs of a sequence; every
+# other engine_extra option is part of the cache's identity (`scoring_numerics`), so an unknown one cannot mix.
+NEUTRAL_ENGINE_OPTIONS = frozenset({
+    "block_size", "cpu_offload_gb", "disable_log_stats", "distributed_executor_backend", "enable_prefix_caching",
+    "max_num_seqs", "max_seq_len_to_capture", "pipeline_parallel_size", "seed", "swap_space",
+})
+# ScoreConfig keys that engine_extra must not override (they are passed to vLLM already)
+_OWN_KEYS = ("dtype", "logprobs_mode", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization",
+             "max_num_batched_tokens", "enforce_eager", "model", "tokenizer", "max_logprobs", "enable_lora")
+
+
+@dataclass
+class ScoreConfig:
+    rollouts: str = "runs/rollouts"
+    cache: str = "runs/cache"
+    teacher: str = "default"  # an HF folder; "default" = SmolLM2-135M-Instruct built by pipeline.assets
+    teacher_adapter: str | None = None  # a peft LoRA folder on top of `teacher`, merged for scoring (score/adapter.py)
+    merge_dir: str | None = None  # where the merged teacher is written (needs one base's size); null: $TMPDIR
+    # A served teacher (score/served.py): a vLLM OpenAI-compatible server scores instead of an engine in this
+    # process; `teacher` then only supplies the tokenizer and config.json (its weights are not read)
+    teacher_url: str | None = None  # e.g. http://HOST:PORT/v1
+    teacher_model: str | None = None  # the served model name (--served-model-name); null: the server's only model
+    served_inflight_tokens: int = 16384  # tokens of requests at the server at once (keeps its scheduler fed)
+    served_concurrency: int = 16  # HTTP requests at once (one rollout each)
+    served_retries: int = 8  # per request, on timeouts, connection errors, 429 and 5xx (backoff 1 s, doubling, <= 30 s)
+    served_timeout_s: float = 600.0  # per request
+    topk: int = 64  # k; with topp the cap of the kept entries; 0: only the actual token's logprob and rank
+    topp: float | None = None  # variable k: keep the fewest top entries with teacher mass >= topp (None: fixed k)
+    min_k: int | None = None  # with topp: at least this many per position (default 1)
+    score_prompt: bool = False  # score every position from x_1 on, not just the completion
+    # Routing (several teachers): score only the rollouts whose tags[tag_key] is one of `tags` ([] = all of them)
+    tags: list[str] = field(default_factory=list)
+    tag_key: str = "data_source"
+    shard: int | None = None  # defaults to $SLURM_ARRAY_TASK_ID
+    num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
+    on_overlong: str = "error"  # error | skip
+    logprob_mode: str = "raw_logprobs"
+    codec: str = "rank-grid-esc"  # rank-grid-esc: compact, logprobs within 1/64 nat | exact-f32: lossless, larger
+    # vLLM engine pass-through
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.85
+    kv_cache_gib: float = 1.0
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    batch_tokens: int = 8192  # token budget of one vLLM call
+    part_rows: int = 512  # rows per output part: bounds memory, and what a killed task loses
+    engine_extra: dict = field(default_factory=dict)
+
+    @property
+    def resolved_min_k(self) -> int | None:
+        return (1 if self.min_k is None else self.min_k) if self.topp is not None else self.min_k
+
+    def validate(self) -> list[str]:
+        p = []
+        if self.topk < 0:
+            p.append(f"topk must be >= 0, got {self.topk}")
+        try:
+            check_top_p(self.topk, self.topp, self.resolved_min_k)
+            codec_params(self.codec, self.topp)
+        except CodecError as e:
+            p.append(str(e))
+        if self.num_shards < 1:
+            p.append(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.shard is not None and not 0 <= self.shard < self.num_shards:
+            p.append(f"shard {self.shard} is outside [0, num_shards={self.num_shards})")
+        if self.on_overlong not in ("error", "skip"):
+            p.append(f"on_overlong must be 'error' or 'skip', got {self.on_overlong!r}")
+        if self.logprob_mode not in LOGPROB_MODES:
+            p.append(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
+        if self.codec not in CODECS:
+            p.append(f"codec must be one of {CODECS}, got {self.codec!r}")
+        if any(not isinstance(t, str) or not t for t in self.tags):
+            p.append(f"tags must be non-empty strings (--tags math,code), got {self.tags!r}")
+        if self.batch_tokens < 1 or self.part_rows < 1:
+            p.append("batch_tokens and part_rows must be >= 1")
+        if self.dtype not in DTYPES:
+            p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}: the scoring dtype is part of the "
+                     "cache's identity, so name it ('auto' resolves differently per machine and model)")
+        if self.teacher_url is not None:
+            if not str(self.teacher_url).startswith(("http://", "https://")):
+                p.append(f"teacher_url must be an http(s) URL like http://HOST:PORT/v1, got {self.teacher_url!r}")
+            if self.teacher_adapter:
+                p.append("teacher_adapter cannot be applied to a served teacher: serve the merged model instead")
+            if min(self.served_inflight_tokens, self.served_concurrency) < 1 or self.served_retries < 0 \
+                    or self.served_timeout_s <= 0:
+                p.append("served_inflight_tokens and served_concurrency must be >= 1, served_retries >= 0, "
+                         "served_timeout_s > 0")
+        elif self.teacher_model is not None:
+            p.append("teacher_model names a served model: pass teacher_url too (--teacher-url http://HOST:PORT/v1)")
+        for key in sorted(set(self.engine_extra) & set(_OWN_KEYS)):
+            p.append(f"engine_extra.{key}: set the score key {key.replace('logprobs_mode', 'logprob_mode')} instead")
+        return p
+
+
+class ScoreInputError(ValueError):
+    """Bad rollouts: the message names the samples and the fix."""
+
+
+class TeacherOutputError(ValueError):
+    """The engine returned logprobs that cannot be stored (NaN, inf): the message names the sample and the fix."""
+
+
+def scoring_numerics(cfg: ScoreConfig) -> dict[str, str]:
+    """The engine settings that change the stored logprobs (besides teacher, k and logprob mode, which are
+    descriptor fields of their own): the cache's `numerics`. Settings that change only the order of float sums
+    (tensor_parallel_size, batch sizes, eager vs compiled) are not in it: vLLM is not batch-invariant anyway, so the
+    same engine gives other last bits for another batch composition; they stay far below the codec's 1/64 nat."""
+    extra = dict(cfg.engine_extra)
+    out = {"dtype": DTYPES.get(cfg.dtype, cfg.dtype), "quantization": str(extra.pop("quantization", None) or "none"),
+           "kv_cache_dtype": str(extra.pop("kv_cache_dtype", None) or "auto")}
+    for key in sorted(set(extra) - NEUTRAL_ENGINE_OPTIONS):
+        out[f"engine_extra.{key}"] = json.dumps(extra[key], sort_keys=True)
+    return out
+
+
+def check_engine_numerics(llm, numerics: dict[str, str]) -> None:
+    """An engine handed in (the on-policy driver's) must score as this config says, or the cache would mix."""
+    model_config = getattr(llm, "model_config", None) or llm.llm_engine.model_config
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    quant = str(getattr(model_config, "quantization", None) or "none")
+    found = {"dtype": dtype, "quantization": quant}
+    wrong = [f"{k}: engine has {found[k]!r}, the score config {numerics[k]!r}" for k in found if found[k] != numerics[k]]
+    if wrong:
+        raise ConfigError("the engine passed to score() does not score as configured: " + "; ".join(wrong))
+
+
+def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: Path) -> None:
+    """Refuse rollouts whose ids come from another tokenizer than the teacher's, or that do not say which one:
+    the same vocab size with another mapping passes the vocab-range check and poisons the cache silently."""
+    from pipeline.store.rollouts import rollout_tokenizer
+    from pipeline.store.schema import check_arrow_schema
+
+    other, unknown = [], []
+    for p in paths:
+        try:
+            schema = pq.read_schema(p)
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{p}: not a readable Parquet file ({e}); delete it and its .ok marker and rerun the "
+                             "task that wrote it") from e
+        check_arrow_schema(schema, "rollout", p)  # a newer schema major: refused before any teacher work
+        fp = rollout_tokenizer(p)
+        if fp is None:
+            unknown.append(p)
+        elif fp != teacher_tokenizer:
+            other.append(f"{p} ({fp})")
+    if other:
+        raise ScoreInputError(
+            f"{len(other)} rollout shard(s) were tokenized by another tokenizer than the teacher's ({teacher}: "
+            f"{teacher_tokenizer}): {', '.join(other[:5])}{' ...' if len(other) > 5 else ''}; the teacher scores "
+            "token ids, so rollouts must be tokenized with its tokenizer (the student's must be the same one)"
+        )
+    if unknown:
+        raise ScoreInputError(
+            f"{len(unknown)} rollout shard(s) record no tokenizer fingerprint: {', '.join(map(str, unknown[:5]))}"
+            f"{' ...' if len(unknown) > 5 else ''}; write them with `gkd import` / `gkd generate`, or through "
+            "pipeline.store.rollouts.write_rollouts(..., tokenizer_fingerprint=tokenizer_fingerprint(TOKENIZER))"
+        )
+
+
+# -- task bookkeeping --------------------------------------------------------------------------------------------
+
+
+def rollouts_tag(paths: list[Path], tags: list[str] | None = None, tag_key: str = "") -> str:
+    """Identity of a rollout set, from its shards' names and checksums (cheap: markers only), and of the tag
+    selection scored from it (scoring tags A then tags B into one cache are two tasks, not one done twice)."""
+    h = hashlib.blake2b(digest_size=6)
+    for p in paths:
+        m = read_marker(p) or {}
+        h.update(f"{p.name}:{m.get('sha256')}\n".encode())
+    if tags:
+        h.update(f"tags|{tag_key}|{json.dumps(sorted(set(tags)))}".encode())
+    return h.hexdigest()
+
+
+def task_name(tag: str, shard: int, num_shards: int) -> str:
+    return f"scored-{tag}-{shard:05d}-of-{num_shards:05d}"
+
+
+def task_marker(cache_root: Path, name: str) -> Path:
+    return cache_root / "tasks" / f"{name}.done"
+
+
+def task_done(cache_root: Path, name: str) -> bool:
+    """A task is done when its marker exists and every part it lists verifies."""
+    marker = task_marker(cache_root, name)
+    if not marker.exists():
+        return False
+    parts = json.loads(marker.read_text()).get("parts", [])
+    return all(not verify_shard(cache_root / "shards" / f"{p}.parquet", "scored", checksum=False) for p in parts)
+
+
+# -- rows --------------------------------------------------------------------------------------------------------
+
+
+def select_rows(
+    cfg: ScoreConfig, rollouts: list[Path], teacher_fp: str, shard: int, vocab_size: int, max_len: int, counts: dict
+) -> list[dict]:
+    """This task's rows, deduplicated by content key; bad input refused (or skipped and counted) before any work.
+    `max_len` is the longest sequence the engine can score.
+
+    A row with `teacher_prompt_ids` (OPSD) is scored on teacher_prompt_ids + completion_ids (`engine_ids`, its
+    completion from `engine_first` on) and stored as the student sees it: input_ids = prompt_ids + completion_ids,
+    first_scored = len(prompt_ids), so stored row i is still the teacher's distribution of completion token i."""
+    rows: dict[str, dict] = {}
+    too_big, overlong, privileged = [], [], []
+    wanted = set(cfg.tags)
+    for r in iter_rollouts(rollouts):
+        if wanted and r["tags"].get(cfg.tag_key) not in wanted:
+            counts["other_tags"] = counts.get("other_tags", 0) + 1  # another teacher's (or no teacher's) rows
+            continue
+        ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
+        first = 1 if cfg.score_prompt else len(r["prompt_ids"])
+        teacher_prompt = r.get("teacher_prompt_ids")
+        if teacher_prompt is not None and (cfg.score_prompt or not teacher_prompt):
+            privileged.append(r["sample_id"])
+            continue
+        if len(r["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
+            counts["empty"] = counts.get("empty", 0) + 1
+            continue
+        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode, teacher_prompt=teacher_prompt)
+        if assign_shard(key, cfg.num_shards) != shard or key in rows:
+            continue
+        engine_ids, engine_first = ids, first
+        if teacher_prompt is not None:
+            engine_ids = np.asarray(teacher_prompt + r["completion_ids"], dtype=np.int64)
+            engine_first = len(teacher_prompt)
+        if max(ids.max(), engine_ids.max()) >= vocab_size or min(ids.min(), engine_ids.min()) < 0:
+            too_big.append(r["sample_id"])
+        if len(engine_ids) > max_len:
+            if cfg.on_overlong == "skip":
+                counts["overlong"] = counts.get("overlong", 0) + 1
+                continue
+            overlong.append(r["sample_id"])
+        rows[key] = {**r, "key": key, "input_ids": ids.astype(np.int32), "first_scored": first,
+                     "engine_ids": engine_ids, "engine_first": engine_first}
+    if privileged:
+        raise ScoreInputError(
+            f"{len(privileged)} rollout(s) carry a teacher_prompt_ids that "
+            + ("score_prompt cannot score (the teacher's prompt positions are not the student's)"
+               if cfg.score_prompt else "is empty (the first completion token would have no context)")
+            + f": {', '.join(privileged[:10])}" + (" ..." if len(privileged) > 10 else "")
+            + ("; score them without score_prompt" if cfg.score_prompt else "; rebuild them with a non-empty teacher prompt")
+        )
+    if too_big:
+        raise ScoreInputError(
+            f"{cfg.rollouts}: {len(too_big)} rollout(s) hold token ids (prompt_ids/completion_ids) outside the "
+            f"teacher's vocabulary [0, {vocab_size}) — were they tokenized with another tokenizer? Re-create them "
+            f"with the teacher's tokenizer (gkd import --tokenizer / gkd generate); sample ids: {', '.join(too_big[:10])}"
+            + (" ..." if len(too_big) > 10 else "")
+        )
+    if overlong:
+        raise ScoreInputError(
+            f"{cfg.rollouts}: {len(overlong)} rollout(s) are longer than {max_len} tokens (max_model_len; a privileged "
+            f"teacher prompt counts instead of the prompt): {', '.join(overlong[:10])}"
+            + (" ..." if len(overlong) > 10 else "")
+            + "; raise max_model_len or pass on_overlong=skip to skip and count them"
+        )
+    return list(rows.values())
+
+
+def token_batches(rows: list[dict], budget: int) -> list[list[dict]]:
+    """Consecutive batches whose total length (of what the engine scores: `engine_ids` where a row has them) stays
+    within the token budget (a longer row goes alone)."""
+    batches, cur, used = [], [], 0
+    for r in rows:
+        n = len(r.get("engine_ids", r["input_ids"]))
+        if cur and used + n > budget:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(r)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
+    """vLLM flat prompt logprobs of one sequence -> arrays for positions first..L-1.
+
+    Each position j >= 1 holds entry 0 = the actual token x_j with its true rank, then ranks 1..k. (Should an
+    engine drop the duplicate when x_j is itself in the top-k, the position has k entries and x_j is found there.)
+    """
+    start = np.asarray(flat.start_indices[first:], dtype=np.int64)
+    end = np.asarray(flat.end_indices[first:], dtype=np.int64)
+    tok = np.asarray(flat.token_ids, dtype=np.int64)
+    lp = np.asarray(flat.logprobs, dtype=np.float32)
+    n = len(ids) - first
+    if len(start) != n or np.any(end - start < k):
+        raise RuntimeError(f"engine returned {len(start)} positions / short top-k rows; expected {n} x {k}+1")
+    if np.all(end - start == k + 1):  # the common case, vectorised
+        idx = start[:, None] + np.arange(1, k + 1)[None, :]
+        actual_lp = lp[start]
+        ranks = np.asarray(flat.ranks, dtype=np.int64)[start]
+        if np.any(tok[start] != ids[first:]):
+            raise RuntimeError("engine's actual-token entries do not match the input ids (alignment broken)")
+        return {"topk_ids": tok[idx], "topk_logprobs": lp[idx], "actual_ranks": ranks, "actual_logprobs": actual_lp}
+    top_ids = np.empty((n, k), np.int64)
+    top_lp = np.empty((n, k), np.float32)
+    actual_lp = np.empty(n, np.float32)
+    ranks = np.empty(n, np.int64)
+    for i, (s, e) in enumerate(zip(start, end, strict=True)):
+        top_ids[i], top_lp[i] = tok[e - k : e], lp[e - k : e]
+        hit = np.flatnonzero(top_ids[i] == ids[first + i])
+        if e - s == k + 1:
+            actual_lp[i], ranks[i] = lp[s], flat.ranks[s]
+        elif hit.size:
+            actual_lp[i], ranks[i] = top_lp[i, hit[0]], hit[0] + 1
+        else:
+            raise RuntimeError(f"position {first + i}: the actual token is missing from the engine output")
+    return {"topk_ids": top_ids, "topk_logprobs": top_lp, "actual_ranks": ranks, "actual_logprobs": actual_lp}
+
+
+# -- the stage ---------------------------------------------------------------------------------------------------
+
+
+def resolve_teacher(name: str) -> Path:
+    if name == "default":
+        from pipeline.assets import teacher_dir
+
+        return teacher_dir()
+    path = Path(name)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"teacher: {path} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def status(cfg: ScoreConfig) -> int:
+    """Print which of the num_shards tasks are not done, as a ready `--array=` list; exit 1 if any."""
+    paths = rollout_shards(cfg.rollouts)
+    tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
+    root = Path(cfg.cache)
+    missing = [i for i in range(cfg.num_shards) if not task_done(root, task_name(tag, i, cfg.num_shards))]
+    if not missing:
+        print(f"all {cfg.num_shards} score tasks of rollouts {cfg.rollouts} ({tag}) are done")
+        return 0
+    print(f"{len(missing)} of {cfg.num_shards} score tasks missing; resubmit with:\n--array={array_spec(missing)}")
+    return 1
+
+
+def score(cfg: ScoreConfig, llm=None) -> dict:
+    """Run one score task; returns its summary. `llm` lets a caller (tests, the on-policy driver) reuse an engine.
+    A second process of the same task (same rollouts, shard and num_shards) is refused while the first runs."""
+    with contextlib.ExitStack() as locks:
+        return _score(cfg, llm, locks)
+
+
+def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
+    from tqdm import tqdm
+
+    shard = cfg.shard
+    if shard is None:
+        env = os.environ.get("SLURM_ARRAY_TASK_ID")
+        if env is None and cfg.num_shards > 1:
+            raise ConfigError("shard: not given and $SLURM_ARRAY_TASK_ID is unset; pass --shard I with --num-shards N")
+        shard = int(env or 0)
+    if not 0 <= shard < cfg.num_shards:
+        raise ConfigError(f"shard {shard} is outside [0, num_shards={cfg.num_shards})")
+
+    problems = cfg.validate()  # also for configs built in code (the on-policy driver's), not only loaded ones
+    if problems:
+        raise ConfigError("; ".join(problems))
+    teacher = resolve_teacher(cfg.teacher)
+    t0 = time.time()
+    from transformers import AutoConfig, AutoTokenizer
+
+    # Cheap checks first: the rollouts' tokenizer against the teacher's, before the weights are even hashed.
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    paths = rollout_shards(cfg.rollouts)
+    if not paths:
+        raise ScoreInputError(f"{cfg.rollouts}: no complete rollout shards (*.parquet with a .ok marker)")
+    check_rollout_tokenizer(paths, tok_fp, teacher)
+    numerics = scoring_numerics(cfg)
+    if llm is not None:
+        check_engine_numerics(llm, numerics)
+    if cfg.teacher_adapter:
+        if llm is not None:
+            raise ConfigError("teacher_adapter cannot score through an engine passed to score(): the stage merges the "
+                              "adapter into a temporary teacher folder and opens its own engine on it (llm=None)")
+        if not (Path(cfg.teacher_adapter) / "adapter_config.json").exists():
+            raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
+    teacher_config = AutoConfig.from_pretrained(teacher)
+    vocab_size = int(teacher_config.vocab_size)
+    # vLLM must fit one sampled token after the scored sequence, so the engine gets max_model_len + 1 where the
+    # model's positions allow it: a sequence of exactly max_model_len tokens is then scorable.
+    max_pos = int(getattr(teacher_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
+    engine_len = min(cfg.max_model_len + 1, max_pos)
+    served = probe = None
+    if cfg.teacher_url:
+        if llm is not None:
+            raise ConfigError("teacher_url: a served teacher scores through its server, not an engine passed to score()")
+        served, teacher_fp, probe, teacher_name, engine_name = _served_teacher(cfg, teacher, tokenizer, vocab_size,
+                                                                              engine_len)
+    else:
+        teacher_fp = teacher_fingerprint(teacher)
+        if cfg.teacher_adapter:
+            teacher_fp = adapter_fingerprint(teacher_fp, cfg.teacher_adapter)  # base weights + adapter config/weights
+        from pipeline.engine import engine_version
+
+        teacher_name = str(teacher) + (f" + adapter {cfg.teacher_adapter}" if cfg.teacher_adapter else "")
+        engine_name = engine_version()
+
+    descriptor = Descriptor(
+        teacher_fingerprint=teacher_fp,
+        tokenizer_fingerprint=tok_fp,
+        k=cfg.topk,
+        logprob_mode=cfg.logprob_mode,
+        teacher=teacher_name,
+        vocab_size=vocab_size,
+        engine=engine_name,
+        numerics=numerics,
+        codec=codec_params(cfg.codec, cfg.topp),
+        topp=None if cfg.topp is None else float(cfg.topp),
+        min_k=cfg.resolved_min_k,
+        teacher_probe=probe,
+    )
+    cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
+
+    tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
+    name = task_name(tag, shard, cfg.num_shards)
+    locks.enter_context(task_lock(cache.root, name))  # also shows a read-only cache before any teacher work
+    if task_done(cache.root, name):
+        print(f"[score] task {shard}/{cfg.num_shards} of rollouts {tag} is already done: nothing to do")
+        return {"done_before": True, "teacher_forwards": 0}
+
+    counts: dict[str, int] = {}
+    rows = select_rows(cfg, paths, teacher_fp, shard, vocab_size, engine_len - 1, counts)
+    have = cache.keys()
+    todo = [r for r in rows if r["key"] not in have]
+    counts["cached"] = len(rows) - len(todo)
+    prior_parts = sorted(p.name[: -len(".parquet")] for p in cache.shard_dir.glob(f"{name}-p*.parquet") if read_marker(p))
+
+    summary = {"task": name, "rows": len(rows), "scored": 0, "tokens": 0, "teacher_forwards": 0, "skipped": counts}
+    parts = list(prior_parts)
+    if todo:
+        stack = contextlib.ExitStack()
+        if served is not None:
+            engine = served
+        else:
+            engine = stack.enter_context(_in_process_teacher(cfg, teacher, llm, engine_len))
+        total_tokens = sum(len(r["engine_ids"]) for r in todo)
+        pending: list[dict] = []
+        with stack:
+            bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
+            t_score = time.time()
+            for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
+                summary["teacher_forwards"] += len(batch)
+                for r, flat in zip(batch, flats, strict=True):
+                    # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
+                    got = extract(flat, r["engine_ids"], r["engine_first"], cfg.topk)
+                    check_finite(got, r, teacher if served is None else cfg.teacher_url, cfg)
+                    pending.append({**r, **got})
+                    summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
+                bar.update(sum(len(r["engine_ids"]) for r in batch))
+                while len(pending) >= cfg.part_rows:
+                    parts += _write_part(cache, name, len(parts), pending[: cfg.part_rows], counts)
+                    pending = pending[cfg.part_rows :]
+            if pending:
+                parts += _write_part(cache, name, len(parts), pending, counts)
+            bar.close()
+            summary["score_seconds"] = time.time() - t_score
+        summary["scored"] = len(todo)
+    new_parts = [p for p in parts if p not in prior_parts]
+    nbytes = sum((cache.shard_dir / f"{p}.parquet").stat().st_size for p in new_parts)
+    summary.update(
+        parts=parts,
+        seconds=time.time() - t0,
+        bytes_per_token=round(nbytes / summary["tokens"], 1) if summary["tokens"] else None,
+    )
+    task_marker(cache.root, name).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(task_marker(cache.root, name), json.dumps(summary, indent=1, default=str).encode())
+    tok_s = summary["tokens"] / summary["score_seconds"] if summary.get("score_seconds") else 0.0
+    skipped = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
+    print(
+        f"[score] task {shard}/{cfg.num_shards}: scored {summary['scored']} samples ({summary['tokens']} tokens, "
+        f"{tok_s:.0f} tok/s, {summary['bytes_per_token'] or '-'} B/token), skipped {skipped}, "
+        f"teacher forwards {summary['teacher_forwards']}"
+        + ("" if todo else " — no rows assigned to this task" if not rows else " — everything was already cached")
+    )
+    return summary
+
+
+class InProcessTeacher:
+    """The score loop's engine for a vLLM `LLM` in this process: one `generate` call per token batch."""
+
+    def __init__(self, llm, k: int) -> None:
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
+
+    def score_batches(self, batches: Iterable[list[dict]]) -> Iterator[tuple[list[dict], list]]:
+        """Each batch with its rows' flat prompt logprobs (vLLM's FlatLogprobs), in order."""
+        from vllm.inputs import TokensPrompt
+
+        for batch in batches:
+            prompts = [TokensPrompt(prompt_token_ids=r["engine_ids"].tolist()) for r in batch]
+            outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
+            yield batch, [out.prompt_logprobs for out in outputs]
+
+
+@contextlib.contextmanager
+def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int) -> Iterator[InProcessTeacher]:
+    """The engine handed in, or one opened on the teacher (merged with its adapter first, if any) and closed after."""
+    if llm is not None:
+        yield InProcessTeacher(llm, cfg.topk)
+        return
+    from pipeline.engine import EngineArgs, open_engine
+
+    with contextlib.ExitStack() as stack:
+        model_dir = teacher
+        if cfg.teacher_adapter:
+            from pipeline.score.adapter import merged_teacher
+
+            model_dir = stack.enter_context(merged_teacher(teacher, cfg.teacher_adapter, dtype=DTYPES[cfg.dtype],
+                                                           parent=cfg.merge_dir))
+        engine_args = EngineArgs(
+            model=str(model_dir),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=cfg.dtype,
+            max_model_len=engine_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_gib=cfg.kv_cache_gib,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or max(cfg.batch_tokens, engine_len),
+            enforce_eager=cfg.enforce_eager,
+            extra=cfg.engine_extra,
+        )
+        engine = stack.enter_context(open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode))
+        yield InProcessTeacher(engine, cfg.topk)
+
+
+def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int):
+    """The served teacher's engine and identity (score/served.py), checked against the server and against an
+    existing cache before the cache is touched: (engine, fingerprint, probe, descriptor teacher, engine name)."""
+    from pipeline.score.served import ServedTeacher, reconcile_probe
+
+    served = ServedTeacher(cfg.teacher_url, cfg.teacher_model, cfg.topk, inflight_tokens=cfg.served_inflight_tokens,
+                           concurrency=cfg.served_concurrency, retries=cfg.served_retries,
+                           timeout_s=cfg.served_timeout_s)
+    info = served.describe(vocab_size, tokenizer)
+    served_len = info["max_model_len"]
+    if served_len is not None and int(served_len) < engine_len:
+        raise ConfigError(
+            f"teacher_url: {cfg.teacher_url} serves {served.model!r} with max_model_len {served_len}, but scoring "
+            f"sequences of up to max_model_len={engine_len - 1} tokens needs {engine_len} (one sampled token after "
+            f"them): restart the server with --max-model-len {engine_len}, or score with max_model_len={int(served_len) - 1}")
+    fingerprint = reconcile_probe(cfg.cache, info["fingerprint"], info["probe"])
+    return (served, fingerprint, info["probe"], f"served {served.model} at {cfg.teacher_url} (tokenizer {teacher})",
+            f"vllm {info['version']} (OpenAI server)")
+
+
+def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], counts: dict) -> list[str]:
+    """Publish one part without the keys another writer published meanwhile; [] when nothing was left."""
+    part = f"{name}-p{index:04d}"
+    info, dropped = cache.add_rows(part, rows, extra={"task": name})
+    if dropped:
+        counts["cached_meanwhile"] = counts.get("cached_meanwhile", 0) + dropped
+    return [part] if info is not None else []
+
+
+def task_lock(cache_root: Path, name: str):
+    """The lock one score task holds while it runs (pipeline/store/locks.py): `tasks/<task>.lock`."""
+    from pipeline.store.locks import FileLock
+    from pipeline.store.shards import WriteError
+
+    marker = task_marker(cache_root, name)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(marker.parent, e, "cannot write into the cache") from e
+    return FileLock(marker.with_suffix(".lock"), f"score task {name} (same rollouts, shard and num_shards)")
+
+
+def check_finite(got: dict, row: dict, teacher: Path, cfg: ScoreConfig) -> None:
+    """Refuse NaN/inf logprobs before they reach the cache (the codec would store garbage or fail later)."""
+    for name in ("topk_logprobs", "actual_logprobs"):
+        values = np.asarray(got[name]).reshape(len(got[name]), -1)
+        bad = np.flatnonzero(~np.isfinite(values).all(1))
+        if bad.size:
+            raise TeacherOutputError(
+                f"{teacher}: the engine returned {values[bad[0]][~np.isfinite(values[bad[0]])][0]} in {name} for "
+                f"sample {row['sample_id']} of {cfg.rollouts} at position {row['first_scored'] + int(bad[0])} "
+                f"({bad.size} position(s)); nothing of this part was written. The teacher's weights hold non-finite "
+                f"values or overflow in dtype={cfg.dtype}: check the model folder, or score with dtype=float32")

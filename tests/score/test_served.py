@@ -1,0 +1,247 @@
+"""Scoring through a real vLLM OpenAI-compatible server of the tiny teacher (pipeline/score/served.py).
+
+One server process serves the module (`server`, restarted only when a test needs another model or flags: three
+starts of ~30-50 s in all); it runs in its own process group and is killed with it however a test ends.
+"""
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.score.scorer import ScoreConfig, extract, score
+from pipeline.score.served import CLAMPED_LOGPROB, LocalServer, ServedTeacherError, flat_from_json
+from pipeline.store import CacheMismatchError, TeacherCache, read_cache
+from pipeline.store.rollouts import rollout_row, write_rollouts
+
+MAX_LEN = 96
+K = 8
+NAME = "tiny"
+# served vs in-process logprobs of the same rollouts (exact-f32 codec, so nothing is rounded on the way): the same
+# vLLM engine code, the same fp32 weights; they differ only by batch composition (the server batches the queued
+# requests as it likes). Measured 0.0 on 2 CPU cores (bit-identical); the bound leaves room for other batchings.
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    from tiny_models import build_tiny_teacher
+
+    return build_tiny_teacher(tmp_path_factory.mktemp("teacher"), scale=30.0, max_pos=128)
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tmp_path_factory):
+    """Same architecture and tokenizer, another seed: a different model that could sit behind the same URL."""
+    from tiny_models import build_tiny_teacher
+
+    return build_tiny_teacher(tmp_path_factory.mktemp("other"), seed=1, scale=30.0, max_pos=128)
+
+
+class Server:
+    """The module's one server: `use(model, max_logprobs)` restarts it only when those change."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.current: LocalServer | None = None
+        self.port = None
+        self.starts = 0
+
+    def use(self, model: Path, max_logprobs: int = K) -> LocalServer:
+        c = self.current
+        if c is None or c.proc is None or (c.model_dir, c.max_logprobs) != (Path(model), max_logprobs):
+            self.stop()
+            self.current = LocalServer(model, self.log, name=NAME, max_logprobs=max_logprobs,
+                                       max_model_len=MAX_LEN + 1, kv_cache_gib=0.05, port=self.port,
+                                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # one process: ~35% faster start
+            self.port = self.current.port  # the same URL throughout: test 3 swaps the model behind it
+            self.current.start()
+            self.starts += 1
+        return self.current
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        yield s
+    finally:
+        s.stop()  # by process group: no orphan engine survives a failing test
+        print(f"\n[served] {s.starts} server start(s), log {s.log}")
+
+
+def _rollouts(path: Path, teacher: Path, specs, seed: int = 0) -> list[dict]:
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+
+    rng = np.random.default_rng(seed)
+    rows = [rollout_row(prompt_id=f"q{seed}-{i}", prompt_ids=rng.integers(3, 384, p).tolist(),
+                        completion_ids=rng.integers(3, 384, c).tolist(), source="dataset")
+            for i, (p, c) in enumerate(specs)]
+    write_rollouts(path, rows, tokenizer_fingerprint=tokenizer_fingerprint(teacher))
+    return rows
+
+
+def _cfg(tmp: Path, teacher: Path, **kw) -> ScoreConfig:
+    base = dict(rollouts=str(tmp / "rollouts"), cache=str(tmp / "cache"), teacher=str(teacher), topk=K,
+                max_model_len=MAX_LEN, part_rows=4, batch_tokens=256, codec="exact-f32")
+    return ScoreConfig(**{**base, **kw})
+
+
+def _served(server_: LocalServer, **kw) -> dict:
+    return {"teacher_url": server_.url, "teacher_model": NAME, **kw}
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+# -- no server needed ---------------------------------------------------------------------------------------------
+
+
+def test_json_prompt_logprobs_become_the_in_process_flat_layout():
+    """k+1 entries per position (actual first, then ranks 1..k) whether or not x_j is in the top k, -9999 = -inf."""
+    ids = np.array([5, 7, 9])
+
+    def e(lp, rank):
+        return {"logprob": lp, "rank": rank, "decoded_token": "x"}
+
+    out = [None,
+           {"7": e(-5.0, 4), "1": e(-0.5, 1), "2": e(-1.5, 2), "3": e(-2.5, 3)},   # x_1 outside the top 3
+           {"2": e(-1.0, 2), "9": e(-0.2, 1), "4": e(CLAMPED_LOGPROB, 3)}]        # x_2 = rank 1, in the top 3
+    flat = flat_from_json(out, ids, 3)
+    assert list(flat.start_indices) == [0, 0, 4] and list(flat.end_indices) == [0, 4, 8]
+    assert list(flat.token_ids) == [7, 1, 2, 3, 9, 9, 2, 4] and list(flat.ranks) == [4, 1, 2, 3, 1, 1, 2, 3]
+    assert np.isneginf(flat.logprobs[-1])
+    got = extract(flat, ids, 1, 3)
+    assert got["topk_ids"].tolist() == [[1, 2, 3], [9, 2, 4]] and got["actual_ranks"].tolist() == [4, 1]
+    np.testing.assert_allclose(got["actual_logprobs"], [-5.0, -0.2])
+    with pytest.raises(ServedTeacherError, match="lack the actual token 9"):
+        flat_from_json([None, out[1], {"1": e(-1.0, 1), "2": e(-2.0, 2), "3": e(-3.0, 3)}], ids, 3)
+
+
+def test_a_served_teacher_is_refused_with_an_adapter_or_without_a_url(tmp_path, teacher):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="teacher_adapter cannot be applied to a served teacher"):
+        score(_cfg(tmp_path, teacher, teacher_url="http://127.0.0.1:9/v1", teacher_adapter=str(tmp_path)))
+    with pytest.raises(ConfigError, match="teacher_model names a served model: pass teacher_url too"):
+        score(_cfg(tmp_path, teacher, teacher_model="tiny"))
+
+
+# -- against a real server ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, teacher, server):
+    """The module's rollouts scored once through the server (by the CLI) into a served cache."""
+    from pipeline.score.run import main
+
+    tmp = tmp_path_factory.mktemp("scored")
+    # prompt/completion boundaries, a length-1 completion, one ending exactly at max_model_len, and a batch's worth
+    rows = _rollouts(tmp / "rollouts" / "r-00000-of-00001.parquet", teacher,
+                     [(5, 7), (9, 1), (40, MAX_LEN - 40)] + [(6, 20)] * 12)
+    srv = server.use(teacher)
+    t = time.perf_counter()
+    assert main(["--rollouts", str(tmp / "rollouts"), "--cache", str(tmp / "served"), "--teacher", str(teacher),
+                 "--teacher-url", srv.url, "--teacher-model", NAME, "--topk", str(K), f"max_model_len={MAX_LEN}",
+                 "part_rows=4", "batch_tokens=256", "codec=exact-f32"]) == 0
+    return {"tmp": tmp, "rows": rows, "seconds": time.perf_counter() - t}
+
+
+def test_served_cache_equals_in_process_scoring(scored, teacher):
+    tmp = scored["tmp"]
+    score(_cfg(tmp, teacher, cache=str(tmp / "local"), enforce_eager=True, kv_cache_gib=0.05))
+    served = {s.sample_id: s for s in read_cache(tmp / "served")}
+    local = {s.sample_id: s for s in read_cache(tmp / "local")}
+    assert served.keys() == local.keys() and len(served) == len(scored["rows"])
+    worst = 0.0
+    for sid, s in served.items():
+        ref = local[sid]
+        np.testing.assert_array_equal(s.input_ids, ref.input_ids)
+        assert s.first_scored == ref.first_scored
+        np.testing.assert_array_equal(s.topk_ids, ref.topk_ids)
+        np.testing.assert_array_equal(s.actual_ranks, ref.actual_ranks)
+        for name in ("topk_logprobs", "actual_logprobs", "tail_logprobs"):
+            worst = max(worst, float(np.abs(getattr(s, name) - getattr(ref, name)).max()))
+    print(f"\n[served] max |served - in-process| logprob {worst:.3g} nat; served scoring {scored['seconds']:.1f} s")
+    assert worst <= TOLERANCE
+    d = TeacherCache.open(tmp / "served").descriptor
+    assert d.teacher.startswith(f"served {NAME} at http://127.0.0.1:") and d.teacher_probe["model"] == NAME
+    assert d.teacher_fingerprint != TeacherCache.open(tmp / "local").descriptor.teacher_fingerprint
+    assert TeacherCache.open(tmp / "served").verify() == []
+
+
+def test_server_killed_mid_run_then_restarted_rerun_completes_without_duplicates(tmp_path, teacher, server):
+    rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", teacher, [(6, 20)] * 40, seed=2)
+    srv = server.use(teacher)
+    # one request at a time, two rows per part: the kill lands after a few parts, long before the end
+    cfg = _cfg(tmp_path, teacher, part_rows=2, **_served(srv, served_concurrency=1, served_inflight_tokens=32,
+                                                          served_retries=1))
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            score(cfg)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            failure.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    shards = tmp_path / "cache" / "shards"
+    deadline = time.monotonic() + 60
+    while not list(shards.glob("*.parquet.ok")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.stop()  # SIGTERM to the whole process group while requests are in flight
+    worker.join(60)
+    assert not worker.is_alive()
+    assert failure and isinstance(failure[0], ServedTeacherError), failure
+    assert "no answer after 2 attempts" in str(failure[0]) and "Rerun when it is" in str(failure[0])
+    done_before = len(TeacherCache.open(tmp_path / "cache").keys())
+    assert 0 < done_before < len(rows) and not list((tmp_path / "cache" / "tasks").glob("*.done"))
+
+    server.use(teacher)  # restarted: same URL, same model
+    summary = score(cfg)
+    assert summary["skipped"]["cached"] == done_before and summary["scored"] == len(rows) - done_before
+    cache = TeacherCache.open(tmp_path / "cache")
+    assert cache.verify() == []  # duplicate keys would be listed here
+    keys = [s.key for s in cache.iter_samples()]
+    assert len(keys) == len(set(keys)) == len(rows)
+
+
+def test_another_model_behind_the_same_url_is_refused_before_the_cache_is_touched(scored, teacher, other_teacher,
+                                                                                  server):
+    tmp = scored["tmp"]
+    cache = tmp / "served"
+    recorded = TeacherCache.open(cache).descriptor.teacher_fingerprint
+    before = _snapshot(cache)
+    srv = server.use(other_teacher, max_logprobs=4)  # same port and name, another model (also serves test 4)
+    _rollouts(tmp / "more" / "r-00000-of-00001.parquet", teacher, [(4, 6)] * 2, seed=3)  # new rows to score
+    with pytest.raises(CacheMismatchError) as e:
+        score(_cfg(tmp, teacher, rollouts=str(tmp / "more"), cache=str(cache), topk=4, **_served(srv)))
+    message = str(e.value)
+    assert "the served teacher is not the one this cache was scored with" in message
+    assert f"Cache's teacher fingerprint {recorded}" in message and "the server's " in message
+    assert "probe sequence differ from the cache's by up to" in message
+    assert _snapshot(cache) == before
+
+
+def test_a_4xx_names_the_servers_message_and_the_fix(tmp_path, teacher, other_teacher, server):
+    srv = server.use(other_teacher, max_logprobs=4)
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", teacher, [(4, 6)], seed=4)
+    with pytest.raises(ServedTeacherError, match=r"HTTP 400\): Requested prompt logprobs of 8, which is greater than "
+                       r"max allowed: 4.*restart the server with --max-logprobs >= 8"):
+        score(_cfg(tmp_path, teacher, **_served(srv)))
+    with pytest.raises(ServedTeacherError, match=r"serves \['tiny'\], not 'nope'"):
+        score(_cfg(tmp_path, teacher, topk=4, **_served(srv, teacher_model="nope")))
+    assert not (tmp_path / "cache").exists()
+    # the CLI prints the same message, no traceback
+    from pipeline.score.run import main
+
+    assert main(["--rollouts", str(tmp_path / "rollouts"), "--cache", str(tmp_path / "cache"), "--teacher",
+                 str(teacher), "--teacher-url", srv.url, "--topk", "8", f"max_model_len={MAX_LEN}"]) == 2
