@@ -31,7 +31,7 @@ def _register_available() -> None:
         ("import", "pipeline.generate.importer", "turn dataset responses into off-policy rollouts"),
         ("train", "pipeline.train.run", "train a Megatron-Core student on a teacher cache"),
         ("export", "pipeline.train.export", "export a trained student to a Hugging Face folder"),
-        ("onpolicy", "pipeline.onpolicy", "alternate generate -> score -> train"),
+        ("onpolicy", "pipeline.onpolicy.run", "alternate generate -> score -> train"),
         ("slurm", "pipeline.slurm", "submit stages as Slurm jobs"),
         ("demo", "pipeline.demo", "the whole pipeline on the embedded default, with a report"),
     ):
