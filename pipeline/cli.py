@@ -32,7 +32,7 @@ def _register_available() -> None:
         ("train", "pipeline.train.run", "train a Megatron-Core student on a teacher cache"),
         ("export", "pipeline.train.export", "export a trained student to a Hugging Face folder"),
         ("onpolicy", "pipeline.onpolicy.run", "alternate generate -> score -> train"),
-        ("slurm", "pipeline.slurm", "submit stages as Slurm jobs"),
+        ("slurm", "pipeline.slurm.cli", "submit stages as Slurm jobs"),
         ("demo", "pipeline.demo", "the whole pipeline on the embedded default, with a report"),
     ):
         if importlib.util.find_spec(module) is not None:

@@ -108,23 +108,23 @@ def answer_accuracy(rollouts: list[dict], tokenizer) -> float:
 def run(cfg: DemoConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.assets import student_dir, teacher_dir
+    from pipeline.assets import resolve_student, resolve_teacher
     from pipeline.engine import EngineArgs, open_engine
     from pipeline.generate.importer import import_rows
     from pipeline.generate.prompts import load_prompts
-    from pipeline.generate.run import GenerateConfig, run_task
+    from pipeline.generate.sampler import GenerateConfig, output_path, run_task
     from pipeline.score.run import ScoreConfig, score
     from pipeline.store import TeacherCache
     from pipeline.store.fingerprint import tokenizer_fingerprint
-    from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts
+    from pipeline.store.rollouts import iter_rollouts, rollout_shards, shard_path, write_rollouts
+    from pipeline.store.shards import marker_path
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "demo.log"
     times: dict[str, float] = {}
     t = time.perf_counter()
-    teacher = Path(cfg.teacher) if cfg.teacher else teacher_dir()
-    student = Path(cfg.student) if cfg.student else student_dir()
+    teacher, student = resolve_teacher(cfg.teacher), resolve_student(cfg.student)
     times["assets"] = time.perf_counter() - t
     tok = AutoTokenizer.from_pretrained(student)
     train_src = f"reasoning-gym:{cfg.tasks}?size={cfg.train_prompts}&seed=0"
@@ -133,7 +133,7 @@ def run(cfg: DemoConfig) -> dict:
     # 1. dataset responses -> off-policy rollouts
     t = time.perf_counter()
     train_dir = out / "rollouts" / "train"
-    ds_path = train_dir / "dataset-00000-of-00001.parquet"
+    ds_path = shard_path(train_dir, "dataset", 0, 1)
     if not ds_path.exists():
         rows, _ = import_rows(tok, load_prompts(train_src), where=train_src)
         write_rollouts(ds_path, rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
@@ -145,12 +145,12 @@ def run(cfg: DemoConfig) -> dict:
                kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager, dtype="float32")
     jobs = [GenerateConfig(prompts=train_src, out=str(train_dir), seed=0, **gen),
             GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-student"), seed=1, **gen)]
-    if not all((Path(j.out) / "rollouts-00000-of-00001.parquet.ok").exists() for j in jobs):
+    if not all(marker_path(output_path(j, 0)).exists() for j in jobs):
         engine = EngineArgs(model=str(student), dtype="float32", max_model_len=1024, kv_cache_gib=cfg.kv_cache_gib,
                             enforce_eager=cfg.enforce_eager)
         with open_engine(engine) as llm:
             for j in jobs:
-                if not (Path(j.out) / "rollouts-00000-of-00001.parquet.ok").exists():
+                if not marker_path(output_path(j, 0)).exists():
                     run_task(llm, tok, j, 0)
     times["generate"] = time.perf_counter() - t
 
@@ -163,7 +163,7 @@ def run(cfg: DemoConfig) -> dict:
     teacher_ans = GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-teacher"), student=str(teacher),
                                  n=1, max_tokens=cfg.max_tokens, temperature=0.0, seed=2, dtype="float32")
     with open_engine(engine, max_logprobs=cfg.topk, logprobs_mode="raw_logprobs") as llm:
-        if not (Path(teacher_ans.out) / "rollouts-00000-of-00001.parquet.ok").exists():
+        if not marker_path(output_path(teacher_ans, 0)).exists():
             run_task(llm, tok, teacher_ans, 0)
         t_score = time.perf_counter()
         first = score(ScoreConfig(rollouts=str(train_dir), cache=str(out / "cache"), **sc), llm=llm)

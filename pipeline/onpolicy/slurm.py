@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 import sys
 import time
@@ -58,9 +57,10 @@ from pipeline.onpolicy.stages import (
     train_stage,
 )
 from pipeline.onpolicy.state import State, is_on_policy
+from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
 from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
-from pipeline.store.rollouts import array_spec, rollout_shards, shard_name
+from pipeline.store.rollouts import rollout_shards, shard_path
 from pipeline.store.shards import atomic_write_bytes, is_complete
 
 # An on-policy cycle's chain of jobs: its stages, with eval run by the train job.
@@ -130,7 +130,7 @@ def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
         n = cfg.slurm_generate_shards
         folder = ws.rollouts(cycle_name(cycle))
         return [] if not on_policy else [
-            i for i in range(n) if not is_complete(folder / f"{shard_name('rollouts', i, n)}.parquet", "rollout")]
+            i for i in range(n) if not is_complete(shard_path(folder, "rollouts", i, n), "rollout")]
     if stage == "score":
         from pipeline.score.run import rollouts_tag, task_done, task_name
 
@@ -236,11 +236,9 @@ def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, nu
         print(f"{where}: {len(todo)} of {n or 1} tasks missing" + (f"; resubmit with:\n--array={array_spec(todo)}" if n else ""))
         return 1
     if n is not None:
-        shard = int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)) if shard is None else shard
         if num_shards is not None and num_shards != n:
             raise ConfigError(f"--num-shards {num_shards} differs from the config's {n} {stage} tasks")
-        if not 0 <= shard < n:
-            raise ConfigError(f"--shard {shard} is outside [0, {n})")
+        shard = task_index(shard, n)
     t0 = time.time()
     engines = Engines()
     try:

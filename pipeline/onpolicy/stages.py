@@ -27,11 +27,12 @@ from typing import Any
 
 from pipeline.config import ConfigError
 from pipeline.evaluate import heldout_kl
+from pipeline.generate.sampler import sample_task
 from pipeline.onpolicy.config import STAGES, OnPolicyConfig
 from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.state import State, build_view, is_on_policy, rollout_keys
 from pipeline.store import TeacherCache
-from pipeline.store.rollouts import assign_shard
+from pipeline.store.rollouts import assign_shard, shard_path
 
 METRICS = "metrics.jsonl"
 
@@ -148,29 +149,22 @@ class Workspace:
 
 def sample(ws: Workspace, engines: Engines, name: str, prompts: list, weights: Path, policy_version: int, seed: int,
            n: int, shard: int = 0, num_shards: int = 1) -> dict:
-    """The generate stage on the sampler of `engines` -> one rollout shard of OUT/rollouts/NAME (a no-op when it is
-    complete already); `prompts` are shard `shard` of `num_shards`' share."""
-    from pipeline.engine import engine_version
-    from pipeline.generate.run import check_tokenizer, generate, output_path
-    from pipeline.store.rollouts import write_rollouts
-    from pipeline.store.shards import is_complete
-
-    cfg = ws.cfg
-    gcfg = cfg.generate_config(ws.rollouts(name), str(weights), policy_version, seed)
+    """The generate stage's task (`generate.sampler.sample_task`) on the sampler of `engines` -> one rollout shard
+    of OUT/rollouts/NAME ({} when it is complete already); `prompts` are shard `shard` of `num_shards`' share."""
+    gcfg = ws.cfg.generate_config(ws.rollouts(name), str(weights), policy_version, seed)
     gcfg.n, gcfg.shard, gcfg.num_shards = n, shard, num_shards
-    path = output_path(gcfg, shard)
-    if is_complete(path, "rollout"):
+    sync: dict[str, float] = {}
+
+    def engine() -> tuple[Any, Any]:
+        llm, sync["s"], lora = engines.student(ws.cfg, weights)
+        return llm, lora
+
+    result = sample_task(gcfg, shard, ws.tokenizer, engine, prompts=prompts,
+                         marker={"prompts": [p.prompt_id for p in prompts]})
+    if result is None:
         return {}
-    llm, sync_s, lora = engines.student(cfg, weights)
-    fp = check_tokenizer(ws.tokenizer(), gcfg)
-    result = generate(llm, ws.tokenizer(), prompts, gcfg, lora=lora)
-    extra = {"tokenizer_fingerprint": fp, "student": str(weights), "policy_version": policy_version,
-             "prompts": [p.prompt_id for p in prompts], "seed": seed, "n": n, "temperature": gcfg.temperature,
-             "top_p": gcfg.top_p, "max_tokens": gcfg.max_tokens, "engine": engine_version(),
-             "skipped": result.stats["skipped"], "finish": result.stats["finish"]}
-    write_rollouts(path, result.rows, tokenizer_fingerprint=fp, extra=extra)
     return {"generate_tok_s": result.stats["tok_s"], "generate_tokens": result.stats["tokens"],
-            "samples": result.stats["samples"], "sync_s": round(sync_s, 3)}
+            "samples": result.stats["samples"], "sync_s": round(sync["s"], 3)}
 
 
 def score_into(ws: Workspace, rollouts: Path, cache: str, llm: Any = None, shard: int = 0,
@@ -270,7 +264,7 @@ def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[]
         from pipeline.store.rollouts import write_rollouts
         from pipeline.store.shards import is_complete
 
-        path = ws.rollouts("dataset") / "dataset-00000-of-00001.parquet"
+        path = shard_path(ws.rollouts("dataset"), "dataset", 0, 1)
         if not is_complete(path, "rollout"):
             rows, _ = import_rows(ws.tokenizer(), load_prompts(cfg.offpolicy_dataset),
                                   max_len=cfg.max_model_len, on_bad="skip", where=cfg.offpolicy_dataset)
@@ -316,7 +310,7 @@ def train_stage(ws: Workspace, state: State, cycle: int, info: dict) -> None:
     """spg steps of the run's trainer: on-policy on the cycle's view, off-policy on the frozen off-policy data from
     the trainer's own position there (moved in `state`). Loss and throughput of the cycle's steps into `info`."""
     from pipeline.train.checkpoint import latest, read_meta
-    from pipeline.train.run import train
+    from pipeline.train.trainer import train
 
     cfg, spg = ws.cfg, ws.cfg.steps_per_generation
     if info["on_policy"]:
