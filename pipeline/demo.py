@@ -24,6 +24,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.assets import resolve_student, resolve_teacher
+from pipeline.engine import EngineArgs, open_engine
+from pipeline.evaluate import heldout_kl, load_hf
+from pipeline.generate.importer import import_rows
+from pipeline.generate.prompts import load_prompts
+from pipeline.generate.sampler import GenerateConfig, output_path, run_task
+from pipeline.score.run import ScoreConfig, score
+from pipeline.store import TeacherCache
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.rollouts import iter_rollouts, rollout_shards, shard_path, write_rollouts
+from pipeline.store.shards import marker_path
+
 
 @dataclass
 class DemoConfig:
@@ -65,8 +77,6 @@ def heldout_metrics(student_dir: Path, eval_cache: Path, teacher_answers: list[t
     measure, pipeline/evaluate.py), and the student's NLL of teacher-generated answers."""
     import torch
 
-    from pipeline.evaluate import heldout_kl, load_hf
-
     model = load_hf(student_dir)
     kl = heldout_kl(model, eval_cache)
     nll = []
@@ -107,17 +117,6 @@ def answer_accuracy(rollouts: list[dict], tokenizer) -> float:
 
 def run(cfg: DemoConfig) -> dict:
     from transformers import AutoTokenizer
-
-    from pipeline.assets import resolve_student, resolve_teacher
-    from pipeline.engine import EngineArgs, open_engine
-    from pipeline.generate.importer import import_rows
-    from pipeline.generate.prompts import load_prompts
-    from pipeline.generate.sampler import GenerateConfig, output_path, run_task
-    from pipeline.score.run import ScoreConfig, score
-    from pipeline.store import TeacherCache
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-    from pipeline.store.rollouts import iter_rollouts, rollout_shards, shard_path, write_rollouts
-    from pipeline.store.shards import marker_path
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

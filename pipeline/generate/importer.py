@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
 from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids, response_ids
 from pipeline.slurm.arrays import task_index
@@ -110,8 +111,6 @@ def _import(args: argparse.Namespace, shard: int, path: Path) -> tuple[list[dict
     from transformers import AutoTokenizer
 
     if args.tokenizer is None:
-        from pipeline.assets import resolve_student
-
         args.tokenizer = str(resolve_student(None))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     fp = tokenizer_fingerprint(tokenizer)

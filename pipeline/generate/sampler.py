@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, on_cpu, open_engine
 from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids
@@ -238,7 +239,6 @@ def engine_args(cfg: GenerateConfig, *, lora_rank: int | None = None) -> EngineA
 
 def run_generate(cfg: GenerateConfig) -> Result | None:
     """`gkd generate`'s task `cfg.shard`: its own engine (with the adapter, if any); None when the shard was complete."""
-    from pipeline.assets import resolve_student
 
     cfg.student = str(resolve_student(cfg.student))
 
@@ -248,7 +248,6 @@ def run_generate(cfg: GenerateConfig) -> Result | None:
         return AutoTokenizer.from_pretrained(cfg.student)
 
     with contextlib.ExitStack() as stack:
-
         def engine() -> tuple[Any, Any]:
             lora, rank = None, None
             if cfg.adapter:

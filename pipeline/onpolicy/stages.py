@@ -25,14 +25,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
 from pipeline.evaluate import heldout_kl
+from pipeline.generate.importer import import_rows
+from pipeline.generate.prompts import load_prompts
 from pipeline.generate.sampler import sample_task
 from pipeline.onpolicy.config import STAGES, OnPolicyConfig
 from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.state import State, build_view, is_on_policy, rollout_keys
+from pipeline.score.run import resolve_teacher, score
 from pipeline.store import TeacherCache
-from pipeline.store.rollouts import assign_shard, shard_path
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.rollouts import assign_shard, shard_path, write_rollouts
+from pipeline.store.shards import is_complete
+from pipeline.train.export import export
+from pipeline.train.families import check_trainable, read_hf_arch
+from pipeline.train.trainer import train
 
 METRICS = "metrics.jsonl"
 
@@ -64,10 +73,6 @@ class Workspace:
 
     @classmethod
     def open(cls, cfg: OnPolicyConfig) -> Workspace:
-        from pipeline.assets import resolve_student
-        from pipeline.score.run import resolve_teacher
-        from pipeline.train.families import check_trainable, read_hf_arch
-
         student = resolve_student(cfg.student)
         check_trainable(read_hf_arch(student), cfg.seq_length, student / "config.json")
         return cls(cfg, student, resolve_teacher(cfg.teacher))
@@ -105,7 +110,6 @@ class Workspace:
         path = self.export_dir(step)
         if not self.exported(step):
             from pipeline.train.checkpoint import step_dir
-            from pipeline.train.export import export
 
             # A LoRA student ships its adapter only (peft folder, MBs): the sampler keeps the base weights.
             export(step_dir(self.save_dir, step), path, self.student, adapter_only=self.cfg.lora_rank > 0)
@@ -127,7 +131,6 @@ class Workspace:
 
     def cycle_prompts(self, cycle: int) -> list:
         """Prompts [c*ppc, (c+1)*ppc) of the source, wrapping around."""
-        from pipeline.generate.prompts import load_prompts
 
         if self._prompts is None:
             self._prompts = load_prompts(self.cfg.prompts, teacher_prompt_field=self.cfg.teacher_prompt_field)
@@ -172,7 +175,6 @@ def score_into(ws: Workspace, rollouts: Path, cache: str, llm: Any = None, shard
     """The score stage: rollouts (score task `shard` of `num_shards`) -> teacher rows in `cache`; `llm`: an open
     teacher (None: the score stage opens one when the task has rows to score). Returns the summary and whether the
     task was done before."""
-    from pipeline.score.run import score
 
     scfg = ws.cfg.score_config(rollouts, cache)
     scfg.shard, scfg.num_shards = shard, num_shards
@@ -258,12 +260,6 @@ def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[]
     if state.setup_done:
         return
     if cfg.offpolicy_dataset:
-        from pipeline.generate.importer import import_rows
-        from pipeline.generate.prompts import load_prompts
-        from pipeline.store.fingerprint import tokenizer_fingerprint
-        from pipeline.store.rollouts import write_rollouts
-        from pipeline.store.shards import is_complete
-
         path = shard_path(ws.rollouts("dataset"), "dataset", 0, 1)
         if not is_complete(path, "rollout"):
             rows, _ = import_rows(ws.tokenizer(), load_prompts(cfg.offpolicy_dataset),
@@ -277,8 +273,6 @@ def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[]
         state.offpolicy_shards = [str(p) for p in TeacherCache.open(cfg.offpolicy_cache).shard_paths()]
         save()
     if cfg.heldout_prompts:
-        from pipeline.generate.prompts import load_prompts
-
         prompts = load_prompts(cfg.heldout_prompts)
         sample(ws, engines, "heldout", prompts, ws.student, 0, cfg.seed + 1_000_003, cfg.heldout_n)
         score_into(ws, ws.rollouts("heldout"), cfg.cache, engines.scorer(cfg, ws.teacher))
@@ -310,7 +304,6 @@ def train_stage(ws: Workspace, state: State, cycle: int, info: dict) -> None:
     """spg steps of the run's trainer: on-policy on the cycle's view, off-policy on the frozen off-policy data from
     the trainer's own position there (moved in `state`). Loss and throughput of the cycle's steps into `info`."""
     from pipeline.train.checkpoint import latest, read_meta
-    from pipeline.train.trainer import train
 
     cfg, spg = ws.cfg, ws.cfg.steps_per_generation
     if info["on_policy"]:

@@ -20,8 +20,17 @@ import pyarrow.parquet as pq
 from pipeline.slurm.arrays import array_spec  # noqa: F401 - moved to pipeline/slurm; pipeline/score/run.py imports it here
 from pipeline.store.fingerprint import content_key
 from pipeline.store.fingerprint import sample_id as make_sample_id
+from pipeline.store.locks import FileLock
 from pipeline.store.schema import load_schema
-from pipeline.store.shards import ShardError, ShardInfo, complete_shards, iter_batches, read_marker, write_shard
+from pipeline.store.shards import (
+    ShardError,
+    ShardInfo,
+    WriteError,
+    complete_shards,
+    iter_batches,
+    read_marker,
+    write_shard,
+)
 
 SOURCES = ("dataset", "student")
 TOKENIZER_KEY = b"gkd.tokenizer_fingerprint"
@@ -115,8 +124,6 @@ def rollout_tokenizer(path: str | Path) -> str | None:
 def shard_lock(path: str | Path, what: str):
     """The lock a generate/import task holds while it makes the rollout shard `path` (`.NAME.lock` beside it): a
     second process of the same task is refused at once, naming the first (pipeline/store/locks.py)."""
-    from pipeline.store.locks import FileLock
-    from pipeline.store.shards import WriteError
 
     path = Path(path)
     try:

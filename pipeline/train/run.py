@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
+from pipeline.store import SchemaError, ShardError
+from pipeline.train.data import TokenizerMismatchError
 from pipeline.train.trainer import (  # noqa: F401 - re-exported
     TrainConfig,
     check_cache_holds_loss,
@@ -41,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gkd train: {e}", file=sys.stderr)
         return 2
-    from pipeline.store import SchemaError, ShardError
     from pipeline.train.checkpoint import CheckpointMismatchError
-    from pipeline.train.data import TokenizerMismatchError
 
     try:
         train(cfg)

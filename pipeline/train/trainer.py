@@ -28,7 +28,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.shards import WriteError, atomic_write_bytes
+from pipeline.train.data import ScoredLoader, resolve_sources
+from pipeline.train.families import check_trainable, read_hf_arch
+from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
+from pipeline.train.live_teacher import teacher_topk
+from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.packing import attention_mask
 
 
 @dataclass
@@ -198,7 +207,6 @@ class TrainConfig:
 
 def student_dir(cfg: TrainConfig) -> Path:
     """The student's HF folder (`default`: the embedded 6-layer student)."""
-    from pipeline.assets import resolve_student
 
     return resolve_student(cfg.student)
 
@@ -232,8 +240,6 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
                         recompute=cfg.recompute)
     load_hf_weights(model, hf_dir)
     if cfg.fused_loss:
-        from pipeline.train.fused_loss import output_hidden_states
-
         output_hidden_states(model)  # the loss applies the output layer (its weight stays in the model)
     spec = cfg.lora_spec()
     if spec is not None:
@@ -275,9 +281,7 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str):
     """The frozen teacher GPTModel of `teacher_live`, with the student's TP split and precision: HF weights,
     eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
     output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights."""
-    from pipeline.store.fingerprint import tokenizer_fingerprint
     from pipeline.train.data import TokenizerMismatchError
-    from pipeline.train.fused_loss import output_hidden_states
     from pipeline.train.model import build_model, load_hf_weights
 
     teacher_dir = Path(cfg.teacher_live)
@@ -354,8 +358,6 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
     opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
     if cfg.fused_loss:
-        from pipeline.train.fused_loss import fused_gkd_loss, output_weight
-
         out = fused_gkd_loss(
             output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
             beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
@@ -367,8 +369,6 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         if opd_mask is not None:
             opd_sum, opd_kl = out.opd_sum, out.opd_kl_sum
     else:
-        from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
-
         logits = output_tensor.float()
         # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
         # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
@@ -399,9 +399,6 @@ def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
 
     from megatron.core import parallel_state
 
-    from pipeline.train.fused_loss import output_weight
-    from pipeline.train.live_teacher import teacher_topk
-
     with torch.no_grad():
         hidden = teacher(batch.input_ids, batch.position_ids, mask)
         ids, lps, tail, valid = teacher_topk(
@@ -414,7 +411,6 @@ def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
 def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model, teacher=None):
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
     `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
-    from pipeline.train.packing import attention_mask
 
     batch = next(data_iterator).to(_device())
     # Packed rows: a block-diagonal causal mask (True = masked). Both attention backends apply an explicit mask
@@ -465,8 +461,6 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from pipeline.train.data import resolve_sources
-
     for path, desc in resolve_sources(cfg.cache):
         if desc.k > 0:
             continue
@@ -487,7 +481,6 @@ _DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the last step's metrics. Every rank calls it."""
-    from pipeline.train.families import check_trainable, read_hf_arch
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
     hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
@@ -504,9 +497,7 @@ def _train(cfg: TrainConfig) -> dict:
     from megatron.core import parallel_state
     from transformers import AutoTokenizer
 
-    from pipeline.store.fingerprint import tokenizer_fingerprint
     from pipeline.train import checkpoint
-    from pipeline.train.data import ScoredLoader
 
     rank = dist.get_rank()
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -601,7 +592,6 @@ def _train(cfg: TrainConfig) -> dict:
                     metrics_file.write(json.dumps(last) + "\n")
                     metrics_file.flush()
                 except OSError as e:
-                    from pipeline.store.shards import WriteError
 
                     raise WriteError(log_dir / "metrics.jsonl", e, f"metrics of step {step} not written") from e
                 for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
@@ -661,6 +651,4 @@ def keep_metrics_until(path: Path, step: int) -> None:
         lines[-1] = ""  # a line cut by a kill mid-write: its step is redone
     kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
     if len(kept) != len(lines):
-        from pipeline.store.shards import atomic_write_bytes
-
         atomic_write_bytes(path, "".join(kept).encode())
