@@ -93,7 +93,7 @@ def _child(student: str, cache: str, tokens: int, fused: bool, steps: int, bf16:
 
     from pipeline.train.data import ScoredLoader
     from pipeline.train.parallel import destroy_distributed, init_distributed
-    from pipeline.train.run import TrainConfig, forward_step, setup_model_and_optimizer
+    from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
 
     cuda = torch.cuda.is_available()
     extra = {"attention": "sdpa"} if "attention" in TrainConfig.__dataclass_fields__ else {}

@@ -42,7 +42,7 @@ def _config(work: Path, name: str, lmbda: float, cycles: int, spg: int, samples:
 
 def run(work: Path, cycles: int = 6, spg: int = 2) -> dict:
     from pipeline.onpolicy.engines import Engines
-    from pipeline.onpolicy.run import run as onpolicy
+    from pipeline.onpolicy.local import run_local as onpolicy
 
     work.mkdir(parents=True, exist_ok=True)
     samples = cycles * 8 * 2  # on-policy samples over the run = off-policy rows, each seen once by both
@@ -80,18 +80,19 @@ def _final_samples_kl(cfgs: dict, engines) -> dict:
     are evaluated on both: {"<student> on <whose samples>": KL}. The on-policy claim is about the diagonal."""
     from pipeline.evaluate import heldout_kl
     from pipeline.generate.prompts import load_prompts
-    from pipeline.onpolicy.run import Run
+    from pipeline.onpolicy.stages import Workspace, sample, score_into
     from pipeline.onpolicy.state import rollout_keys
     from pipeline.store import TeacherCache
 
-    runs = {name: Run(cfg, engines) for name, cfg in cfgs.items()}
+    runs = {name: Workspace.open(cfg) for name, cfg in cfgs.items()}
     prompts = load_prompts(HELDOUT)
     keys, weights = {}, {}
-    for name, r in runs.items():
-        weights[name] = r.weights(r.latest_step())
-        r.sample("final-heldout", prompts, weights[name], r.latest_step(), r.cfg.seed + 2_000_003, r.cfg.heldout_n)
-        r.score_into(r.rollouts("final-heldout"), r.cfg.cache)
-        keys[name] = rollout_keys(r.rollouts("final-heldout"), TeacherCache.open(r.cfg.cache))
+    for name, ws in runs.items():
+        weights[name] = ws.weights(ws.latest_step())
+        sample(ws, engines, "final-heldout", prompts, weights[name], ws.latest_step(), ws.cfg.seed + 2_000_003,
+               ws.cfg.heldout_n)
+        score_into(ws, ws.rollouts("final-heldout"), ws.cfg.cache, engines.scorer(ws.cfg, ws.teacher))
+        keys[name] = rollout_keys(ws.rollouts("final-heldout"), TeacherCache.open(ws.cfg.cache))
     cache = next(iter(cfgs.values())).cache
     return {f"{student} on {samples}": heldout_kl(weights[student], cache, keys[samples])["heldout_kl"]
             for student in runs for samples in runs}
@@ -160,8 +161,8 @@ def run_opd(work: Path, cycles: int = 6, spg: int = 2) -> dict:
     from pipeline.evaluate import heldout_kl
     from pipeline.generate.prompts import load_prompts
     from pipeline.onpolicy.engines import Engines
-    from pipeline.onpolicy.run import Run
-    from pipeline.onpolicy.run import run as onpolicy
+    from pipeline.onpolicy.local import run_local as onpolicy
+    from pipeline.onpolicy.stages import Workspace, sample, score_into
     from pipeline.onpolicy.state import rollout_keys
     from pipeline.store import TeacherCache
 
@@ -181,18 +182,20 @@ def run_opd(work: Path, cycles: int = 6, spg: int = 2) -> dict:
                                  "scored_tokens": stats["scored_tokens"],
                                  "train_loss": [m.get("loss") for m in lines if m["cycle"] >= 0]}
         # the evaluation: both final students' samples, scored at k=64 (through the tail run's own score settings)
-        evaluator = Run(replace(cfgs["tail-k64"], cache=str(work / "eval-cache")), engines)
+        evaluator = Workspace.open(replace(cfgs["tail-k64"], cache=str(work / "eval-cache")))
+        ev_cache, ev_llm = evaluator.cfg.cache, engines.scorer(evaluator.cfg, evaluator.teacher)
         prompts = load_prompts(HELDOUT)
         weights, keys = {}, {}
         for name, cfg in cfgs.items():
-            r = Run(cfg, engines)
-            weights[name] = r.weights(r.latest_step())
-            r.sample("final-heldout", prompts, weights[name], r.latest_step(), cfg.seed + 2_000_003, cfg.heldout_n)
-            evaluator.score_into(r.rollouts("final-heldout"), evaluator.cfg.cache)
-            keys[name] = rollout_keys(r.rollouts("final-heldout"), TeacherCache.open(evaluator.cfg.cache))
-        out["final_samples"] = {f"{s} on {d}": heldout_kl(weights[s], evaluator.cfg.cache, keys[d])["heldout_kl"]
+            ws = Workspace.open(cfg)
+            weights[name] = ws.weights(ws.latest_step())
+            sample(ws, engines, "final-heldout", prompts, weights[name], ws.latest_step(), cfg.seed + 2_000_003,
+                   cfg.heldout_n)
+            score_into(evaluator, ws.rollouts("final-heldout"), ev_cache, ev_llm)
+            keys[name] = rollout_keys(ws.rollouts("final-heldout"), TeacherCache.open(ev_cache))
+        out["final_samples"] = {f"{s} on {d}": heldout_kl(weights[s], ev_cache, keys[d])["heldout_kl"]
                                 for s in cfgs for d in cfgs}
-        out["initial_on"] = {d: heldout_kl(Run(cfgs[d], engines).student, evaluator.cfg.cache, keys[d])["heldout_kl"]
+        out["initial_on"] = {d: heldout_kl(Workspace.open(cfgs[d]).student, ev_cache, keys[d])["heldout_kl"]
                              for d in cfgs}
     finally:
         engines.close()

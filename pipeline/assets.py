@@ -120,3 +120,21 @@ def student_dir(data_dir: str | Path = DATA_DIR, layers: tuple[int, ...] = STUDE
 if __name__ == "__main__":
     print(teacher_dir())
     print(student_dir())
+
+
+DEFAULT = "default"  # the model name that means "the embedded default" in every stage config (null means the same)
+
+
+def is_default(name: str | Path | None) -> bool:
+    """Whether a config's model name asks for the embedded default (`default` or null)."""
+    return name is None or str(name) == DEFAULT
+
+
+def resolve_student(name: str | Path | None) -> Path:
+    """A stage config's student: its folder, or the embedded 6-layer student for `default` / null."""
+    return student_dir() if is_default(name) else Path(name)
+
+
+def resolve_teacher(name: str | Path | None) -> Path:
+    """A stage config's teacher: its folder, or SmolLM2-135M-Instruct for `default` / null (no folder check)."""
+    return teacher_dir() if is_default(name) else Path(name)

@@ -31,8 +31,8 @@ def _register_available() -> None:
         ("import", "pipeline.generate.importer", "turn dataset responses into off-policy rollouts"),
         ("train", "pipeline.train.run", "train a Megatron-Core student on a teacher cache"),
         ("export", "pipeline.train.export", "export a trained student to a Hugging Face folder"),
-        ("onpolicy", "pipeline.onpolicy", "alternate generate -> score -> train"),
-        ("slurm", "pipeline.slurm", "submit stages as Slurm jobs"),
+        ("onpolicy", "pipeline.onpolicy.run", "alternate generate -> score -> train"),
+        ("slurm", "pipeline.slurm.cli", "submit stages as Slurm jobs"),
         ("demo", "pipeline.demo", "the whole pipeline on the embedded default, with a report"),
     ):
         if importlib.util.find_spec(module) is not None:

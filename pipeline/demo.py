@@ -25,6 +25,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.assets import resolve_student, resolve_teacher
+from pipeline.engine import EngineArgs, open_engine
+from pipeline.evaluate import heldout_kl, load_hf
+from pipeline.generate.importer import import_rows
+from pipeline.generate.prompts import load_prompts
+from pipeline.generate.sampler import GenerateConfig, output_path, run_task
+from pipeline.score.scorer import ScoreConfig, score
+from pipeline.store import TeacherCache
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.rollouts import iter_rollouts, rollout_shards, shard_path, write_rollouts
+from pipeline.store.shards import marker_path
+
 
 @dataclass
 class DemoConfig:
@@ -65,8 +77,6 @@ def heldout_metrics(student_dir: Path, eval_cache: Path, teacher_answers: list[t
     """KL(teacher || student) over the teacher top-k + tail bin on held-out student samples (the on-policy driver's
     measure, pipeline/evaluate.py), and the student's NLL of teacher-generated answers."""
     import torch
-
-    from pipeline.evaluate import heldout_kl, load_hf
 
     model = load_hf(student_dir)
     kl = heldout_kl(model, eval_cache)
@@ -124,21 +134,11 @@ def prepare(cfg: DemoConfig) -> Prepared:
     """Steps 1-3: import, generate, score into out/cache (training) and out/cache-eval (held-out student samples)."""
     from transformers import AutoTokenizer
 
-    from pipeline.assets import student_dir, teacher_dir
-    from pipeline.engine import EngineArgs, open_engine
-    from pipeline.generate.importer import import_rows
-    from pipeline.generate.prompts import load_prompts
-    from pipeline.generate.run import GenerateConfig, run_task
-    from pipeline.score.scorer import ScoreConfig, score
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-    from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     t = time.perf_counter()
-    teacher = Path(cfg.teacher) if cfg.teacher else teacher_dir()
-    student = Path(cfg.student) if cfg.student else student_dir()
+    teacher, student = resolve_teacher(cfg.teacher), resolve_student(cfg.student)
     times["assets"] = time.perf_counter() - t
     tok = AutoTokenizer.from_pretrained(student)
     train_src = f"reasoning-gym:{cfg.tasks}?size={cfg.train_prompts}&seed=0"
@@ -147,7 +147,7 @@ def prepare(cfg: DemoConfig) -> Prepared:
     # 1. dataset responses -> off-policy rollouts
     t = time.perf_counter()
     train_dir = out / "rollouts" / "train"
-    ds_path = train_dir / "dataset-00000-of-00001.parquet"
+    ds_path = shard_path(train_dir, "dataset", 0, 1)
     if not ds_path.exists():
         rows, _ = import_rows(tok, load_prompts(train_src), where=train_src)
         write_rollouts(ds_path, rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
@@ -159,12 +159,12 @@ def prepare(cfg: DemoConfig) -> Prepared:
                kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager, dtype="float32")
     jobs = [GenerateConfig(prompts=train_src, out=str(train_dir), seed=0, **gen),
             GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-student"), seed=1, **gen)]
-    if not all((Path(j.out) / "rollouts-00000-of-00001.parquet.ok").exists() for j in jobs):
+    if not all(marker_path(output_path(j, 0)).exists() for j in jobs):
         engine = EngineArgs(model=str(student), dtype="float32", max_model_len=1024, kv_cache_gib=cfg.kv_cache_gib,
                             enforce_eager=cfg.enforce_eager)
         with open_engine(engine) as llm:
             for j in jobs:
-                if not (Path(j.out) / "rollouts-00000-of-00001.parquet.ok").exists():
+                if not marker_path(output_path(j, 0)).exists():
                     run_task(llm, tok, j, 0)
     times["generate"] = time.perf_counter() - t
 
@@ -177,7 +177,7 @@ def prepare(cfg: DemoConfig) -> Prepared:
     teacher_ans = GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-teacher"), student=str(teacher),
                                  n=1, max_tokens=cfg.max_tokens, temperature=0.0, seed=2, dtype="float32")
     with open_engine(engine, max_logprobs=cfg.topk, logprobs_mode="raw_logprobs") as llm:
-        if not (Path(teacher_ans.out) / "rollouts-00000-of-00001.parquet.ok").exists():
+        if not marker_path(output_path(teacher_ans, 0)).exists():
             run_task(llm, tok, teacher_ans, 0)
         t_score = time.perf_counter()
         first = score(ScoreConfig(rollouts=str(train_dir), cache=str(out / "cache"), **sc), llm=llm)
@@ -201,12 +201,7 @@ def train_args(cfg: DemoConfig, student: Path, cache: Path) -> list[str]:
 def run(cfg: DemoConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.engine import EngineArgs, open_engine
-    from pipeline.generate.run import GenerateConfig, run_task
-    from pipeline.score.scorer import ScoreConfig, score
-    from pipeline.store import TeacherCache
-    from pipeline.store.rollouts import iter_rollouts, rollout_shards
-    from pipeline.train.checkpoint import step_dir
+    from pipeline.train.checkpoint import step_dir  # torch: not at module top (the CLI imports this module)
 
     p = prepare(cfg)
     out, teacher, student, train_dir, times, answers = p.out, p.teacher, p.student, p.train_rollouts, p.times, p.answers

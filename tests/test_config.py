@@ -82,3 +82,26 @@ def test_recipe_sections(tmp_path):
     flat = tmp_path / "flat.yaml"
     flat.write_text("steps: 2\n")
     assert load_config(Cfg, flat, section="train").steps == 2  # a flat file is read as it is
+
+
+def test_every_shipped_config_loads_through_its_stages_own_loader():
+    """configs/*.yaml, each through the loader its command uses (argument parsing included), so validation runs as
+    it does for a user; a new config file without a loader here fails the test."""
+    from pathlib import Path
+
+    from pipeline.generate.run import parse_args as generate_args
+    from pipeline.onpolicy.config import load as load_onpolicy
+    from pipeline.score.run import parse_args as score_args
+    from pipeline.train.run import TrainConfig
+
+    loaders = {
+        "generate": lambda p: generate_args(["--config", str(p)])[0],
+        "score": lambda p: score_args(["--config", str(p)])[0],
+        "train": lambda p: load_config(TrainConfig, p, section="train"),
+        "onpolicy": lambda p: load_onpolicy(p, []),
+    }
+    shipped = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert sorted(p.stem for p in shipped) == sorted(loaders)
+    for path in shipped:
+        cfg = loaders[path.stem](path)
+        assert not cfg.validate(), path

@@ -16,15 +16,17 @@ OUT/dataset-IIIII-of-NNNNN.parquet, and a rerun of a finished task is a no-op.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pipeline.assets import resolve_student
+from pipeline.config import ConfigError
 from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids, response_ids
+from pipeline.slurm.arrays import task_index
 from pipeline.store.fingerprint import tokenizer_fingerprint
-from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_name, write_rollouts
+from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_path, write_rollouts
 from pipeline.store.shards import ShardError, is_complete, read_marker
 
 
@@ -81,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-shards", type=int, default=1)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
 
-    shard = args.shard if args.shard is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", 0))
-    if not 0 <= shard < args.num_shards:
-        ap.error(f"shard {shard} is not in [0, --num-shards={args.num_shards})")
-    path = Path(args.out) / f"{shard_name('dataset', shard, args.num_shards)}.parquet"
+    try:
+        shard = task_index(args.shard, args.num_shards)
+    except ConfigError as e:
+        ap.error(str(e))
+    path = shard_path(args.out, "dataset", shard, args.num_shards)
     try:
         with shard_lock(path, f"gkd import task {shard}/{args.num_shards} into {args.out}"):
             if is_complete(path, "rollout"):
@@ -108,9 +111,7 @@ def _import(args: argparse.Namespace, shard: int, path: Path) -> tuple[list[dict
     from transformers import AutoTokenizer
 
     if args.tokenizer is None:
-        from pipeline.assets import student_dir
-
-        args.tokenizer = str(student_dir())
+        args.tokenizer = str(resolve_student(None))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     fp = tokenizer_fingerprint(tokenizer)
     for other in sorted(Path(args.out).glob("*.parquet")):

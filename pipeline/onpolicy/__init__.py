@@ -3,12 +3,10 @@
     config.py   the flat config, and the generate/score/train stage configs derived from it
     state.py    state.json (resumable state machine), the lmbda draw, per-cycle views of the cache
     engines.py  sampler/teacher engines kept across cycles, weight sync, held-out KL
-    run.py      the local executor: setup, then export -> generate -> score -> train -> eval per cycle
+    stages.py   one cycle's stages as plain functions (setup, export, generate, score, train, eval), state records
+    local.py    the local executor: every stage in this process, engines kept open
     slurm.py    the Slurm executor: the same stages as chained jobs (`--stage S --cycle C`), a polling driver
+    run.py      the entry (`gkd onpolicy`): argparse, the executor chosen by `executor`
 
 The driver sits above the stages and calls their public functions; no stage imports it.
 """
-
-from pipeline.onpolicy.run import main, run
-
-__all__ = ["main", "run"]

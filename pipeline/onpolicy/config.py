@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
-from pipeline.generate.run import GenerateConfig
+from pipeline.generate.sampler import GenerateConfig
 from pipeline.score.scorer import ScoreConfig
-from pipeline.train.run import TrainConfig
+from pipeline.train.trainer import TrainConfig
 
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
 EXECUTORS = ("local", "slurm")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.engine import EngineArgs, open_engine, shutdown
+from pipeline.generate.sampler import engine_args, lora_rank_limit
 from pipeline.onpolicy.config import OnPolicyConfig
 
 
@@ -77,11 +78,9 @@ class Engines:
     def _student_lora(self, cfg: OnPolicyConfig, model_dir: Path, adapter: bool) -> tuple[Any, float, Any]:
         import json
 
-        from pipeline.generate.run import LORA_RANKS
-
         base = Path(json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]) \
             if adapter else model_dir
-        rank = next(r for r in LORA_RANKS if r >= max(cfg.lora_rank, 1))
+        rank = lora_rank_limit(cfg.lora_rank)
         t0 = time.perf_counter()
         if self.sampler is None or self.sampler_weights != _weights_id(base) or self.sampler_lora_rank < rank:
             self._open_sampler(cfg, base, lora_rank=rank)
@@ -107,10 +106,10 @@ class Engines:
     def _open_sampler(self, cfg: OnPolicyConfig, model_dir: Path, lora_rank: int = 0) -> None:
         if self.sampler is not None:
             shutdown(self.sampler)
-        args = EngineArgs(model=str(model_dir), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                          kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, enforce_eager=cfg.enforce_eager,
-                          enable_lora=lora_rank > 0, max_lora_rank=lora_rank or 16)
-        self.sampler = _open(args, self._stack)
+        # the generate stage's own engine rule on the run's generate settings; one engine serves every cycle, so
+        # it is seeded with the run's seed (each request carries its own seed from the cycle's)
+        gcfg = cfg.generate_config(Path(cfg.out), str(model_dir), 0, cfg.seed)
+        self.sampler = _open(engine_args(gcfg, lora_rank=lora_rank or None), self._stack)
         self.sampler_weights, self.sampler_lora_rank = _weights_id(model_dir), lora_rank
         self.lora_request = self._lora_weights = None
 

@@ -14,7 +14,7 @@ An on-policy cycle c (optimizer steps [c*spg, (c+1)*spg)) is one chain of jobs, 
 An off-policy cycle is the train job alone. A run with held-out prompts or an off-policy dataset starts with one
 setup job (dataset import + score, held-out samples + score).
 
-Every job runs exactly one stage of one cycle with the local executor's own code (the `Run` stage methods, the same
+Every job runs exactly one stage of one cycle with the stage functions the local executor runs (stages.py, the same
 engine settings): `python -m pipeline onpolicy --config OUT/slurm/onpolicy.yaml --stage S --cycle C [--shard I
 --num-shards N]`. So both executors train the same weights.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 import sys
 import time
@@ -43,14 +42,29 @@ import yaml
 from pipeline.config import ConfigError
 from pipeline.onpolicy.config import STAGES, OnPolicyConfig
 from pipeline.onpolicy.engines import Engines
-from pipeline.onpolicy.run import Run, Stopped
-from pipeline.onpolicy.state import State, build_view, is_on_policy, rollout_keys
+from pipeline.onpolicy.stages import (
+    Workspace,
+    cycle_info,
+    cycle_name,
+    cycle_stages,
+    eval_stage,
+    export_stage,
+    generate_stage,
+    read_metrics,
+    record_stage,
+    score_stage,
+    setup_stage,
+    train_stage,
+)
+from pipeline.onpolicy.state import State, is_on_policy
+from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
 from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
-from pipeline.store.rollouts import array_spec, assign_shard, rollout_shards, shard_name
+from pipeline.store.rollouts import rollout_shards, shard_path
 from pipeline.store.shards import atomic_write_bytes, is_complete
 
-JOB_STAGES = ("export", "generate", "score", "train")  # an on-policy cycle's chain; the train job also runs eval
+# An on-policy cycle's chain of jobs: its stages, with eval run by the train job.
+JOB_STAGES = tuple(s for s in cycle_stages(True) if s != "eval")
 ARRAY_STAGES = ("generate", "score")
 TASK_STAGES = ("setup", *JOB_STAGES)
 WRITTEN_BY = "`gkd onpolicy executor=slurm`"
@@ -73,7 +87,8 @@ def job_name(tag: str, stage: str, cycle: int) -> str:
 
 
 def cycle_jobs(on_policy: bool) -> tuple[str, ...]:
-    return JOB_STAGES if on_policy else ("train",)
+    """A cycle's jobs: its stages (stages.cycle_stages), eval inside the train job."""
+    return tuple(s for s in cycle_stages(on_policy) if s != "eval")
 
 
 def num_tasks(cfg: OnPolicyConfig, stage: str) -> int | None:
@@ -86,7 +101,7 @@ def results_dir(cfg: OnPolicyConfig) -> Path:
 
 
 def result_path(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None = None) -> Path:
-    name = "setup" if stage == "setup" else f"cycle-{cycle:04d}-{stage}"
+    name = "setup" if stage == "setup" else f"{cycle_name(cycle)}-{stage}"
     return results_dir(cfg) / f"{name}{'' if shard is None else f'-{shard:05d}'}.json"
 
 
@@ -100,127 +115,101 @@ def dependency(predecessors: dict[str, dict[int, str]]) -> str | None:
     return ",".join(parts) or None
 
 
-def exported(r: Run, step: int) -> bool:
-    """Whether the sampler's weights of `step` are on disk (step 0: the student folder itself)."""
-    return r.exported(step)
-
-
-def missing(r: Run, stage: str, cycle: int) -> list[int]:
+def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
     """The tasks of `stage` in `cycle` whose outputs are not on disk: array indices, or [-1] for a one-task job;
     [] when the stage is done (or not part of this cycle). Outputs are the truth, not job states."""
-    cfg, spg = r.cfg, r.cfg.steps_per_generation
+    cfg, spg = ws.cfg, ws.cfg.steps_per_generation
     if stage == "setup":
         path = result_path(cfg, "setup", -1)
-        return [] if r.state.setup_done or path.exists() else [-1]
+        return [] if state.setup_done or path.exists() else [-1]
     on_policy = is_on_policy(cfg.seed, cycle * spg, cfg.lmbda)
     if stage == "export":  # needed only while the generate tasks still need the weights (eval removes old exports)
-        needed = on_policy and missing(r, "generate", cycle)
-        return [-1] if needed and not exported(r, cycle * spg) else []
+        needed = on_policy and missing(ws, state, "generate", cycle)
+        return [-1] if needed and not ws.exported(cycle * spg) else []
     if stage == "generate":
         n = cfg.slurm_generate_shards
-        folder = r.rollouts(f"cycle-{cycle:04d}")
+        folder = ws.rollouts(cycle_name(cycle))
         return [] if not on_policy else [
-            i for i in range(n) if not is_complete(folder / f"{shard_name('rollouts', i, n)}.parquet", "rollout")]
+            i for i in range(n) if not is_complete(shard_path(folder, "rollouts", i, n), "rollout")]
     if stage == "score":
         from pipeline.score.scorer import rollouts_tag, task_done, task_name
 
         m = cfg.slurm_score_shards
         if not on_policy:
             return []
-        if missing(r, "generate", cycle):
+        if missing(ws, state, "generate", cycle):
             return list(range(m))
-        tag = rollouts_tag(rollout_shards(r.rollouts(f"cycle-{cycle:04d}")))
+        tag = rollouts_tag(rollout_shards(ws.rollouts(cycle_name(cycle))))
         return [i for i in range(m) if not task_done(Path(cfg.cache), task_name(tag, i, m))]
     if stage == "train":
-        done = result_path(cfg, "train", cycle).exists() and r.latest_step() >= (cycle + 1) * spg
+        done = result_path(cfg, "train", cycle).exists() and ws.latest_step() >= (cycle + 1) * spg
         return [] if done else [-1]
     raise ValueError(f"unknown stage {stage!r}")
 
 
 # -- the tasks: one stage of one cycle inside a job ---------------------------------------------------------------
+# A job reads state.json, never writes it (the driver owns it). The setup job keeps its state in its own file
+# instead, so a rerun of that job continues where it stopped.
 
 
-class TaskRun(Run):
-    """The local executor's `Run`, inside a job: state.json is read, never written (the driver owns it). The setup
-    job keeps its state in its own file instead, so a rerun of that job continues where it stopped."""
-
-    def __init__(self, cfg: OnPolicyConfig, engines: Engines, state_file: Path | None = None) -> None:
-        super().__init__(cfg, engines)
-        self.state_file = state_file
-        if state_file is not None and state_file.exists():
-            self.state = State(**json.loads(state_file.read_text()))
-
-    def save(self) -> None:
-        if self.state_file is not None:
-            self.state_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.state_file, json.dumps(asdict(self.state), indent=1).encode())
-
-
-def _require(r: Run, stage: str, cycle: int) -> None:
+def _require(ws: Workspace, state: State, stage: str, cycle: int) -> None:
     """A job's input check: the stage before it is complete (a dependency mishap must not train on half a cycle)."""
-    todo = missing(r, stage, cycle)
+    todo = missing(ws, state, stage, cycle)
     if todo:
         raise RuntimeError(f"cycle {cycle}: the {stage} stage is incomplete (tasks {array_spec(todo) or 'the job'} "
                            "missing); its outputs must exist before this job runs")
     if stage == "generate":  # exactly the expected shards: a stray one (another shard count) would join the score
-        n = r.cfg.slurm_generate_shards
-        folder = r.rollouts(f"cycle-{cycle:04d}")
+        n = ws.cfg.slurm_generate_shards
+        folder = ws.rollouts(cycle_name(cycle))
         stray = [p.name for p in rollout_shards(folder) if not p.name.endswith(f"-of-{n:05d}.parquet")]
         if stray:
             raise RuntimeError(f"{folder}: shards {stray} are not of this run's {n} generate tasks; remove them")
 
 
-def _setup(r: TaskRun, cycle: int, shard: int, n: int) -> dict:
-    r.setup()
-    return {"offpolicy_shards": r.state.offpolicy_shards}
+def _setup(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict:
+    state_file = results_dir(ws.cfg) / "setup-state.json"
+    if state_file.exists():
+        vars(state).update(vars(State(**json.loads(state_file.read_text()))))
+
+    def save() -> None:
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(state_file, json.dumps(asdict(state), indent=1).encode())
+
+    setup_stage(ws, engines, state, save)
+    return {"offpolicy_shards": state.offpolicy_shards}
 
 
-def _export(r: TaskRun, cycle: int, shard: int, n: int) -> dict:
-    return {"weights": str(r.weights(cycle * r.cfg.steps_per_generation))}
+def _export(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict:
+    return export_stage(ws, cycle)
 
 
-def _generate(r: TaskRun, cycle: int, shard: int, n: int) -> dict | None:
-    step = cycle * r.cfg.steps_per_generation
-    if not exported(r, step):  # never export here: N tasks would write the same folder at once
-        raise RuntimeError(f"{r.export_dir(step)}: the student weights of step {step} are missing (the export job "
-                           "writes them)")
-    weights = r.weights(step)
-    prompts = [p for p in r.cycle_prompts(cycle) if assign_shard(p.prompt_id, n) == shard]
-    stats = r.sample(f"cycle-{cycle:04d}", prompts, weights, step, r.cycle_seed(cycle), r.cfg.n, shard, n)
+def _generate(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict | None:
+    stats = generate_stage(ws, engines, cycle, shard, n)
+    weights = ws.weights(cycle * ws.cfg.steps_per_generation)
+    prompts = ws.shard_prompts(cycle, shard, n)
     return {"weights": str(weights), "prompts": len(prompts), **stats} if stats else None  # {}: complete before
 
 
-def _score(r: TaskRun, cycle: int, shard: int, n: int) -> dict | None:
-    from pipeline.score.scorer import score
-
-    _require(r, "generate", cycle)
-    scfg = r.cfg.score_config(r.rollouts(f"cycle-{cycle:04d}"), r.cfg.cache)
-    scfg.shard, scfg.num_shards = shard, n
-    s = score(scfg)  # opens the teacher only when the task has rows to score (same engine settings as Engines)
-    if s.get("done_before"):
-        return None
-    return {"scored": s.get("scored", 0), "score_tokens": s.get("tokens", 0),
-            "score_seconds": s.get("score_seconds"), "already_cached": s.get("skipped", {}).get("cached", 0)}
+def _score(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict | None:
+    _require(ws, state, "generate", cycle)
+    # llm=None: the score stage opens the teacher only when the task has rows to score (Engines' settings)
+    summary, done_before = score_stage(ws, cycle, None, shard, n)
+    return None if done_before else summary
 
 
-def _train(r: TaskRun, cycle: int, shard: int, n: int) -> dict:
-    from pipeline.store import TeacherCache
-
-    cfg = r.cfg
-    info: dict = {"on_policy": is_on_policy(cfg.seed, cycle * cfg.steps_per_generation, cfg.lmbda), "seconds": {}}
+def _train(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict:
+    info = {"on_policy": is_on_policy(ws.cfg.seed, cycle * ws.cfg.steps_per_generation, ws.cfg.lmbda),
+            "seconds": {}}
     if info["on_policy"]:
-        _require(r, "score", cycle)
-        cache = TeacherCache.open(cfg.cache)
-        # prompt order, not shard order: the view (hence the data order) the local executor's one task gives
-        order = [p.prompt_id for p in r.cycle_prompts(cycle)]
-        keys = rollout_keys(r.rollouts(f"cycle-{cycle:04d}"), cache, order)
-        shards, lost = build_view(cache, keys, r.out / "views" / f"cycle-{cycle:04d}")
-        info.update(view_shards=shards, view_rows=len(keys) - lost, view_missing=lost)
+        _require(ws, state, "score", cycle)
     for stage in ("train", "eval"):
         t0 = time.perf_counter()
-        getattr(r, f"stage_{stage}")(cycle, info)
+        if stage == "train":
+            train_stage(ws, state, cycle, info)
+        else:
+            info.update(eval_stage(ws, cycle))
         info["seconds"][stage] = round(time.perf_counter() - t0, 2)
-    info["offpolicy_position"] = r.state.offpolicy_position  # stage_train moved it (off-policy cycles)
+    info["offpolicy_position"] = state.offpolicy_position  # train_stage moved it (off-policy cycles)
     return info
 
 
@@ -236,8 +225,10 @@ def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, nu
     if stage != "setup" and not 0 <= cycle < cfg.num_cycles:
         raise ConfigError(f"--cycle {cycle} is outside [0, num_cycles={cfg.num_cycles})")
     n = num_tasks(cfg, stage)
+    ws = Workspace.open(cfg)
+    state = State.load(ws.out)
     if status:
-        todo = missing(Run(cfg, Engines()), stage, cycle)
+        todo = missing(ws, state, stage, cycle)
         where = "setup" if stage == "setup" else f"cycle {cycle} {stage}"
         if not todo:
             print(f"{where}: done")
@@ -245,16 +236,13 @@ def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, nu
         print(f"{where}: {len(todo)} of {n or 1} tasks missing" + (f"; resubmit with:\n--array={array_spec(todo)}" if n else ""))
         return 1
     if n is not None:
-        shard = int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)) if shard is None else shard
         if num_shards is not None and num_shards != n:
             raise ConfigError(f"--num-shards {num_shards} differs from the config's {n} {stage} tasks")
-        if not 0 <= shard < n:
-            raise ConfigError(f"--shard {shard} is outside [0, {n})")
+        shard = task_index(shard, n)
     t0 = time.time()
     engines = Engines()
     try:
-        r = TaskRun(cfg, engines, results_dir(cfg) / "setup-state.json" if stage == "setup" else None)
-        result = TASKS[stage](r, cycle, shard or 0, n or 1)
+        result = TASKS[stage](ws, engines, state, cycle, shard or 0, n or 1)
     finally:
         engines.close()
     path = result_path(cfg, stage, cycle, shard if n else None)
@@ -275,8 +263,8 @@ class SlurmDriver:
 
     def __init__(self, cfg: OnPolicyConfig) -> None:
         self.cfg = cfg
-        self.run = Run(cfg, Engines())  # the local executor's paths, state and metrics; no engine is opened here
-        self.state = self.run.state
+        self.ws = Workspace.open(cfg)  # the run's paths and models, as the jobs see them
+        self.state = State.load(self.ws.out)
         self.tag = run_tag(cfg.out)
         self.config_file = (Path(cfg.out) / "slurm" / "onpolicy.yaml").resolve()
         self.log_dir = Path(cfg.slurm_log_dir or Path(cfg.out) / "slurm" / "logs").resolve()
@@ -321,14 +309,14 @@ class SlurmDriver:
 
     def record(self, stage: str, cycle: int, job: dict) -> None:
         self.state.jobs.setdefault(self.key(stage, cycle), []).append(job)
-        self.run.save()
+        self.state.save(self.ws.out)
 
     def submit_missing(self, stages: tuple[str, ...], cycle: int) -> None:
         """Submit what is neither on disk nor queued, each stage after the previous stage's active jobs."""
         prev: dict[str, dict[int, str]] = {}
         replaced = False  # an earlier stage got a new job: later stages' queued jobs wait on replaced ids
         for stage in stages:
-            todo = missing(self.run, stage, cycle)
+            todo = missing(self.ws, self.state, stage, cycle)
             if not todo:
                 prev = {}
                 continue
@@ -378,7 +366,7 @@ class SlurmDriver:
                 raise JobFailed(f"{self.where(stage, cycle)}: jobs {', '.join(ids)} still queued or running after "
                                 f"{self.cfg.slurm_stage_timeout_s:.0f} s ({states}); rerun to keep waiting")
             time.sleep(self.cfg.slurm_poll_s)
-        todo = missing(self.run, stage, cycle)
+        todo = missing(self.ws, self.state, stage, cycle)
         if todo:
             for stage_after in later:  # they could only fail on the missing inputs
                 cancel(list(active_jobs(job_name(self.tag, stage_after, cycle))))
@@ -409,10 +397,10 @@ class SlurmDriver:
     # -- results into state / metrics ----------------------------------------------------------------------------
     def collect(self, stage: str, cycle: int, info: dict) -> None:
         """What the stage's tasks reported (result files) into the cycle's info, as the local executor records it."""
-        results = [json.loads(p.read_text()) for p in sorted(results_dir(self.cfg).glob(f"cycle-{cycle:04d}-{stage}*.json"))]
+        results = [json.loads(p.read_text()) for p in sorted(results_dir(self.cfg).glob(f"{cycle_name(cycle)}-{stage}*.json"))]
         if stage == "generate":
             step = cycle * self.cfg.steps_per_generation
-            info["weights"] = str(self.run.student if step == 0 else self.run.export_dir(step))
+            info["weights"] = str(self.ws.student if step == 0 else self.ws.export_dir(step))
             tokens = sum(x.get("generate_tokens", 0) for x in results)
             busy = sum(x["generate_tokens"] / x["generate_tok_s"] for x in results if x.get("generate_tok_s"))
             info.update(samples=sum(x.get("samples", 0) for x in results), generate_tokens=tokens,
@@ -426,7 +414,7 @@ class SlurmDriver:
                         score_tok_s=round(tokens / busy, 1) if busy else None)
         elif stage == "train":
             (result,) = results
-            spg, step = self.cfg.steps_per_generation, self.run.latest_step()
+            spg, step = self.cfg.steps_per_generation, self.ws.latest_step()
             if step != (cycle + 1) * spg:
                 raise JobFailed(f"{self.where(stage, cycle)}: the latest checkpoint is step {step}, expected "
                                 f"{(cycle + 1) * spg}")
@@ -436,30 +424,20 @@ class SlurmDriver:
             info.update({k: v for k, v in result.items() if k not in ("on_policy", "seconds", "offpolicy_position",
                                                                       "task_seconds")})
 
-    def mark_done(self, upto: str, cycle: int, info: dict) -> None:
-        """Record the stages up to `upto` as done (skipped ones included, as the local executor does)."""
-        for stage in STAGES[STAGES.index(self.state.stage): STAGES.index(upto) + 1]:
-            if stage not in info["done"]:
-                info["done"].append(stage)
-            nxt = STAGES.index(stage) + 1
-            self.state.stage = STAGES[nxt] if nxt < len(STAGES) else STAGES[0]
-            self.run.save()
-            if self.cfg.stop_after == f"{cycle}:{stage}" and stage != "eval":
-                raise Stopped(self.cfg.stop_after)
-
     # -- the loop ------------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, st = self.cfg, self.state
         if st.setup_done:
             return
         if not (cfg.heldout_prompts or cfg.offpolicy_dataset):
-            self.run.setup()  # only freezes the off-policy shard list: no engine, no job
+            # only freezes the off-policy shard list: no engine, no job
+            setup_stage(self.ws, Engines(), st, lambda: st.save(self.ws.out))
             return
         self.submit_missing(("setup",), -1)
         self.wait("setup", -1, ())
         st.offpolicy_shards = json.loads(result_path(cfg, "setup", -1).read_text())["offpolicy_shards"]
         st.setup_done = True
-        self.run.save()
+        self.state.save(self.ws.out)
 
     def cycle(self, c: int, info: dict) -> None:
         jobs = cycle_jobs(info["on_policy"])
@@ -469,12 +447,10 @@ class SlurmDriver:
             self.wait(stage, c, jobs[i + 1:])
             self.collect(stage, c, info)
             info["seconds"][stage] = round(info["seconds"].get(stage, 0.0) + time.time() - t0, 2)
-            self.mark_done("eval" if stage == "train" else stage, c, info)
-        self.run.log_cycle(c, info)
-        self.state.cycle, self.state.stage = c + 1, STAGES[0]
-        self.run.save()
-        if self.cfg.stop_after == f"{c}:eval":
-            raise Stopped(self.cfg.stop_after)
+            # the stages up to this job's last one are done (an off-policy cycle's skipped ones too)
+            upto = "eval" if stage == "train" else stage
+            for done in STAGES[STAGES.index(self.state.stage): STAGES.index(upto) + 1]:
+                record_stage(self.cfg, self.state, c, done, info)
 
     def loop(self) -> list[dict]:
         from tqdm import tqdm
@@ -487,15 +463,13 @@ class SlurmDriver:
         try:
             while st.cycle < cfg.num_cycles:
                 c = st.cycle
-                info = st.info(c)
-                info.setdefault("on_policy", is_on_policy(cfg.seed, c * cfg.steps_per_generation, cfg.lmbda))
+                info = cycle_info(cfg, st, c)
                 self.cycle(c, info)
                 bar.update(1)
                 bar.set_postfix(loss=f"{info['loss']:.4f}", mode="on" if info["on_policy"] else "off")
         finally:
             bar.close()
-        path = Path(cfg.out) / "metrics.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return read_metrics(self.ws.out)
 
 
 def run_slurm(cfg: OnPolicyConfig) -> list[dict]:

@@ -25,8 +25,7 @@ import pyarrow.parquet as pq
 from pipeline.store import TeacherCache
 from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.codec import concat_encoded
-from pipeline.store.fingerprint import content_key
-from pipeline.store.rollouts import iter_rollouts, rollout_shards
+from pipeline.store.rollouts import iter_rollouts, rollout_key, rollout_shards
 from pipeline.store.shards import atomic_write_bytes, is_complete, write_shard
 
 STATE = "state.json"
@@ -65,7 +64,7 @@ class State:
 
 
 def rollout_keys(rollouts_dir: Path, cache: TeacherCache, prompt_order: Sequence[str] | None = None) -> list[str]:
-    """The content keys the score stage gives these rollouts (same rule: completion positions, skip empties), in
+    """The content keys the score stage gives these rollouts (the store's rule, `rollouts.rollout_key`), in
     the rows' order; with `prompt_order` (prompt ids) grouped by prompt in that order, each prompt's samples in
     their own order: what one unsharded generate task writes, however many shards the rollouts were written as."""
     d = cache.descriptor
@@ -75,10 +74,9 @@ def rollout_keys(rollouts_dir: Path, cache: TeacherCache, prompt_order: Sequence
         rank = {p: i for i, p in enumerate(prompt_order)}
         rows = iter(sorted(rows, key=lambda r: rank.get(r["prompt_id"], len(rank))))  # stable
     for r in rows:
-        if not r["completion_ids"]:
-            continue
-        ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
-        keys.append(content_key(d.teacher_fingerprint, ids, len(r["prompt_ids"]), d.k, d.logprob_mode))
+        key = rollout_key(r, d.teacher_fingerprint, d.k, d.logprob_mode)
+        if key is not None:  # the rows the score stage skips as empty have no key
+            keys.append(key)
     return list(dict.fromkeys(keys))
 
 

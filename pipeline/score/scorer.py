@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -33,11 +32,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError
+from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
-from pipeline.store.rollouts import array_spec, assign_shard, iter_rollouts, rollout_shards
+from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards
 from pipeline.store.shards import ShardError, atomic_write_bytes, read_marker, verify_shard
 
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
@@ -361,12 +361,11 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
 # -- the stage ---------------------------------------------------------------------------------------------------
 
 
-def resolve_teacher(name: str) -> Path:
-    if name == "default":
-        from pipeline.assets import teacher_dir
+def resolve_teacher(name: str | Path | None) -> Path:
+    """The score stage's teacher folder (`default` / null: the embedded one, pipeline.assets), checked to be one."""
+    from pipeline import assets
 
-        return teacher_dir()
-    path = Path(name)
+    path = assets.resolve_teacher(name)
     if not (path / "config.json").exists():
         raise ConfigError(f"teacher: {path} is not a Hugging Face model folder (no config.json)")
     return path
@@ -395,14 +394,7 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
 def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     from tqdm import tqdm
 
-    shard = cfg.shard
-    if shard is None:
-        env = os.environ.get("SLURM_ARRAY_TASK_ID")
-        if env is None and cfg.num_shards > 1:
-            raise ConfigError("shard: not given and $SLURM_ARRAY_TASK_ID is unset; pass --shard I with --num-shards N")
-        shard = int(env or 0)
-    if not 0 <= shard < cfg.num_shards:
-        raise ConfigError(f"shard {shard} is outside [0, num_shards={cfg.num_shards})")
+    shard = task_index(cfg.shard, cfg.num_shards)
 
     problems = cfg.validate()  # also for configs built in code (the on-policy driver's), not only loaded ones
     if problems:

@@ -4,6 +4,7 @@
     gkd slurm generate --num-shards 8 -- --prompts data.jsonl --out runs/rollouts/v0
     gkd slurm score --num-shards 8 --array 3,5 -- ...        # only these indices
     gkd slurm resubmit --num-shards 8 -- --rollouts R --cache C --teacher T --topk 64   # only what --status lists
+    gkd slurm resubmit --stage generate --num-shards 8 -- --prompts P --out DIR       # (gkd generate --status)
     gkd slurm train --nodes 2 --gpus-per-node 8 -- --config configs/train.yaml lr=1e-4
     gkd slurm train --nproc-per-node 1 -- ...               # CPU: one process on one node
 
@@ -19,9 +20,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from pipeline.slurm.queue import SlurmError, active_indices, missing_shards, parse_array, submit
+from pipeline.slurm.arrays import array_spec, parse_array
+from pipeline.slurm.queue import SlurmError, active_indices, missing_shards, submit
 from pipeline.slurm.sbatch import SbatchOptions, array_script, train_script, write_script
-from pipeline.store.rollouts import array_spec
 
 ARRAY_STAGES = ("score", "generate")
 

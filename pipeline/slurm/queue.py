@@ -16,6 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.slurm.arrays import parse_array
+
+__all__ = ["ACTIVE", "SlurmError", "active_indices", "active_jobs", "cancel", "check_script", "missing_shards",
+           "parse_array", "submit", "task_states", "wait"]
+
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
           "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING")
 
@@ -41,15 +46,6 @@ def submit(script: Path, array: str | None = None, env: dict[str, str] | None = 
         cmd.append(f"--dependency={dependency}")
     out = _run([*cmd, str(script)], env).stdout.strip()
     return out.split(";")[0]  # "<id>" or "<id>;<cluster>"
-
-
-def parse_array(spec: str) -> list[int]:
-    """ "0-2,5,7-8" -> [0, 1, 2, 5, 7, 8]; a `%max` throttle suffix is ignored."""
-    out: list[int] = []
-    for part in spec.split("%")[0].split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return sorted(set(out))
 
 
 def task_states(job_id: str, env: dict[str, str] | None = None) -> dict[int, str]:

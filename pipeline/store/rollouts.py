@@ -13,12 +13,23 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.store.fingerprint import content_key
 from pipeline.store.fingerprint import sample_id as make_sample_id
+from pipeline.store.locks import FileLock
 from pipeline.store.schema import load_schema
-from pipeline.store.shards import ShardError, ShardInfo, complete_shards, iter_batches, read_marker, write_shard
+from pipeline.store.shards import (
+    ShardError,
+    ShardInfo,
+    WriteError,
+    complete_shards,
+    iter_batches,
+    read_marker,
+    write_shard,
+)
 
 SOURCES = ("dataset", "student")
 TOKENIZER_KEY = b"gkd.tokenizer_fingerprint"
@@ -29,21 +40,27 @@ def shard_name(prefix: str, index: int, count: int) -> str:
     return f"{prefix}-{index:05d}-of-{count:05d}"
 
 
+def shard_path(directory: str | Path, prefix: str, index: int, count: int) -> Path:
+    """The rollout shard task `index` of `count` writes into `directory` (`gkd generate`: prefix `rollouts`,
+    `gkd import`: `dataset`); its completion marker is `store.shards.marker_path` of it."""
+    return Path(directory) / f"{shard_name(prefix, index, count)}.parquet"
+
+
 def assign_shard(key: str, num_shards: int) -> int:
     """Which of `num_shards` tasks owns an item: a pure function of its key (stable under reordering)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % num_shards
 
 
-def array_spec(indices: list[int]) -> str:
-    """Task indices as sbatch `--array` syntax: [0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
-    out, i = [], 0
-    while i < len(indices):
-        j = i
-        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
-            j += 1
-        out.append(str(indices[i]) if i == j else f"{indices[i]}-{indices[j]}")
-        i = j + 1
-    return ",".join(out)
+def rollout_key(row: dict, teacher_fp: str, k: int, mode: str, *, score_prompt: bool = False) -> str | None:
+    """The content key (`fingerprint.content_key`) the score stage gives a rollout row: its x = prompt_ids +
+    completion_ids scored from P = len(prompt_ids) (1 with `score_prompt`), a privileged teacher prompt part of the
+    key; None for a row the score stage skips as empty (no completion, fewer than 2 tokens, or no context before
+    the first scored token, i.e. an empty prompt)."""
+    ids = np.asarray(row["prompt_ids"] + row["completion_ids"], dtype=np.int64)
+    first = 1 if score_prompt else len(row["prompt_ids"])
+    if len(row["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
+        return None
+    return content_key(teacher_fp, ids, first, k, mode, teacher_prompt=row.get("teacher_prompt_ids"))
 
 
 def rollout_row(
@@ -106,8 +123,6 @@ def rollout_tokenizer(path: str | Path) -> str | None:
 def shard_lock(path: str | Path, what: str):
     """The lock a generate/import task holds while it makes the rollout shard `path` (`.NAME.lock` beside it): a
     second process of the same task is refused at once, naming the first (pipeline/store/locks.py)."""
-    from pipeline.store.locks import FileLock
-    from pipeline.store.shards import WriteError
 
     path = Path(path)
     try:

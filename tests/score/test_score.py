@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from pipeline.score.run import ScoreConfig, ScoreInputError, score, status
+from pipeline.slurm.arrays import array_spec
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
-from pipeline.store.rollouts import array_spec, rollout_row, write_rollouts
+from pipeline.store.rollouts import rollout_row, write_rollouts
 from pipeline.store.shards import ShardError
 
 MAX_LEN = 96

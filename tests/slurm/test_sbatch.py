@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.slurm.arrays import array_spec
 from pipeline.slurm.queue import SlurmError, missing_shards, parse_array
 from pipeline.slurm.sbatch import SbatchOptions, array_script, train_script
-from pipeline.store.rollouts import array_spec
 
 RECORD = """#!/bin/bash
 # records its argv (and the node id it ran on) as one JSON line

@@ -1,0 +1,654 @@
+"""The train stage's library: a Megatron-Core student distilled from a teacher cache of sparse top-k logprobs (GKD).
+
+The entry (`gkd train`, `torchrun -m pipeline.train.run`) is pipeline/train/run.py: argparse + `main` over `train`.
+
+The loop is written out (torchtune recipe / Megatron pretrain_gpt style): setup -> steps -> checkpoint.
+One sample's path: cached row -> `data.ScoredLoader.micro_batch` (rolled labels, aligned teacher rows) ->
+`forward_step` (student logits) -> `loss_func` (GKD divergence + SFT CE) -> Megatron's forward-backward schedule.
+
+Normalisation: every micro-batch's loss is its SUM over active positions divided by the GLOBAL count of active
+positions of the step (all micro-batches, all data-parallel ranks), counted before the step, so the per-token loss
+does not depend on how the global batch is split. Hence `calculate_per_token_loss=True` (the schedule leaves the
+loss as returned and DDP sums gradients instead of averaging) and a finalize hook that does not rescale again.
+
+Resume: `gkd train` with the same save_dir continues from `save_dir/latest` (model, optimizer, LR scheduler, RNG,
+data position) and reproduces an uninterrupted run bit-for-bit on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipeline.assets import resolve_student
+from pipeline.config import ConfigError, to_dict
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.shards import WriteError, atomic_write_bytes
+from pipeline.train.data import ScoredLoader, resolve_sources
+from pipeline.train.families import check_trainable, read_hf_arch
+from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
+from pipeline.train.live_teacher import teacher_topk
+from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.packing import attention_mask
+
+
+@dataclass
+class TrainConfig:
+    student: str = "default"  # HF folder (llama, mistral, qwen2, qwen3; see README); "default" = the SmolLM2 6-layer student
+    cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
+    # A live teacher instead of a cache (pipeline/train/live_teacher.py): an HF folder of the student's tokenizer,
+    # run frozen in the trainer on every micro-batch of `rollouts` (rollout dirs/shards); then cache must be [].
+    teacher_live: str | None = None
+    rollouts: list[str] = field(default_factory=list)
+    teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
+    # Several teachers routed by tag (then cache must be []): {TAG: CACHE_DIR, default: CACHE_DIR}; each sample is
+    # taken from the cache of its rollout tag `teacher_tag_key` (or `default`), with an optional KD loss weight
+    # per teacher (default 1); on_unrouted: error (name the tag) | skip (count the samples in the metrics)
+    teachers: dict = field(default_factory=dict)
+    teacher_tag_key: str = "data_source"
+    teacher_weights: dict = field(default_factory=dict)
+    on_unrouted: str = "error"
+    seed: int = 1234
+    micro_batch_size: int = 8  # rows per micro-batch; with packing a token budget of micro_batch_size * seq_length
+    global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
+    seq_length: int = 512  # longer samples are truncated (tokens past it and their teacher rows dropped)
+    # Pack several samples per row of seq_length tokens, each attending only to itself (pipeline/train/packing.py);
+    # false: one sample per row, padded to the micro-batch's longest.
+    packing: bool = True
+    train_steps: int = 100
+    lr: float = 1.0e-4
+    min_lr: float = 1.0e-5
+    warmup_steps: int = 10  # linear from 0 (Megatron's convention: step 1 runs at lr 0), then cosine to min_lr
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    optimizer: str = "adam"  # adam (AdamW, betas 0.9/0.95) | sgd (momentum 0.9: an update linear in the gradient)
+    # gkd: the GKD divergence on the teacher's top-k (beta, temperature, topk_mode) at every position.
+    # opd: sampled-token on-policy distillation on student-sourced rows (pipeline/train/loss.py `opd_loss`: reads
+    # only the actual token's teacher logprob, so any k works, k = 0 included); dataset-sourced rows in the same run
+    # get the GKD loss above (refused on a k = 0 cache, which has no top-k for them).
+    loss: str = "gkd"
+    beta: float = 0.5  # 0 forward KL, 1 reverse KL, else generalised JSD
+    temperature: float = 1.0
+    topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
+    # The loss applies the output layer itself, chunk by chunk: no [tokens, vocab] logits (pipeline/train/fused_loss.py).
+    # false: Megatron's output layer makes the full logits and pipeline/train/loss.py takes them (the reference).
+    fused_loss: bool = True
+    # bf16 mixed precision (Megatron's Float16Module; fp32 main weights and grads in the optimizer; the loss in fp32
+    # within each chunk). null: on where CUDA is available, off on CPU (where it works, for tests and laptops).
+    bf16: bool | None = None
+    # Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks): CUDA only, since its
+    # checkpoint state does not load on CPU (docs/architecture.md).
+    use_distributed_optimizer: bool = False
+    sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
+    tensor_model_parallel_size: int = 1
+    # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
+    # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/attention.py.
+    attention: str = "sdpa"
+    recompute: str = "none"  # none | selective (core attention) | full (every layer): activation memory for compute
+    # LoRA (pipeline/train/lora.py): lora_rank > 0 trains adapters on the frozen student; checkpoints hold the
+    # adapter only. Dotted keys work too: lora.rank=16 lora.alpha=32 lora.targets=[qkv,proj]
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    save_dir: str = "runs/train"
+    save_interval: int = 50
+    log_dir: str | None = None  # metrics.jsonl + TensorBoard; default: save_dir
+    exit_after: int | None = None  # stop (with a checkpoint) after this many steps of this invocation (Slurm limits)
+    # Start the data at this global sample position instead of the checkpoint's, and accept a checkpoint made on
+    # other shards: the on-policy driver (pipeline/onpolicy) trains each cycle on a new data set.
+    data_position: int | None = None
+    window_rows: int = 512  # shuffle window of the loader (~2 windows of decoded rows are held in memory)
+    prefetch: int = 2  # micro-batches decoded ahead in a background thread
+    progress: bool = True  # tqdm bar on rank 0
+
+    def validate(self) -> list[str]:
+        p = []
+        for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps", "save_interval",
+                     "tensor_model_parallel_size", "window_rows"):
+            if getattr(self, name) < 1:
+                p.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        # torchrun's WORLD_SIZE is known before any process group exists: check the data-parallel split now
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        tp = max(1, self.tensor_model_parallel_size)
+        if world % tp:
+            p.append(f"tensor_model_parallel_size {tp} does not divide the {world} processes (WORLD_SIZE); launch a "
+                     f"multiple of {tp} processes or change tensor_model_parallel_size")
+        rows = max(1, self.micro_batch_size) * max(1, world // tp)
+        if self.global_batch_size % rows:
+            p.append(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                     f"{self.micro_batch_size} x data-parallel size {world // tp} (WORLD_SIZE {world} / "
+                     f"tensor_model_parallel_size {tp}) = {rows}; set global_batch_size to a multiple of {rows}, "
+                     f"e.g. {max(rows, self.global_batch_size // rows * rows)}")
+        if not 0.0 <= self.beta <= 1.0:
+            p.append("beta must be in [0, 1]")
+        if self.temperature <= 0:
+            p.append("temperature must be > 0")
+        if self.topk_mode not in ("tail", "renorm"):
+            p.append("topk_mode must be tail or renorm")
+        if self.loss not in ("gkd", "opd"):
+            p.append(f"loss must be gkd or opd, got {self.loss!r}")
+        if self.loss == "opd" and self.teacher_live is not None:
+            p.append("loss=opd reads the cached actual-token teacher logprobs; teacher_live computes a top-k only")
+        if self.attention not in ("sdpa", "local"):
+            p.append(f"attention must be sdpa or local, got {self.attention!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            p.append(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.teacher_live is not None and self.cache:
+            p.append("cache and teacher_live are mutually exclusive: a cache already holds the teacher's rows (drop "
+                     "teacher_live), or score live from rollouts (teacher_live=DIR rollouts=[DIR] cache=[])")
+        if self.teacher_live is not None and not self.rollouts:
+            p.append("teacher_live needs rollouts=[DIR ...]: the rollout shards whose tokens the live teacher scores")
+        if self.rollouts and self.teacher_live is None:
+            p.append("rollouts are read only with teacher_live=DIR; to train from a cache, score them with gkd score")
+        if self.teachers and (self.cache or self.teacher_live is not None):
+            p.append("teachers replaces cache and teacher_live: pass cache=[] with teachers={TAG: CACHE, ...}")
+        if any(not isinstance(v, str) or not v for v in self.teachers.values()):
+            p.append(f"teachers: every value must be a cache directory, got {self.teachers!r}")
+        unknown = sorted(set(self.teacher_weights) - set(self.teachers))
+        if unknown:
+            p.append(f"teacher_weights: {', '.join(unknown)} is not a key of teachers ({', '.join(self.teachers)})")
+        if any(not isinstance(w, (int, float)) or w < 0 for w in self.teacher_weights.values()):
+            p.append(f"teacher_weights must be numbers >= 0, got {self.teacher_weights!r}")
+        if self.on_unrouted not in ("error", "skip"):
+            p.append(f"on_unrouted must be error or skip, got {self.on_unrouted!r}")
+        if self.teacher_live is None and not self.cache and not self.teachers:
+            p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts, or "
+                     "teachers={TAG: CACHE})")
+        if self.teacher_live_topk < 1:
+            p.append("teacher_live_topk must be >= 1")
+        if self.optimizer not in ("adam", "sgd"):
+            p.append(f"optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.sft_alpha < 0:
+            p.append("sft_alpha must be >= 0")
+        if not 0 <= self.min_lr <= self.lr:
+            p.append("need 0 <= min_lr <= lr")
+        if self.warmup_steps < 0 or (self.warmup_steps and self.warmup_steps >= self.train_steps):
+            p.append("warmup_steps must be 0 or less than train_steps (Megatron's scheduler needs decay steps)")
+        if self.exit_after is not None and self.exit_after < 1:
+            p.append("exit_after must be >= 1")
+        if self.data_position is not None and self.data_position < 0:
+            p.append("data_position must be >= 0")
+        if self.use_distributed_optimizer and not torch.cuda.is_available():
+            p.append("use_distributed_optimizer needs CUDA (its checkpoint state does not load on CPU); set it false")
+        if self.lora_rank < 0:
+            p.append("lora_rank must be >= 0 (0: train all weights)")
+        if self.lora_rank > 0:
+            if self.lora_alpha <= 0:
+                p.append("lora_alpha must be > 0")
+            from pipeline.train.lora import resolve_targets
+
+            try:
+                resolve_targets(self.lora_targets)
+            except ValueError as e:
+                p.append(str(e))
+        return p
+
+    def precision(self) -> str:
+        """'bf16' or 'fp32' for this machine (bf16: null means on where CUDA is available)."""
+        on = torch.cuda.is_available() if self.bf16 is None else self.bf16
+        return "bf16" if on else "fp32"
+
+    def lora_spec(self):
+        """The LoRASpec of this run, or None for full fine-tuning."""
+        if self.lora_rank == 0:
+            return None
+        from pipeline.train.lora import LoRASpec, resolve_targets
+
+        return LoRASpec(self.lora_rank, self.lora_alpha, resolve_targets(self.lora_targets))
+
+
+def student_dir(cfg: TrainConfig) -> Path:
+    """The student's HF folder (`default`: the embedded 6-layer student)."""
+
+    return resolve_student(cfg.student)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _init_sgd_state(opt: torch.optim.Optimizer, config=None) -> None:
+    """Momentum buffers for every parameter (what torch's SGD creates on its first step), so a checkpoint's
+    buffers have somewhere to load into."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if group.get("momentum", 0):
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
+def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
+    """GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR scheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from pipeline.train.model import build_model, load_hf_weights
+
+    bf16 = cfg.precision() == "bf16"
+    model = build_model(hf_dir, params_dtype=torch.bfloat16 if bf16 else torch.float32, attention=cfg.attention,
+                        recompute=cfg.recompute)
+    load_hf_weights(model, hf_dir)
+    if cfg.fused_loss:
+        output_hidden_states(model)  # the loss applies the output layer (its weight stays in the model)
+    spec = cfg.lora_spec()
+    if spec is not None:
+        from pipeline.train.lora import apply_lora
+
+        apply_lora(model, spec, seed=cfg.seed)  # freezes the base: DDP and the optimizer see only the adapters
+    config = model.config
+    config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
+    # DDP sums grads over DP ranks (per-token loss); num_tokens=None: no second normalisation.
+    config.finalize_model_grads_func = lambda models, num_tokens, **kw: finalize_model_grads(models, None, **kw)
+    wrapped = model
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = Float16Module(config, model)  # bf16 inputs in, fp32 outputs out (last stage)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer), wrapped)
+    config.no_sync_func = ddp.no_sync
+    opt_config = OptimizerConfig(
+        optimizer=cfg.optimizer, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=0.9,
+        adam_beta2=0.95, adam_eps=1e-8, clip_grad=cfg.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    if cfg.optimizer == "sgd":
+        # Megatron gives SGD no init_state_fn, which loading a checkpoint calls to create the state it fills in.
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt.init_state_fn = _init_sgd_state
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=cfg.train_steps, lr_decay_style="cosine", start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_steps, wd_incr_style="constant",
+    )
+    return model, ddp, optimizer, scheduler
+
+
+def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str):
+    """The frozen teacher GPTModel of `teacher_live`, with the student's TP split and precision: HF weights,
+    eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
+    output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights."""
+    from pipeline.train.data import TokenizerMismatchError
+    from pipeline.train.model import build_model, load_hf_weights
+
+    teacher_dir = Path(cfg.teacher_live)
+    if not (teacher_dir / "config.json").exists():
+        raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
+    fp = tokenizer_fingerprint(teacher_dir)
+    if fp != student_tokenizer:
+        raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
+                                     f"{student_tokenizer}; teacher ids would index the wrong tokens")
+    dtype = torch.bfloat16 if cfg.precision() == "bf16" else torch.float32
+    teacher = build_model(teacher_dir, params_dtype=dtype, attention=cfg.attention)
+    load_hf_weights(teacher, teacher_dir)
+    output_hidden_states(teacher)
+    teacher.requires_grad_(False)
+    return teacher.eval()
+
+
+# ---------------------------------------------------------------- one micro-batch
+
+
+def _unwrap(model):
+    """The GPTModel inside DDP / Float16Module."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: int, gpt, output_tensor: torch.Tensor):
+    """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step.
+
+    `output_tensor` is the final hidden states with `fused_loss` (the loss applies the output layer itself, chunk
+    by chunk: pipeline/train/fused_loss.py), the logits otherwise. loss=opd: the student-sourced positions take the
+    sampled-token estimator instead of the GKD divergence, normalised by the same global count of all positions.
+    Routed (`teachers`): one loss call per teacher present, on its positions only (both losses gather the masked
+    rows, so the split costs no extra output-layer work), its KD term weighted by teacher_weights[name].
+
+    Report layout (summed over micro-batches and DP ranks by the loop): [KD sum, SFT sum, OPD sum, OPD KL sum,
+    weighted KD sum, then per routed teacher its KD sums, then its KD counts]."""
+    names = sorted(cfg.teachers)
+    if batch.teacher_route is None or not names:
+        loss, kd_n, t = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt, output_tensor)
+        report = torch.stack([t[0], t[1], t[2], t[3], t[0]])
+        return loss, kd_n.int(), {"sums": report}
+    dev = batch.loss_mask.device
+    loss, kd_n, per = 0.0, 0, torch.zeros(2 * len(names), dtype=torch.float64, device=dev)
+    totals = torch.zeros(4, dtype=torch.float64, device=dev)
+    weighted_kd = torch.zeros((), dtype=torch.float64, device=dev)
+    present = [i for i in range(len(names)) if bool((batch.teacher_route == i).any())] or [None]
+    for i in present:
+        mask = batch.loss_mask if i is None else batch.loss_mask & (batch.teacher_route == i)
+        w = 1.0 if i is None else float(cfg.teacher_weights.get(names[i], 1.0))
+        part, n, t = _loss_terms(batch, mask, w, counts, cfg, vocab_size, gpt, output_tensor)
+        loss, kd_n = loss + part, kd_n + n
+        totals = totals + t
+        weighted_kd = weighted_kd + w * t[0]
+        if i is not None:
+            per[i], per[len(names) + i] = t[0], float(n)
+    report = torch.cat([totals, weighted_kd.reshape(1), per])
+    return loss, torch.as_tensor(kd_n).int(), {"sums": report}
+
+
+def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_size: int, gpt, output_tensor):
+    """(loss, active count, float64 [KD sum, SFT sum, OPD sum, OPD KL sum]) of the positions in `mask` (SFT: those
+    of dataset-sourced samples; loss=opd: OPD on the student-sourced ones), KD and OPD scaled by `kd_scale` (a
+    routed teacher's weight)."""
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    sft_mask = batch.sft_mask & mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
+    kd_weight, sft_weight = kd_scale / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    kd_mask, opd_mask = mask, None
+    if cfg.loss == "opd":  # student-sourced positions: OPD; dataset-sourced ones (loss_mask & dataset): GKD
+        kd_mask, opd_mask = batch.sft_mask & mask, mask & ~batch.sft_mask
+    teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
+    opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
+    if cfg.fused_loss:
+        out = fused_gkd_loss(
+            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
+            beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
+            sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
+            opd_mask=opd_mask, teacher_actual=batch.teacher_actual, opd_weight=kd_weight,
+        )
+        loss, kd_sum, sft_sum = out.loss, out.kd_sum, out.sft_sum
+        kd_n = out.kd_count + out.opd_count
+        if opd_mask is not None:
+            opd_sum, opd_kl = out.opd_sum, out.opd_kl_sum
+    else:
+        logits = output_tensor.float()
+        # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
+        # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
+        if batch.teacher_ids.shape[-1] or bool(kd_mask.any()):
+            kd_sum, kd_n = gkd_loss(
+                logits, batch.teacher_ids, batch.teacher_logprobs, kd_mask, beta=cfg.beta,
+                temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
+            )
+        else:  # k = 0 rows (loss=opd, student-sourced only): no divergence to compute
+            kd_sum, kd_n = logits.new_zeros(()), torch.zeros((), dtype=torch.long, device=logits.device)
+        loss = kd_weight * kd_sum
+        if opd_mask is not None:
+            opd_sum, opd_n, opd_kl = opd_loss(logits, batch.labels, batch.teacher_actual, opd_mask, tp_group,
+                                              vocab_size=vocab_size)
+            loss, kd_n = loss + kd_weight * opd_sum, kd_n + opd_n
+        sft_sum = torch.zeros((), device=logits.device)
+        if sft_mask is not None:
+            sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
+            loss = loss + sft_weight * sft_sum
+    sums = torch.stack([x.detach().double() for x in (kd_sum, sft_sum, opd_sum, opd_kl)])
+    return loss, kd_n, sums
+
+
+def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
+    """The micro-batch with its teacher rows computed now by the frozen live teacher, at its loss positions: the
+    top-k and tail the score stage would have stored, unquantised (pipeline/train/live_teacher.py)."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    with torch.no_grad():
+        hidden = teacher(batch.input_ids, batch.position_ids, mask)
+        ids, lps, tail, valid = teacher_topk(
+            hidden, output_weight(teacher), batch.loss_mask, cfg.teacher_live_topk,
+            tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=teacher.hf_vocab_size,
+            student_vocab=student_vocab)
+    return dataclasses.replace(batch, teacher_ids=ids, teacher_logprobs=lps, teacher_tail=tail, teacher_valid=valid)
+
+
+def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model, teacher=None):
+    """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
+    `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
+
+    batch = next(data_iterator).to(_device())
+    # Packed rows: a block-diagonal causal mask (True = masked). Both attention backends apply an explicit mask
+    # (Megatron's unfused softmax: masked_softmax_fusion is off; SDPA: inverted); None keeps the causal default.
+    mask = attention_mask(batch.doc_ids) if batch.packed else None
+    if teacher is not None:
+        batch = score_live(teacher, batch, mask, cfg, vocab_size)
+    # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
+    out = model(batch.input_ids, batch.position_ids, mask)
+    return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))
+
+
+def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_size: int, teacher=None):
+    """One optimizer step over this rank's micro-batches `micro` (the loop's body, without data and logging; the
+    benchmarks time exactly this). Returns (global counts [KD, SFT, real tokens, *_DATA_COUNTS], per-micro-batch
+    reports, lr, grad norm)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # Global active counts of this step, known before any backward: the loss's denominators.
+    # Then what the metrics report: real tokens, positions (real + padding), samples, truncated, folded.
+    counts = torch.tensor(
+        [float(sum(int(b.loss_mask.sum()) for b in micro)),
+         float(sum(int(b.sft_mask.sum()) for b in micro)),
+         float(sum(b.tokens for b in micro)),
+         *(float(sum(getattr(b, f) for b in micro)) for f in _DATA_COUNTS)], dtype=torch.float64,
+        device=_device())
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, vocab_size, teacher=teacher),
+        data_iterator=iter(micro), model=ddp, num_microbatches=len(micro), seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size, forward_only=False,
+    )
+    lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after the step)
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=1)
+    return counts, reports, lr, grad_norm
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def check_cache_holds_loss(cfg: TrainConfig) -> None:
+    """Refuse a cache that holds less than the configured loss reads: a k = 0 cache (only the actual token's
+    teacher logprob) cannot feed the GKD divergence (loss=gkd, or the dataset-sourced rows of loss=opd)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    for path, desc in resolve_sources(cfg.cache):
+        if desc.k > 0:
+            continue
+        where = path.parent.parent
+        if cfg.loss == "gkd":
+            raise ConfigError(f"{where}: a k = 0 cache holds only the actual token's teacher logprob; loss=gkd "
+                              f"(topk_mode={cfg.topk_mode}) needs its top-k entries. Train with loss=opd, or score "
+                              "with --topk >= 1")
+        dataset = pc.sum(pc.equal(pq.read_table(path, columns=["source"]).column("source"), "dataset")).as_py()
+        if dataset:
+            raise ConfigError(f"{path}: {dataset} dataset-sourced row(s); loss=opd trains them with the GKD loss "
+                              f"(topk_mode={cfg.topk_mode}), which needs top-k entries, and this cache has k = 0. "
+                              "Score them into a top-k cache, or leave them out")
+
+# MicroBatch counters summed over a step (all ranks) for the metrics: positions = real + padding tokens.
+_DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training; returns the last step's metrics. Every rank calls it."""
+    from pipeline.train.parallel import destroy_distributed, init_distributed
+
+    hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
+    check_trainable(read_hf_arch(hf_dir), cfg.seq_length, hf_dir / "config.json")
+    init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed)
+    try:
+        return _train(cfg)
+    finally:
+        destroy_distributed()
+
+
+def _train(cfg: TrainConfig) -> dict:
+    """setup -> steps -> checkpoints, inside an initialised process group."""
+    from megatron.core import parallel_state
+    from transformers import AutoTokenizer
+
+    from pipeline.train import checkpoint
+
+    rank = dist.get_rank()
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * dp")
+    accum = cfg.global_batch_size // (cfg.micro_batch_size * dp)
+    hf_dir = student_dir(cfg)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    if cfg.teacher_live is None:
+        check_cache_holds_loss(cfg)  # before the model is built: a cache that cannot feed this loss is refused
+    model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir)
+    teacher = setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer)) if cfg.teacher_live else None
+    loader = ScoredLoader(
+        cfg.rollouts if teacher is not None else cfg.cache, micro_batch_size=cfg.micro_batch_size,
+        seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id, dp_rank=dp_rank, dp_size=dp,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
+        window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
+        live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
+        routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
+    )
+
+    step, position = 0, 0
+    save_dir = Path(cfg.save_dir)
+    resume = checkpoint.latest(save_dir)
+    if resume is not None:
+        meta = checkpoint.load(resume, model, optimizer)
+        if cfg.data_position is None and meta["data_fingerprint"] != loader.fingerprint:
+            raise data_changed(resume, meta, loader)
+        step, position = meta["step"], meta["data_position"]
+        scheduler.load_state_dict(meta["scheduler"])
+    if rank == 0:  # also with no checkpoint yet: a run killed before its first save left lines of steps it redoes
+        keep_metrics_until(Path(cfg.log_dir or cfg.save_dir) / "metrics.jsonl", step)
+    if cfg.data_position is not None:
+        position = cfg.data_position
+    log_dir = Path(cfg.log_dir or cfg.save_dir)
+    writer = metrics_file = bar = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(str(log_dir / "tb"), purge_step=step)
+        metrics_file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finally
+        bar = tqdm(total=cfg.train_steps, initial=step, disable=not cfg.progress, desc="train", dynamic_ncols=True)
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
+              f"{', LoRA ' + str(cfg.lora_spec().to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
+              f"dp={dp} tp={cfg.tensor_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
+
+    batches = loader.iter_from(position, prefetch=cfg.prefetch)
+    dp_group = parallel_state.get_data_parallel_group()
+    last: dict = {}
+    steps_this_run = 0
+    try:
+        while step < cfg.train_steps:
+            t0 = time.perf_counter()
+            micro = [next(batches) for _ in range(accum)]
+            counts, reports, lr, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size,
+                                                        teacher)
+            step += 1
+            steps_this_run += 1
+            position = micro[-1].end
+
+            sums = torch.stack([r["sums"] for r in reports]).sum(0)
+            dist.all_reduce(sums, group=dp_group)
+            jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
+            sft = (sums[1] / max(counts[1].item(), 1.0)).item()
+            opd = (sums[2] / max(counts[0].item(), 1.0)).item()
+            # loss=opd: student-sourced positions = all loss positions minus the dataset-sourced ones
+            opd_kl = (sums[3] / max(counts[0].item() - counts[1].item(), 1.0)).item()
+            kd_loss = (sums[4] / max(counts[0].item(), 1.0)).item()  # = jsd unless teacher_weights are set
+            dt = time.perf_counter() - t0
+            positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
+            last = {"step": step, "loss": kd_loss + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+                    **({"opd": opd, "opd_kl": opd_kl} if cfg.loss == "opd" else {}),
+                    "lr": lr, "grad_norm": float(grad_norm or 0.0),
+                    "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
+                    "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
+                    "samples": samples, "truncated": truncated, "folded_positions": folded,
+                    "data_position": position}
+            if cfg.teachers:  # per teacher: its mean divergence and its active positions (a sum over ranks)
+                names = sorted(cfg.teachers)
+                for i, name in enumerate(names):
+                    n = sums[5 + len(names) + i].item()  # report layout: loss_func's docstring
+                    last[f"jsd/{name}"] = sums[5 + i].item() / n if n else None
+                    last[f"active_tokens/{name}"] = int(n)
+                last["unrouted_samples"] = loader.unrouted
+            if rank == 0:
+                try:
+                    metrics_file.write(json.dumps(last) + "\n")
+                    metrics_file.flush()
+                except OSError as e:
+
+                    raise WriteError(log_dir / "metrics.jsonl", e, f"metrics of step {step} not written") from e
+                for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
+                             "padding_fraction", "samples", "truncated", "folded_positions", "opd_kl"):
+                    if name not in last:
+                        continue
+                    writer.add_scalar(f"train/{name}", last[name], step)
+                for name in [n for n in last if n.startswith(("jsd/", "active_tokens/")) and last[n] is not None]:
+                    writer.add_scalar(f"train/{name}", last[name], step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                pad=f"{last['padding_fraction']:.0%}", samples=last["samples"])
+            done = step >= cfg.train_steps or (cfg.exit_after is not None and steps_this_run >= cfg.exit_after)
+            if step % cfg.save_interval == 0 or done:
+                checkpoint.save(save_dir, step, model, optimizer, {
+                    "data_position": position, "data_fingerprint": loader.fingerprint,
+                    "data_shards": [str(s.path.resolve()) for s in loader.shards],
+                    "scheduler": scheduler.state_dict(), "config": to_dict(cfg), "student": str(hf_dir.resolve()),
+                })
+            if done:
+                break
+    finally:
+        batches.close()  # stops the prefetch thread
+        for closable in (bar, writer, metrics_file):
+            if closable is not None:
+                closable.close()
+    return last
+
+
+def data_changed(resume: Path, meta: dict, loader) -> Exception:
+    """The refusal of a resume whose caches now hold other shards than the checkpoint's run saw (a score job was
+    still filling them when the run started, or someone rescored): the data order would change under the run."""
+    from pipeline.train.checkpoint import CheckpointMismatchError
+
+    now = [str(s.path.resolve()) for s in loader.shards]
+    saved = meta.get("data_shards")
+    what = ""
+    if saved is not None:
+        added, gone = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
+        what = (f" ({len(saved)} shards then, {len(now)} now: {len(added)} added"
+                + (f", e.g. {added[0]}" if added else "") + f", {len(gone)} gone" + (f", e.g. {gone[0]}" if gone else "")
+                + ")")
+    return CheckpointMismatchError(
+        f"{resume}: this run trained on data fingerprint {meta['data_fingerprint']}, the caches now give "
+        f"{loader.fingerprint}{what}. A resumed run keeps its data set: rerun with a new save_dir to train on the "
+        "shards there are now, or pass data_position=N to continue these weights on the new data set from sample N "
+        "(a new data set, not the same run)")
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """On (re)start at `step` (0: no checkpoint yet): drop metrics.jsonl lines of later steps (written before a kill,
+    redone now), as the TensorBoard writer's purge_step does for its events, so the file holds each step once."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] = ""  # a line cut by a kill mid-write: its step is redone
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        atomic_write_bytes(path, "".join(kept).encode())
