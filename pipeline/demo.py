@@ -7,10 +7,12 @@ Like the on-policy driver this is orchestration above the stages, so it calls th
   1. import reference answers of seeded reasoning-gym problems as dataset rollouts   (gkd import)
   2. sample student rollouts with vLLM                                               (gkd generate)
   3. score everything with the teacher into one cache                                (gkd score)
-  4. train student A (Megatron-Core) from the cache, evaluating held-out KL on the way  (gkd train / gkd export)
+  4. train student A (Megatron-Core) from the cache in one run that saves every eval_every steps; each of those
+     checkpoints is exported and its held-out KL measured                             (gkd train / gkd export)
   5. train student B (another seed) from the same cache: the score stage has nothing left to do
   6. write report.json and report.png in the output folder
-Training runs in subprocesses (`python -m pipeline train`), exactly as a user would run it.
+Training runs in subprocesses (`python -m pipeline train`), exactly as a user would run it. A rerun reuses the
+rollouts and caches (steps 1-3 find their outputs complete) and trains the students afresh.
 """
 
 from __future__ import annotations
