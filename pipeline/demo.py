@@ -293,10 +293,14 @@ def run(cfg: DemoConfig) -> dict:
             "cached_step_seconds": round(cached_step, 3),
             "live_teacher_step_seconds": round(live_step, 3),
             "live_extra_seconds_per_student_run": round(extra_per_run, 1),
-            "student_runs_to_break_even": round(times["score_train"] / extra_per_run, 2) if extra_per_run > 0 else None,
+            # A rerun finds the cache complete: its score pass did no teacher work, so S was not measured
+            "student_runs_to_break_even": (round(times["score_train"] / extra_per_run, 2)
+                                           if extra_per_run > 0 and first.get("teacher_forwards") else None),
             "how": f"N* = S / ((L - C) * steps): S the score stage on the training rollouts, L and C a trainer step "
                    f"with a live teacher ({cfg.live_probe_steps}-step probe) and from the cache (student A), "
-                   f"{cfg.steps} steps per student run; all measured in this run",
+                   f"{cfg.steps} steps per student run; all measured in this run" + (
+                       "" if first.get("teacher_forwards") else " (not here: the training cache was complete before "
+                       "this run, so S was not measured; a fresh --out measures it)"),
         },
         "student_b_final_loss": metrics_b[-1]["loss"] if metrics_b else None,
     }
