@@ -52,8 +52,22 @@ def run(work: Path) -> dict:
         res["runs"][name] = {**heldout_kl(hf, p.out / "cache-eval"), "train_seconds": round(train_s, 1),
                              "bytes_per_token": stats["bytes_per_scored_token"],
                              "scored_tokens": stats["scored_tokens"]}
+    res["kept"] = kept_k(topp_cache)
     res["kl_ratio"] = res["runs"][f"topp{TOPP}"]["heldout_kl"] / res["runs"]["k64"]["heldout_kl"]
     return res
+
+
+def kept_k(cache_dir: Path) -> dict[str, float]:
+    """How many entries a top-p cache keeps per position: mean, median, the share at the cap."""
+    import numpy as np
+
+    from pipeline.store import TeacherCache
+
+    cache = TeacherCache.open(cache_dir)
+    counts = np.concatenate([b.topk.counts for b in cache.iter_batches(batch_rows=256)])
+    cap = cache.descriptor.k
+    return {"mean_k": float(counts.mean()), "median_k": float(np.median(counts)),
+            "share_at_cap": float((counts == cap).mean())}
 
 
 def markdown(r: dict) -> str:
@@ -70,8 +84,16 @@ def markdown(r: dict) -> str:
         f"{tp['heldout_kl']:.4f} nats | ≤ 1.03× |",
         f"| training cache bytes/token | {tp['bytes_per_token'] / k64['bytes_per_token']:.2f}× | "
         f"{k64['bytes_per_token']:.1f} | {tp['bytes_per_token']:.1f} | - |",
+        f"| entries kept per position | - | 64 | mean {r['kept']['mean_k']:.1f}, median {r['kept']['median_k']:.0f}, "
+        f"{100 * r['kept']['share_at_cap']:.0f} % at the cap | - |",
         f"| top-1 agreement with the teacher | - | {100 * k64['top1_agreement']:.1f} % | "
         f"{100 * tp['top1_agreement']:.1f} % | - |",
+        "",
+        f"On these rows (short arithmetic answers, a 135M teacher) the teacher's top 64 holds 99 % of its mass at "
+        f"only {100 * (1 - r['kept']['share_at_cap']):.0f} % of the positions, so the top-p cache keeps nearly "
+        "everything and the two students are nearly the same run: the ratio shows that the variable-k path "
+        "(kept counts through the loader, the loss's valid mask, held-out eval) trains like fixed k, not that "
+        "top-p saves bytes here (the score section's prose and math rows measure that).",
     ])
 
 
