@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.store import codec
@@ -64,6 +64,7 @@ def expected_counts(lps_sorted: np.ndarray, topp: float, min_k: int) -> np.ndarr
     lengths=st.lists(st.integers(0, 10), min_size=1, max_size=4),
     sharp=st.sampled_from([0.5, 3.0, 8.0]),
 )
+@example(seed=10, k=64, topp=0.3, min_frac=1.0, lengths=[10, 9], sharp=0.5)  # a float32 tie (found in CI)
 def test_top_p_round_trip(seed: int, k: int, topp: float, min_frac: float, lengths: list[int], sharp: float) -> None:
     vocab = 300
     min_k = max(1, int(round(min_frac * k)))
@@ -80,7 +81,12 @@ def test_top_p_round_trip(seed: int, k: int, topp: float, min_frac: float, lengt
     assert out.counts.dtype == np.int32 and np.array_equal(out.counts, counts)
     kept = np.arange(k) < counts[:, None]
     assert np.array_equal(out.valid(), kept)
-    np.testing.assert_array_equal(out.topk_ids[kept], by_rank[kept])
+    # The codec ranks the float32 values it is given: ids whose float64 logprobs differ but round to one float32
+    # (seen: 2 of 1,216 entries on a flat row) may come in either order. Everywhere else the ids are the ranks'.
+    got = np.take_along_axis(lp, out.topk_ids.astype(np.int64), 1).astype(np.float32).astype(np.float64)
+    swapped = kept & (out.topk_ids != by_rank)
+    np.testing.assert_array_equal(got[swapped], lps_sorted[swapped])  # only float32 ties swap
+    assert all(len(set(row[m])) == m.sum() for row, m in zip(out.topk_ids, kept, strict=True))  # no id twice
     assert np.all(out.topk_ids[~kept] == 0) and np.all(np.isneginf(out.topk_logprobs[~kept]))  # padding
     assert np.all(np.abs(out.topk_logprobs[kept] - lps_sorted[kept]) <= STEP_ERR)
     # The tail bin is the mass outside the *kept* entries, within the grid's bound in log space.
