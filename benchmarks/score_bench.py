@@ -100,7 +100,8 @@ def _baselines(raw: list[dict], vocab: int) -> dict[str, float]:
 TOPP = (0.99, 0.995)
 
 
-def _topp_stats(cache_dir: Path) -> dict[str, float]:
+def topp_stats(cache_dir: Path) -> dict[str, float]:
+    """A top-p cache's size and the entries it keeps per position (mean, median, share at the cap k)."""
     from pipeline.store import TeacherCache
 
     cache = TeacherCache.open(cache_dir)
@@ -108,7 +109,7 @@ def _topp_stats(cache_dir: Path) -> dict[str, float]:
     counts = np.concatenate([b.topk.counts for b in cache.iter_batches(batch_rows=256)])
     return {"scored_tokens": st["scored_tokens"], "bytes_per_token": st["bytes"] / st["scored_tokens"],
             "mean_k": float(counts.mean()), "median_k": float(np.median(counts)),
-            "share_at_cap": float((counts == K).mean())}
+            "share_at_cap": float((counts == cache.descriptor.k).mean())}
 
 
 def megatron_layout_bytes(ids: np.ndarray, lps: np.ndarray) -> int:
@@ -246,7 +247,7 @@ def run(work: Path | None = None, prose_tokens: int = 12_000, math_samples: int 
                 score(ScoreConfig(rollouts=str(dirs[name]), cache=str(cache_dir), teacher=str(teacher), topk=K,
                                   topp=topp, min_k=1, max_model_len=2048, batch_tokens=budget, part_rows=100_000),
                       llm=llm)
-                res["topp"][f"{name}@{topp}"] = _topp_stats(cache_dir)
+                res["topp"][f"{name}@{topp}"] = topp_stats(cache_dir)
     res["baselines_prose"] = _baselines(raw, tok.vocab_size if hasattr(tok, "vocab_size") else len(tok))
     res["megatron_layout"] = _megatron_comparison(raw, work / "megatron", len(tok))
     res["fidelity_prose"] = _fidelity(raw)

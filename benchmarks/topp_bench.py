@@ -21,8 +21,9 @@ TOPP = 0.99
 
 
 def run(work: Path) -> dict:
+    from benchmarks.score_bench import topp_stats
     from pipeline.demo import DemoConfig, prepare, train_args
-    from pipeline.engine import EngineArgs, open_engine
+    from pipeline.engine import open_engine
     from pipeline.evaluate import heldout_kl
     from pipeline.score.scorer import ScoreConfig, score
     from pipeline.store import TeacherCache
@@ -32,10 +33,7 @@ def run(work: Path) -> dict:
     p = prepare(cfg)
     topp_cache = p.out / f"cache-topp{TOPP}"
     sc = {**p.score_config, "topp": TOPP, "min_k": 1}
-    engine = EngineArgs(model=str(p.teacher), dtype="float32", max_model_len=sc["max_model_len"] + 1,
-                        kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
-                        max_num_batched_tokens=sc["batch_tokens"])
-    with open_engine(engine, max_logprobs=cfg.topk, logprobs_mode="raw_logprobs") as llm:
+    with open_engine(p.teacher_engine, max_logprobs=cfg.topk, logprobs_mode="raw_logprobs") as llm:
         score(ScoreConfig(rollouts=str(p.train_rollouts), cache=str(topp_cache), **sc), llm=llm)
     res: dict = {"steps": cfg.steps, "lr": cfg.lr, "topp": TOPP, "cap": cfg.topk, "runs": {}}
     for name, cache in (("k64", p.out / "cache"), (f"topp{TOPP}", topp_cache)):
@@ -52,22 +50,9 @@ def run(work: Path) -> dict:
         res["runs"][name] = {**heldout_kl(hf, p.out / "cache-eval"), "train_seconds": round(train_s, 1),
                              "bytes_per_token": stats["bytes_per_scored_token"],
                              "scored_tokens": stats["scored_tokens"]}
-    res["kept"] = kept_k(topp_cache)
+    res["kept"] = topp_stats(topp_cache)
     res["kl_ratio"] = res["runs"][f"topp{TOPP}"]["heldout_kl"] / res["runs"]["k64"]["heldout_kl"]
     return res
-
-
-def kept_k(cache_dir: Path) -> dict[str, float]:
-    """How many entries a top-p cache keeps per position: mean, median, the share at the cap."""
-    import numpy as np
-
-    from pipeline.store import TeacherCache
-
-    cache = TeacherCache.open(cache_dir)
-    counts = np.concatenate([b.topk.counts for b in cache.iter_batches(batch_rows=256)])
-    cap = cache.descriptor.k
-    return {"mean_k": float(counts.mean()), "median_k": float(np.median(counts)),
-            "share_at_cap": float((counts == cap).mean())}
 
 
 def markdown(r: dict) -> str:

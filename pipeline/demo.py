@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.assets import resolve_student, resolve_teacher
 from pipeline.engine import EngineArgs, open_engine
@@ -133,6 +134,9 @@ class Prepared:
     score_config: dict  # the ScoreConfig settings the caches were scored with
     first_score: dict  # what the first score of the training rollouts reported
     times: dict[str, float]
+    tokenizer: Any
+    eval_prompts: str  # the held-out prompts' source
+    teacher_engine: EngineArgs  # how the caches' teacher engine was opened (a bench scoring more rows reuses it)
 
 
 def prepare(cfg: DemoConfig) -> Prepared:
@@ -193,7 +197,7 @@ def prepare(cfg: DemoConfig) -> Prepared:
 
     return Prepared(out=out, teacher=teacher, student=student, train_rollouts=train_dir,
                     teacher_answers=Path(teacher_ans.out), answers=answers, score_config=sc, first_score=first,
-                    times=times)
+                    times=times, tokenizer=tok, eval_prompts=eval_src, teacher_engine=engine)
 
 
 def train_args(cfg: DemoConfig, student: Path, cache: Path) -> list[str]:
@@ -204,15 +208,11 @@ def train_args(cfg: DemoConfig, student: Path, cache: Path) -> list[str]:
 
 
 def run(cfg: DemoConfig) -> dict:
-    from transformers import AutoTokenizer
-
     from pipeline.train.checkpoint import step_dir  # torch: not at module top (the CLI imports this module)
 
     p = prepare(cfg)
     out, teacher, student, train_dir, times, answers = p.out, p.teacher, p.student, p.train_rollouts, p.times, p.answers
-    sc, first, log = p.score_config, p.first_score, p.out / "demo.log"
-    tok = AutoTokenizer.from_pretrained(student)
-    eval_src = f"reasoning-gym:{cfg.tasks}?size={cfg.eval_prompts}&seed=12345"
+    sc, first, log, tok, eval_src = p.score_config, p.first_score, p.out / "demo.log", p.tokenizer, p.eval_prompts
 
     # 4. student A in one training run that saves every eval_every steps, then each checkpoint exported to HF and
     # evaluated. The students are trained afresh on every demo run (the caches are what is reused), so a rerun's
@@ -227,13 +227,11 @@ def run(cfg: DemoConfig) -> dict:
               f"save_interval={cfg.eval_every}"], log)
     times["train_a"] = time.perf_counter() - t
     export_dir = out / "student-a-hf"
-    for step in range(cfg.eval_every, cfg.steps + 1, cfg.eval_every):
+    # every eval_every steps, and the last step (the report's "after") when steps is not a multiple of it
+    for step in sorted({*range(cfg.eval_every, cfg.steps + 1, cfg.eval_every), cfg.steps}):
         _sh(py + ["export", "--checkpoint", str(step_dir(out / "student-a", step)), "--out", str(export_dir)], log)
         curve.append({"step": step, **heldout_metrics(export_dir, out / "cache-eval", answers)})
         print(f"[demo] step {step}: held-out KL {curve[-1]['heldout_kl']:.3f} nats", flush=True)
-    if curve[-1]["step"] != cfg.steps:  # steps not a multiple of eval_every: the report's "after" is the last step
-        _sh(py + ["export", "--checkpoint", str(step_dir(out / "student-a", cfg.steps)), "--out", str(export_dir)], log)
-        curve.append({"step": cfg.steps, **heldout_metrics(export_dir, out / "cache-eval", answers)})
     times["train_a_with_evals"] = time.perf_counter() - t
 
     # 4b. the same training with a live teacher, a few steps: the per-step cost the cache saves (break-even's L)
