@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,7 +268,11 @@ def main() -> int:
     command_line = "python -m benchmarks.faults" + (f" --points {args.points}" if args.points != 20 else "") + (
         f" --seed {args.seed}" if args.seed else "") + (f" --only {args.only}" if args.only != "kill,tests" else "")
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    res = run(Path(tempfile.mkdtemp(prefix="gkd-faults-")), args.points, args.seed, tuple(args.only.split(",")))
+    work = Path(tempfile.mkdtemp(prefix="gkd-faults-"))
+    try:
+        res = run(work, args.points, args.seed, tuple(args.only.split(",")))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # each kill point leaves a cache and checkpoints behind
     sections = _old_sections(Path(args.out))
     sections["faults"] = _section("faults", markdown(res), res, command_line, started)
     write_benchmarks(Path(args.out), sections)

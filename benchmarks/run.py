@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,7 @@ def main() -> int:
     ap.add_argument("--loss-tokens", type=int, default=4096)
     ap.add_argument("--onpolicy-cycles", type=int, default=6, help="cycles (of 2 steps) per run in the onpolicy bench")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--keep-work", action="store_true", help="keep the temporary work folder (caches, checkpoints)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     if only - set(SECTIONS):
@@ -83,6 +85,21 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     sections = _old_sections(Path(args.out))
+    try:
+        _measure(only, args, work, sections, command, started)
+    finally:
+        # A full bench leaves several GB of caches and checkpoints; a user re-running it must not fill the disk.
+        if args.keep_work:
+            print(f"work folder kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(write_benchmarks(Path(args.out), sections))
+    return 0
+
+
+def _measure(only: set[str], args: argparse.Namespace, work: Path, sections: dict[str, str], command: str,
+             started: str) -> None:
+    """Run the chosen sections in SECTIONS order, each writing its markdown into `sections`."""
     score = None
     if "score" in only or "train" in only:
         from benchmarks import score_bench
@@ -139,8 +156,6 @@ def main() -> int:
 
         res = faults.run(work / "faults")
         sections["faults"] = _section("faults", faults.markdown(res), res, command, started)
-    print(write_benchmarks(Path(args.out), sections))
-    return 0
 
 
 def write_benchmarks(path: Path, sections: dict[str, str]) -> str:
