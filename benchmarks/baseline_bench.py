@@ -23,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.score_bench import build_rollouts
+from pipeline.assets import student_dir, teacher_dir
+from pipeline.score.scorer import ScoreConfig, score
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,10 +38,6 @@ def _train(args: list[str], save: Path) -> list[dict]:
 
 def run(work: Path, rounds: int = 2, steps: int = 4, micro_batch_size: int = 4, seq_length: int = 512) -> dict:
     from transformers import AutoTokenizer
-
-    from benchmarks.score_bench import build_rollouts
-    from pipeline.assets import student_dir, teacher_dir
-    from pipeline.score.scorer import ScoreConfig, score
 
     teacher, student = teacher_dir(), student_dir()
     dirs = build_rollouts(work / "rollouts", AutoTokenizer.from_pretrained(teacher), prose_tokens=96 * 256,

@@ -19,7 +19,6 @@ each start of vLLM or Megatron costs seconds, not minutes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -32,6 +31,12 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from benchmarks.report import Stamp, old_sections, section, write_benchmarks
+from pipeline.store import TeacherCache, read_cache
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.rollouts import iter_rollouts, rollout_row, rollout_shards, write_rollouts
+from pipeline.store.shards import verify_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tiny_models, tiny_cache: the tests' tiny random models
@@ -50,9 +55,6 @@ def setup(work: Path, rows: int = 60, train_steps: int = 12) -> dict:
     from tiny_cache import build_tiny, random_samples, score_into_cache
     from tiny_models import build_tiny_teacher
     from transformers import AutoConfig
-
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-    from pipeline.store.rollouts import rollout_row, write_rollouts
 
     teacher = build_tiny_teacher(work / "teacher", scale=30.0, max_pos=128)
     rng = np.random.default_rng(0)
@@ -92,17 +94,12 @@ def consistent(name: str, out: Path) -> list[str]:
     if not out.exists():
         return []
     if name == "score":
-        from pipeline.store import TeacherCache
-
         if not (out / "cache.json").exists():
             return []
         cache = TeacherCache.open(out)
         keys = [k for p in cache.shard_paths() for k in _keys(p)]
         return cache.verify() + (["a key twice"] if len(keys) != len(set(keys)) else [])
     if name == "generate":
-        from pipeline.store.rollouts import rollout_shards
-        from pipeline.store.shards import verify_shard
-
         return [f"{p}: {e}" for p in rollout_shards(out) for e in verify_shard(p, "rollout")]
     latest = out / "latest"
     if latest.exists() and not (out / latest.read_text() / "trainer.json").exists():
@@ -119,12 +116,8 @@ def _keys(path: Path) -> list[str]:
 def output(name: str, out: Path) -> dict:
     """The output by key, for comparison with the reference."""
     if name == "score":
-        from pipeline.store import read_cache
-
         return {s.key: (s.topk_ids.tobytes(), s.topk_logprobs.tobytes()) for s in read_cache(out)}
     if name == "generate":
-        from pipeline.store.rollouts import iter_rollouts, rollout_shards
-
         rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in iter_rollouts(rollout_shards(out)))
         return {"rows": rows, "n": len(rows)}
     step = out / (out / "latest").read_text()
@@ -257,8 +250,6 @@ def markdown(res: dict) -> str:
 
 
 def main() -> int:
-    from benchmarks.run import _old_sections, _section, write_benchmarks
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", type=int, default=20, help="kill -9 points per command")
     ap.add_argument("--seed", type=int, default=0)
@@ -267,14 +258,14 @@ def main() -> int:
     args = ap.parse_args()
     command_line = "python -m benchmarks.faults" + (f" --points {args.points}" if args.points != 20 else "") + (
         f" --seed {args.seed}" if args.seed else "") + (f" --only {args.only}" if args.only != "kill,tests" else "")
-    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = Stamp.now(command_line)
     work = Path(tempfile.mkdtemp(prefix="gkd-faults-"))
     try:
         res = run(work, args.points, args.seed, tuple(args.only.split(",")))
     finally:
         shutil.rmtree(work, ignore_errors=True)  # each kill point leaves a cache and checkpoints behind
-    sections = _old_sections(Path(args.out))
-    sections["faults"] = _section("faults", markdown(res), res, command_line, started)
+    sections = old_sections(Path(args.out))
+    sections["faults"] = section("faults", markdown(res), res, stamp)
     write_benchmarks(Path(args.out), sections)
     print(markdown(res))
     ok = all(not k["failures"] for k in res.get("kill", [])) and all(not r["failed"] for r in res.get("tests", {}).values())

@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.store import Descriptor, TeacherCache
+from pipeline.store.fingerprint import content_key, sample_id, teacher_fingerprint, tokenizer_fingerprint
+
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
@@ -53,9 +56,6 @@ def build_student(out: Path, shape: dict) -> Path:
 def build_cache(out: Path, student: Path, tokens: int, rows: int, vocab: int) -> Path:
     """`rows` samples of `tokens` tokens, the last 3/4 scored, with a random top-K teacher per position."""
     import numpy as np
-
-    from pipeline.store import Descriptor, TeacherCache
-    from pipeline.store.fingerprint import content_key, sample_id, teacher_fingerprint, tokenizer_fingerprint
 
     desc = Descriptor(teacher_fingerprint=teacher_fingerprint(student), tokenizer_fingerprint=tokenizer_fingerprint(student),
                       k=K, logprob_mode="raw_logprobs", vocab_size=vocab)

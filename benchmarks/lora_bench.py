@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.assets import student_dir
+
 
 def _size(folder: Path, pattern: str) -> int:
     return sum(f.stat().st_size for f in folder.glob(pattern))
@@ -23,7 +25,6 @@ def _size(folder: Path, pattern: str) -> int:
 def run(work: Path | None = None, rank: int = 16, rounds: int = 3) -> dict:
     import torch
 
-    from pipeline.assets import student_dir
     from pipeline.train.lora import TARGETS, LoRASpec, apply_lora, lora_state_dict
     from pipeline.train.model import build_model, export_adapter, export_hf, load_hf_weights
     from pipeline.train.parallel import destroy_distributed, init_distributed

@@ -21,6 +21,11 @@ import json
 import time
 from pathlib import Path
 
+from pipeline.evaluate import heldout_kl
+from pipeline.generate.prompts import load_prompts
+from pipeline.onpolicy.state import rollout_keys
+from pipeline.store import TeacherCache
+
 PROMPTS = "reasoning-gym:basic_arithmetic?size=128&seed=0"
 DATASET = "reasoning-gym:basic_arithmetic?size={size}&seed=1"
 HELDOUT = "reasoning-gym:basic_arithmetic?size=24&seed=2"
@@ -78,11 +83,7 @@ def run(work: Path, cycles: int = 6, spg: int = 2) -> dict:
 def _final_samples_kl(cfgs: dict, engines) -> dict:
     """Each final student samples the held-out prompts (same seed), the teacher scores both sets, and both students
     are evaluated on both: {"<student> on <whose samples>": KL}. The on-policy claim is about the diagonal."""
-    from pipeline.evaluate import heldout_kl
-    from pipeline.generate.prompts import load_prompts
     from pipeline.onpolicy.stages import Workspace, sample, score_into
-    from pipeline.onpolicy.state import rollout_keys
-    from pipeline.store import TeacherCache
 
     runs = {name: Workspace.open(cfg) for name, cfg in cfgs.items()}
     prompts = load_prompts(HELDOUT)
@@ -158,13 +159,9 @@ def run_opd(work: Path, cycles: int = 6, spg: int = 2) -> dict:
     samples (and on the other's), KL(teacher || student) per token over the top-64 + tail bins."""
     from dataclasses import replace
 
-    from pipeline.evaluate import heldout_kl
-    from pipeline.generate.prompts import load_prompts
     from pipeline.onpolicy.engines import Engines
     from pipeline.onpolicy.local import run_local as onpolicy
     from pipeline.onpolicy.stages import Workspace, sample, score_into
-    from pipeline.onpolicy.state import rollout_keys
-    from pipeline.store import TeacherCache
 
     work.mkdir(parents=True, exist_ok=True)
     engines = Engines()

@@ -9,63 +9,30 @@ because the machine is shared and noisy.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import (
+    baseline_bench,
+    faults,
+    lora_bench,
+    loss_bench,
+    onpolicy_bench,
+    score_bench,
+    topp_bench,
+    train_bench,
+)
+from benchmarks.report import SECTIONS, Stamp, old_sections, section, write_benchmarks
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, load average at start {load:.1f}"
-
-
-SECTIONS = {  # name -> heading, in file order
-    "score": "Score stage and the cache (issues: foundation, score)",
-    "served": "Served teacher vs in-process scoring (issue #19: a served teacher)",
-    "loss": "GKD loss (issue: train stage)",
-    "train": "Trainer (issue: train stage)",
-    "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
-    "baselines": "Cache vs live teacher: step time and break-even (issue: honest baselines)",
-    "onpolicy": "On-policy vs off-policy GKD (issue: on-policy)",
-    "opd": "On-policy OPD (k=0 rows) vs GKD's tail loss (k=64 rows) (issue: top-p and k=0)",
-    "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
-    "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
-}
 DEFAULT = "score,served,loss,train,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
-
-
-def _section(name: str, body: str, raw: dict, command: str, started: str) -> str:
-    return "\n".join([
-        f"<!-- bench:{name} -->", f"## {SECTIONS[name]}", "",
-        f"_Measured by `{command}` on {started}; {machine()}._", "", body, "",
-        "<details><summary>raw results</summary>", "", "```json", json.dumps(raw, indent=1, default=str), "```",
-        "</details>", f"<!-- /bench:{name} -->", "",
-    ])
-
-
-def _old_sections(path: Path) -> dict[str, str]:
-    """Sections of an existing BENCHMARKS.md, so that `--only x` replaces section x and keeps the others."""
-    text = path.read_text() if path.exists() else ""
-    found = re.findall(r"(<!-- bench:(\w+) -->.*?<!-- /bench:\2 -->\n)", text, flags=re.S)
-    return {name: block for block, name in found}
 
 
 def main() -> int:
@@ -82,92 +49,67 @@ def main() -> int:
     command = "python -m benchmarks.run" + (f" --only {args.only}" if args.only != DEFAULT else "") + (
         f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "") + (
         f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "")
+    out = Path(args.out)
+    sections = old_sections(out)
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
-    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    sections = _old_sections(Path(args.out))
+    results: dict[str, dict] = {}  # the score section's caches feed the train section
     try:
-        _measure(only, args, work, sections, command, started)
+        for name in SECTIONS:
+            if name not in only:
+                continue
+            stamp = Stamp.now(command)  # the machine's load before this section, not after it
+            res, body = _measure(name, args, work, results)
+            sections[name] = section(name, body, res, stamp)
+            write_benchmarks(out, sections)  # after each section: a later failure keeps what was measured
     finally:
         # A full bench leaves several GB of caches and checkpoints; a user re-running it must not fill the disk.
         if args.keep_work:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    print(write_benchmarks(Path(args.out), sections))
+    print(write_benchmarks(out, sections))
     return 0
 
 
-def _measure(only: set[str], args: argparse.Namespace, work: Path, sections: dict[str, str], command: str,
-             started: str) -> None:
-    """Run the chosen sections in SECTIONS order, each writing its markdown into `sections`."""
-    score = None
-    if "score" in only or "train" in only:
-        from benchmarks import score_bench
-
-        score = score_bench.run(work)
-        if "score" in only:
-            sections["score"] = _section("score", score_bench.markdown(score), score, command, started)
-    if "served" in only:
-        from benchmarks import score_bench
-
+def _measure(name: str, args: argparse.Namespace, work: Path, results: dict[str, dict]) -> tuple[dict, str]:
+    """Run one section; returns its raw results and its markdown."""
+    if name == "score" or (name == "train" and "score" not in results):
+        results["score"] = score_bench.run(work)
+    if name == "score":
+        return results["score"], score_bench.markdown(results["score"])
+    if name == "served":
         res = score_bench.served_run(work / "served")
-        sections["served"] = _section("served", score_bench.served_markdown(res), res, command, started)
-    if "loss" in only:
+        return res, score_bench.served_markdown(res)
+    if name == "loss":
         out = work / "loss.json"
+        # A process of its own: its peak-memory figures must not include the other sections' allocations.
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loss_bench.py"), "--tokens", str(args.loss_tokens),
                         "--memory-tokens", f"{args.loss_tokens},16384", "--repeats", "2", "--json", str(out)],
                        check=True, cwd=ROOT)
-        from benchmarks import loss_bench
-
         res = json.loads(out.read_text())
-        sections["loss"] = _section("loss", loss_bench.to_markdown(res), res, command, started)
-    if "train" in only:
-        from benchmarks import train_bench
-
-        res = train_bench.run(score["prose_cache"], work)
-        sections["train"] = _section("train", train_bench.markdown(res), res, command, started)
-    if "lora" in only:
-        from benchmarks import lora_bench
-
+        return res, loss_bench.to_markdown(res)
+    if name == "train":
+        res = train_bench.run(results["score"]["prose_cache"], work)
+        return res, train_bench.markdown(res)
+    if name == "lora":
         res = lora_bench.run(work / "lora")
-        sections["lora"] = _section("lora", lora_bench.markdown(res), res, command, started)
-    if "baselines" in only:
-        from benchmarks import baseline_bench
-
+        return res, lora_bench.markdown(res)
+    if name == "baselines":
         res = baseline_bench.run(work / "baselines")
-        sections["baselines"] = _section("baselines", baseline_bench.markdown(res), res, command, started)
-    if "onpolicy" in only:
-        from benchmarks import onpolicy_bench
-
+        return res, baseline_bench.markdown(res)
+    if name == "onpolicy":
         res = onpolicy_bench.run(work / "onpolicy", cycles=args.onpolicy_cycles)
-        sections["onpolicy"] = _section("onpolicy", onpolicy_bench.markdown(res), res, command, started)
-    if "opd" in only:
-        from benchmarks import onpolicy_bench
-
+        return res, onpolicy_bench.markdown(res)
+    if name == "opd":
         res = onpolicy_bench.run_opd(work / "opd", cycles=args.onpolicy_cycles)
-        sections["opd"] = _section("opd", onpolicy_bench.markdown_opd(res), res, command, started)
-    if "topp" in only:
-        from benchmarks import topp_bench
-
+        return res, onpolicy_bench.markdown_opd(res)
+    if name == "topp":
         res = topp_bench.run(work / "topp")
-        sections["topp"] = _section("topp", topp_bench.markdown(res), res, command, started)
-    if "faults" in only:
-        from benchmarks import faults
-
+        return res, topp_bench.markdown(res)
+    if name == "faults":
         res = faults.run(work / "faults")
-        sections["faults"] = _section("faults", faults.markdown(res), res, command, started)
-
-
-def write_benchmarks(path: Path, sections: dict[str, str]) -> str:
-    """Write BENCHMARKS.md from its sections (in SECTIONS order); returns the text."""
-    text = "\n".join([
-        "# Benchmarks", "",
-        "Generated by `make bench` (`python -m benchmarks.run`; `--only NAME` re-measures one section and keeps the "
-        "others). Each section names the command and machine that produced it. Do not edit by hand.", "",
-        *(sections[name] for name in SECTIONS if name in sections),
-    ])
-    path.write_text(text)
-    return text
+        return res, faults.markdown(res)
+    raise ValueError(f"no such section: {name}")
 
 
 if __name__ == "__main__":

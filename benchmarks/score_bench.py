@@ -28,6 +28,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.assets import teacher_dir
+from pipeline.engine import EngineArgs, open_engine
+from pipeline.score.scorer import ScoreConfig, extract, score, token_batches
+from pipeline.score.served import LocalServer
+from pipeline.store import Descriptor, TeacherCache, codec
+from pipeline.store.fingerprint import content_key, tokenizer_fingerprint
+from pipeline.store.rollouts import iter_rollouts, rollout_row, rollout_shards, write_rollouts
+
 K = 64
 FORTUNES = Path("/usr/share/games/fortunes")
 
@@ -53,9 +61,6 @@ def prose_text() -> tuple[str, str]:
 
 
 def build_rollouts(out: Path, tokenizer, prose_tokens: int, math_samples: int) -> dict[str, Path]:
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-    from pipeline.store.rollouts import rollout_row, write_rollouts
-
     text, source = prose_text()
     ids = tokenizer(text)["input_ids"][:prose_tokens]
     prose = [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + 1], completion_ids=ids[i + 1 : i + 256], source="dataset")
@@ -102,8 +107,6 @@ TOPP = (0.99, 0.995)
 
 def topp_stats(cache_dir: Path) -> dict[str, float]:
     """A top-p cache's size and the entries it keeps per position (mean, median, share at the cap k)."""
-    from pipeline.store import TeacherCache
-
     cache = TeacherCache.open(cache_dir)
     st = cache.stats()
     counts = np.concatenate([b.topk.counts for b in cache.iter_batches(batch_rows=256)])
@@ -127,9 +130,6 @@ def megatron_layout_bytes(ids: np.ndarray, lps: np.ndarray) -> int:
 def _megatron_comparison(raw: list[dict], work: Path, vocab: int) -> dict[str, dict]:
     """Same rows, fixed k=64: our whole shard file (every column, footer included) written by the cache vs the
     Megatron-LM layout of the top-k alone, at the first ~1k positions and at all of them."""
-    from pipeline.store import Descriptor, TeacherCache
-    from pipeline.store.fingerprint import content_key
-
     out = {}
     first_1k = int(np.searchsorted(np.cumsum([len(r["topk_ids"]) for r in raw]), 1000)) + 1
     for label, rows in (("1k", raw[:first_1k]), ("all", raw)):
@@ -149,8 +149,6 @@ def _megatron_comparison(raw: list[dict], work: Path, vocab: int) -> dict[str, d
 
 
 def _fidelity(raw: list[dict]) -> dict[str, float]:
-    from pipeline.store import codec
-
     rows = [(r["topk_ids"], r["topk_logprobs"], r["actual_ids"], r["actual_ranks"], r["actual_logprobs"]) for r in raw]
     enc = codec.encode(rows, k=K, vocab_size=1 << 16)
     table = pa.table({c: pa.array(getattr(enc, c), pa.binary()) for c in ("topk_ids", "topk_logprobs", "tail_logprobs", "actual_rank", "actual_logprobs")})
@@ -170,11 +168,6 @@ def run(work: Path | None = None, prose_tokens: int = 12_000, math_samples: int 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from pipeline.assets import teacher_dir
-    from pipeline.engine import EngineArgs, open_engine
-    from pipeline.score.scorer import ScoreConfig, extract, score, token_batches
-    from pipeline.store import TeacherCache
-
     teacher = teacher_dir()
     tok = AutoTokenizer.from_pretrained(teacher)
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="gkd-bench-"))
@@ -184,8 +177,6 @@ def run(work: Path | None = None, prose_tokens: int = 12_000, math_samples: int 
     args = EngineArgs(model=str(teacher), dtype="float32", max_model_len=2049, kv_cache_gib=1.0, max_num_batched_tokens=budget)
     with open_engine(args, max_logprobs=K, logprobs_mode="raw_logprobs") as llm:
         # --- throughput, prose rollouts, same batches for every variant ---
-        from pipeline.store.rollouts import iter_rollouts, rollout_shards
-
         rows = [{"input_ids": np.asarray(r["prompt_ids"] + r["completion_ids"], np.int64), "first_scored": len(r["prompt_ids"])}
                 for r in iter_rollouts(rollout_shards(dirs["prose"]))]
         batches = token_batches(rows, budget)
@@ -332,18 +323,11 @@ def served_run(work: Path | None = None, prose_tokens: int = 6_000, rounds: int 
     while the server scores, and the server idle while it does)."""
     from transformers import AutoTokenizer
 
-    from pipeline.assets import teacher_dir
-    from pipeline.engine import EngineArgs, open_engine
-    from pipeline.score.scorer import ScoreConfig, score
-    from pipeline.score.served import LocalServer
-
     teacher = teacher_dir()
     tok = AutoTokenizer.from_pretrained(teacher)
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="gkd-bench-served-"))
     text, source = prose_text()
     ids = tok(text)["input_ids"][:prose_tokens]
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-    from pipeline.store.rollouts import rollout_row, write_rollouts
 
     rows = [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + 1], completion_ids=ids[i + 1 : i + 256],
                         source="dataset") for i in range(0, len(ids) - 16, 256)]

@@ -17,16 +17,17 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.score_bench import topp_stats
+from pipeline.demo import DemoConfig, prepare, train_args
+from pipeline.engine import open_engine
+from pipeline.evaluate import heldout_kl
+from pipeline.score.scorer import ScoreConfig, score
+from pipeline.store import TeacherCache
+
 TOPP = 0.99
 
 
 def run(work: Path) -> dict:
-    from benchmarks.score_bench import topp_stats
-    from pipeline.demo import DemoConfig, prepare, train_args
-    from pipeline.engine import open_engine
-    from pipeline.evaluate import heldout_kl
-    from pipeline.score.scorer import ScoreConfig, score
-    from pipeline.store import TeacherCache
     from pipeline.train.checkpoint import step_dir
 
     cfg = DemoConfig(out=str(work / "demo"))

@@ -21,6 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.score_bench import prose_text
+from pipeline.assets import teacher_dir
+from pipeline.engine import EngineArgs, open_engine
+from pipeline.score.scorer import ScoreConfig, score
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.rollouts import rollout_row, write_rollouts
+
 K = 64
 
 
@@ -41,10 +48,6 @@ def _math_rows(tokenizer, tasks: tuple[str, ...], per_task: int, seed: int) -> l
 
 def build_rollouts(out: Path, tokenizer, seq_length: int = 512, seed: int = 0) -> dict[str, Path]:
     """Rollout folders `mixed` and `demo` (see the module docstring)."""
-    from benchmarks.score_bench import prose_text
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-    from pipeline.store.rollouts import rollout_row, write_rollouts
-
     rng = np.random.default_rng(seed)
     text, _ = prose_text()
     prose = tokenizer(text)["input_ids"]
@@ -75,10 +78,6 @@ def build_rollouts(out: Path, tokenizer, seq_length: int = 512, seed: int = 0) -
 def build_caches(work: Path, seq_length: int = 512) -> dict[str, Path]:
     """Score the `mixed` and `demo` rollouts with the embedded teacher (one vLLM engine) into two caches."""
     from transformers import AutoTokenizer
-
-    from pipeline.assets import teacher_dir
-    from pipeline.engine import EngineArgs, open_engine
-    from pipeline.score.scorer import ScoreConfig, score
 
     teacher = teacher_dir()
     dirs = build_rollouts(work / "train-rollouts", AutoTokenizer.from_pretrained(teacher), seq_length)

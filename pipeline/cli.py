@@ -19,6 +19,7 @@ import json
 import sys
 
 from pipeline import logs
+from pipeline.store import TeacherCache
 
 # command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
 STAGES: dict[str, tuple[str, str]] = {}
@@ -40,8 +41,6 @@ def _register_available() -> None:
 
 
 def cache_main(argv: list[str]) -> int:
-    from pipeline.store import TeacherCache
-
     parser = argparse.ArgumentParser(prog="gkd cache", description="Inspect a teacher cache.")
     sub = parser.add_subparsers(dest="action", required=True)
     p_stats = sub.add_parser("stats", help="samples, scored tokens, shards, bytes/token, k, fingerprints")

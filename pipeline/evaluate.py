@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.store import TeacherCache, read_cache
+
 
 def load_hf(model_dir: str | Path) -> Any:
     """An HF folder, or a peft adapter folder (`gkd export --adapter-only`) put on its base and merged, in fp32."""
@@ -35,7 +37,6 @@ def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None)
     compare with and is refused."""
     import torch
 
-    from pipeline.store import TeacherCache, read_cache
     from pipeline.train.loss import divergence, student_bins, teacher_bins
 
     if TeacherCache.open(cache_dir).descriptor.k == 0:

@@ -57,6 +57,7 @@ from pipeline.onpolicy.stages import (
     train_stage,
 )
 from pipeline.onpolicy.state import State, is_on_policy
+from pipeline.score.scorer import rollouts_tag, task_done, task_name
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
 from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
@@ -132,8 +133,6 @@ def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
         return [] if not on_policy else [
             i for i in range(n) if not is_complete(shard_path(folder, "rollouts", i, n), "rollout")]
     if stage == "score":
-        from pipeline.score.scorer import rollouts_tag, task_done, task_name
-
         m = cfg.slurm_score_shards
         if not on_policy:
             return []

@@ -31,14 +31,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import assets
 from pipeline.config import ConfigError
+from pipeline.engine import EngineArgs, engine_version, open_engine
+from pipeline.score.adapter import merged_teacher
+from pipeline.score.served import ServedTeacher, reconcile_probe
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
-from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards
-from pipeline.store.shards import ShardError, atomic_write_bytes, read_marker, verify_shard
+from pipeline.store.locks import FileLock
+from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards, rollout_tokenizer
+from pipeline.store.schema import check_arrow_schema
+from pipeline.store.shards import ShardError, WriteError, atomic_write_bytes, read_marker, verify_shard
 
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
 CODECS = ("rank-grid-esc", "exact-f32")
@@ -175,9 +181,6 @@ def check_engine_numerics(llm, numerics: dict[str, str]) -> None:
 def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: Path) -> None:
     """Refuse rollouts whose ids come from another tokenizer than the teacher's, or that do not say which one:
     the same vocab size with another mapping passes the vocab-range check and poisons the cache silently."""
-    from pipeline.store.rollouts import rollout_tokenizer
-    from pipeline.store.schema import check_arrow_schema
-
     other, unknown = [], []
     for p in paths:
         try:
@@ -363,8 +366,6 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
 
 def resolve_teacher(name: str | Path | None) -> Path:
     """The score stage's teacher folder (`default` / null: the embedded one, pipeline.assets), checked to be one."""
-    from pipeline import assets
-
     path = assets.resolve_teacher(name)
     if not (path / "config.json").exists():
         raise ConfigError(f"teacher: {path} is not a Hugging Face model folder (no config.json)")
@@ -435,7 +436,6 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         teacher_fp = teacher_fingerprint(teacher)
         if cfg.teacher_adapter:
             teacher_fp = adapter_fingerprint(teacher_fp, cfg.teacher_adapter)  # base weights + adapter config/weights
-        from pipeline.engine import engine_version
 
         teacher_name = str(teacher) + (f" + adapter {cfg.teacher_adapter}" if cfg.teacher_adapter else "")
         engine_name = engine_version()
@@ -545,13 +545,10 @@ def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int) -
     if llm is not None:
         yield InProcessTeacher(llm, cfg.topk)
         return
-    from pipeline.engine import EngineArgs, open_engine
 
     with contextlib.ExitStack() as stack:
         model_dir = teacher
         if cfg.teacher_adapter:
-            from pipeline.score.adapter import merged_teacher
-
             model_dir = stack.enter_context(merged_teacher(teacher, cfg.teacher_adapter, dtype=DTYPES[cfg.dtype],
                                                            parent=cfg.merge_dir))
         engine_args = EngineArgs(
@@ -572,8 +569,6 @@ def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int) -
 def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int):
     """The served teacher's engine and identity (score/served.py), checked against the server and against an
     existing cache before the cache is touched: (engine, fingerprint, probe, descriptor teacher, engine name)."""
-    from pipeline.score.served import ServedTeacher, reconcile_probe
-
     served = ServedTeacher(cfg.teacher_url, cfg.teacher_model, cfg.topk, inflight_tokens=cfg.served_inflight_tokens,
                            concurrency=cfg.served_concurrency, retries=cfg.served_retries,
                            timeout_s=cfg.served_timeout_s)
@@ -600,9 +595,6 @@ def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], co
 
 def task_lock(cache_root: Path, name: str):
     """The lock one score task holds while it runs (pipeline/store/locks.py): `tasks/<task>.lock`."""
-    from pipeline.store.locks import FileLock
-    from pipeline.store.shards import WriteError
-
     marker = task_marker(cache_root, name)
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)

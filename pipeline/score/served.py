@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.engine import on_cpu
+from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
 from pipeline.store.fingerprint import _digest
 
 PROBE_LEN = 32
@@ -119,8 +121,6 @@ def reconcile_probe(cache_root: str | Path, fingerprint: str, probe: dict) -> st
     the cache's own fingerprint when its recorded probe agrees with the server's within PROBE_TOLERANCE; this
     run's otherwise (a new cache, or one whose descriptor check will name the mismatch). Another model behind the
     same URL and name is refused here, naming both fingerprints."""
-    from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
-
     path = Path(cache_root) / DESCRIPTOR
     if not path.exists():
         return fingerprint
@@ -314,8 +314,6 @@ def server_command(model_dir: str | Path, *, name: str, max_logprobs: int, max_m
     the longest scored sequence. On CPU the KV cache size must be given and chunked prefill is off, as for the
     in-process engine (pipeline/engine.py)."""
     import sys
-
-    from pipeline.engine import on_cpu
 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", name, "--max-logprobs", str(max_logprobs), "--max-model-len", str(max_model_len),

@@ -69,7 +69,7 @@ def params(name: str = NAME, topp: float | None = None) -> dict[str, str]:
     """The codec's descriptor entry (cache.json `codec`); `name` is NAME (the default) or "exact-f32"; `topp` set:
     a variable-k (top-p) cache, which only this module's codec stores."""
     if name != NAME:
-        from pipeline.store import exact_codec
+        from pipeline.store import exact_codec  # here, not at the top: exact_codec builds on this module's row types
 
         if name != exact_codec.NAME:
             raise CodecError(f"unknown codec {name!r}: choose {NAME!r} (default, compact) or {exact_codec.NAME!r}")

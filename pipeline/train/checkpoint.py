@@ -32,6 +32,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mpu_random
 
 from pipeline.store.shards import WriteError, atomic_write_bytes, os_error_in
+from pipeline.train.lora import is_lora, load_lora_state, lora_sharded_state_dict
 
 LATEST = "latest"
 
@@ -86,8 +87,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _sharded(model, optimizer, *, is_loading: bool) -> dict:
-    from pipeline.train.lora import is_lora, lora_sharded_state_dict
-
     # A LoRA run saves the adapter only: the frozen base comes from the student folder (recorded in trainer.json).
     model_sd = lora_sharded_state_dict(model) if is_lora(model) else model.sharded_state_dict()
     out = {"model": model_sd}
@@ -109,8 +108,6 @@ def precision_of(model) -> str:
 
 def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) and `lora` added."""
-    from pipeline.train.lora import is_lora
-
     meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None, "precision": precision_of(model),
             "student_arch": arch_of(model)}
     final = step_dir(save_dir, step)
@@ -151,8 +148,6 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
     """Load model (and optimizer, if given) in place from `ckpt`; restore this rank's RNG; return the meta."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
-    from pipeline.train.lora import is_lora, load_lora_state
-
     saved_lora, own_lora = meta.get("lora"), model.lora_spec.to_json() if is_lora(model) else None
     if saved_lora != own_lora:
         raise CheckpointMismatchError(f"{ckpt}: checkpoint LoRA settings {saved_lora} differ from this model's {own_lora} "

@@ -64,6 +64,7 @@ import pyarrow.parquet as pq
 
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, Decoder, open_decoder
+from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
 from pipeline.store.shards import ShardError, verify_shard
 from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
 from pipeline.train.packing import pack, row_offsets
@@ -111,8 +112,6 @@ def resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descripto
 def _resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str | None) -> list[tuple[Path, None]]:
     """Rollout directories (all complete shards) or shard files, for a live teacher; each must record the student's
     tokenizer (a rollout tokenized by another one would be trained on the wrong tokens)."""
-    from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
-
     out: list[tuple[Path, None]] = []
     for src in map(Path, sources):
         if not src.exists():

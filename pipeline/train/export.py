@@ -18,6 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipeline.store.shards import ShardError
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"}
 
 
@@ -81,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                         help="weights dtype of the HF folder (default: the student's config.json dtype)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    from pipeline.store.shards import ShardError
 
     try:
         out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only, dtype=args.dtype)

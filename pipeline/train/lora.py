@@ -41,6 +41,8 @@ from megatron.core.tensor_parallel import (
     set_tensor_model_parallel_attributes,
 )
 
+from pipeline.store.shards import staged_dir
+
 Tensor = torch.Tensor
 
 COLUMN = ("linear_qkv", "linear_fc1")
@@ -296,8 +298,6 @@ def peft_config(spec: LoRASpec, base_model: str) -> dict:
 def write_peft_folder(tensors: dict[str, Tensor], spec: LoRASpec, base_model: str, out: Path) -> None:
     """adapter_model.safetensors + adapter_config.json, appearing atomically at `out` (replacing an older one)."""
     from safetensors.torch import save_file
-
-    from pipeline.store.shards import staged_dir
 
     with staged_dir(out) as partial:
         save_file(tensors, str(partial / "adapter_model.safetensors"), {"format": "pt"})

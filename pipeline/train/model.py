@@ -41,7 +41,11 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.store.shards import staged_dir
+from pipeline.train.attention import layer_spec
 from pipeline.train.families import HFArch, check_trainable, llama3_inv_freq, read_hf_arch
+from pipeline.train.lora import merge_into, to_peft, write_peft_folder
+from pipeline.train.recompute import keep_inputs_differentiable, recompute_options
 
 __all__ = ["HFArch", "build_model", "check_trainable", "export_adapter", "export_hf", "gather_shards",
            "hf_to_megatron_state_dict", "load_hf_weights", "megatron_to_hf_state_dict", "padded_vocab", "read_hf_arch",
@@ -66,9 +70,6 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
     activation recompute, see recompute.py. Needs `init_distributed` first. Sets `model.hf_arch` and
     `model.hf_vocab_size` for the loader/exporter/loss.
     """
-    from pipeline.train.attention import layer_spec
-    from pipeline.train.recompute import keep_inputs_differentiable, recompute_options
-
     layer_spec(attention)  # bad names fail before any work
     recompute_kw = recompute_options(recompute)
     arch = read_hf_arch(hf_dir)
@@ -290,8 +291,6 @@ def export_hf(model: GPTModel, src_hf_dir: str | Path, out_dir: str | Path, dtyp
     `<out_dir>.partial`, then renamed), replacing an older export, so a sampler polling for new weights never
     reads a half-written checkpoint.
     """
-    from pipeline.train.lora import merge_into
-
     shards = gather_shards(model)
     if shards is not None:
         spec = getattr(model, "lora_spec", None)
@@ -307,8 +306,6 @@ def export_hf(model: GPTModel, src_hf_dir: str | Path, out_dir: str | Path, dtyp
 def export_adapter(model: GPTModel, base_model: str | Path, out_dir: str | Path) -> None:
     """Write a LoRA model's adapter in peft's format (adapter_config.json + adapter_model.safetensors, HF module
     names) for peft's `PeftModel.from_pretrained` and vLLM's `LoRARequest`. Collective, atomic, like export_hf."""
-    from pipeline.train.lora import to_peft, write_peft_folder
-
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise ValueError("export_adapter: the model has no LoRA adapter (train with lora_rank > 0)")
@@ -320,8 +317,6 @@ def export_adapter(model: GPTModel, base_model: str | Path, out_dir: str | Path)
 
 
 def _write_hf_folder(tensors: dict[str, Tensor], src: Path, out: Path) -> None:
-    from pipeline.store.shards import staged_dir
-
     with staged_dir(out) as partial:  # a failed write (full disk) leaves neither a partial folder nor a broken `out`
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "model.safetensors"), {"format": "pt"})
         config = json.loads((src / "config.json").read_text())
