@@ -36,9 +36,9 @@ def _config(work: Path, name: str, lmbda: float, cycles: int, spg: int, samples:
 
     values = {
         "out": str(work / name), "cache": str(work / "cache"), "num_cycles": cycles, "steps_per_generation": spg,
-        "lmbda": lmbda, "prompts": PROMPTS, "prompts_per_cycle": 8, "n": 2, "max_tokens": 64,
-        "heldout_prompts": HELDOUT, "heldout_n": 2, "micro_batch_size": 4, "global_batch_size": 8, "lr": 3.0e-4,
-        "min_lr": 3.0e-5, "warmup_steps": 1, "progress": False,
+        "lmbda": lmbda, "prompts": PROMPTS, "prompts_per_cycle": 8, "generate.n": 2, "generate.max_tokens": 64,
+        "heldout_prompts": HELDOUT, "heldout_n": 2, "train.micro_batch_size": 4, "train.global_batch_size": 8,
+        "train.lr": 3.0e-4, "train.min_lr": 3.0e-5, "train.warmup_steps": 1, "progress": False,
     }
     if lmbda < 1:
         values |= {"offpolicy_cache": str(work / "offpolicy-cache"), "offpolicy_dataset": DATASET.format(size=samples)}
@@ -147,8 +147,8 @@ def _change(new: float, old: float) -> str:
 
 
 OPD_RUNS = {  # name -> the run's own settings; everything else as in _config
-    "tail-k64": {"loss": "gkd", "topk": 64},
-    "opd-k0": {"loss": "opd", "topk": 0, "heldout_prompts": None},  # k=0 rows hold no distribution to score a KL on
+    "tail-k64": {"train.loss": "gkd", "score.topk": 64},
+    "opd-k0": {"train.loss": "opd", "score.topk": 0, "heldout_prompts": None},  # k=0 rows hold no distribution to score a KL on
 }
 
 

@@ -4,6 +4,9 @@ A stage declares its config as a dataclass; `load_config(Cls, path, overrides)` 
 dataclass defaults when no path is given), applies `key=value` overrides parsed as YAML scalars/lists, and reports
 *every* problem at once: unknown keys, wrong types, and the dataclass's own `validate()` messages.
 
+A mapping-typed field is a section of its own (the on-policy driver's `generate:`, `score:`, `train:`): overrides
+merge into it key by key (`train.lr=1e-5`).
+
 A recipe (configs/recipes/) is one YAML file for several stages: its top-level keys are stage names (`SECTIONS`),
 each holding that stage's flat config, and `load_config(..., section="train")` reads the one section.
 """
@@ -79,6 +82,19 @@ def _flatten(data: dict[str, Any], fields: set[str]) -> dict[str, Any]:
     return out
 
 
+def _merge(data: dict[str, Any], overrides: dict[str, Any], mappings: set[str]) -> None:
+    """Apply overrides to the file's values. A mapping-typed field (a section such as the on-policy driver's
+    `train:`) is merged key by key, from `train.lr=1e-5` or `train={lr: 1e-5}`; every other key is replaced."""
+    for k, v in overrides.items():
+        section, dot, rest = k.partition(".")
+        if dot and section in mappings:
+            data[section] = {**(data.get(section) or {}), rest: v}
+        elif k in mappings and isinstance(v, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **v}
+        else:
+            data[k] = v
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | dict | None = None,
                 section: str | None = None) -> T:
     """Build `cls` from a YAML file (optional) and overrides; raise ConfigError listing every problem. With
@@ -102,10 +118,10 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
                                   "mapping for this stage")
             loaded, where = loaded[section], f"{path} [{section}]"
         data.update(loaded)
-    data.update(parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {}))
-
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
+    mappings = {k for k in fields if hints[k] is dict or typing.get_origin(hints[k]) is dict}
+    _merge(data, parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides or {}), mappings)
     data = _flatten(data, fields)
     for k, v in data.items():  # PyYAML follows YAML 1.1, which reads 1e-3 (no dot) as a string
         if k in fields and isinstance(v, str) and (hints[k] is float or float in typing.get_args(hints[k])):
@@ -113,7 +129,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
                 data[k] = float(v)
             except ValueError:
                 pass
-    problems = [f"unknown key {k!r} (known: {', '.join(sorted(fields))})" for k in data if k not in fields]
+    hint = getattr(cls, "key_hint", lambda key: None)
+    problems = [f"unknown key {k!r} ({hint(k) or 'known: ' + ', '.join(sorted(fields))})" for k in data if k not in fields]
     problems += [e for k, v in data.items() if k in fields and (e := _check_type(k, v, hints[k])) is not None]
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))

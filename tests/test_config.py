@@ -64,8 +64,9 @@ def test_every_shipped_recipe_loads_and_its_sections_agree():
         train = load_config(TrainConfig, path, section="train")
         onpolicy = load_onpolicy(path, [])
         assert score.cache in train.cache and onpolicy.offpolicy_cache == score.cache, path
-        assert score.topk == onpolicy.topk and score.dtype == onpolicy.dtype != "auto", path
-        assert train.seq_length <= score.max_model_len and onpolicy.seq_length <= onpolicy.max_model_len, path
+        op_score, op_train = onpolicy.score_settings, onpolicy.train_settings
+        assert score.topk == op_score.topk and score.dtype == op_score.dtype != "auto", path
+        assert train.seq_length <= score.max_model_len and op_train.seq_length <= op_score.max_model_len, path
         assert "/models/" in score.teacher and "/models/" in train.student == onpolicy.student, path  # placeholders
 
 

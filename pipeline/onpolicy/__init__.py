@@ -1,6 +1,6 @@
 """On-policy GKD: `gkd onpolicy [--config configs/onpolicy.yaml] [key=value ...]` (= make onpolicy).
 
-    config.py   the flat config, and the generate/score/train stage configs derived from it
+    config.py   the driver's settings + generate:/score:/train: sections (each stage's own keys), the stage configs
     state.py    state.json (resumable state machine), the lmbda draw, per-cycle views of the cache
     engines.py  sampler/teacher engines kept across cycles, weight sync, held-out KL
     stages.py   one cycle's stages as plain functions (setup, export, generate, score, train, eval), state records

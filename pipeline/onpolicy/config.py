@@ -1,9 +1,20 @@
-"""The on-policy driver's flat config, and the stage configs derived from it (one place maps knobs to stages)."""
+"""The on-policy driver's config: its own settings, plus each stage's settings under the stage's own names.
+
+    gkd onpolicy num_cycles=8 score.topk=64 train.lr=1e-5 generate.max_tokens=128
+
+`generate:`, `score:` and `train:` hold GenerateConfig / ScoreConfig / TrainConfig keys; each is loaded and validated
+by that stage's own loader when this config loads, so a bad `score.topk` fails before the first cycle. The stage
+configs of a cycle are built here (`generate_config`, `score_config`, `train_config`): the one place that maps the
+run onto its stages.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import shlex
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import ConfigError, load_config
 from pipeline.generate.sampler import GenerateConfig
@@ -13,6 +24,31 @@ from pipeline.train.trainer import TrainConfig
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
 EXECUTORS = ("local", "slurm")
 WEIGHT_SYNCS = ("reload", "restart")
+STAGE_CLASSES = {"generate": GenerateConfig, "score": ScoreConfig, "train": TrainConfig}
+# Where an on-policy run starts from other values than the stage's own defaults, and why: short samples
+# (max_tokens 64, sequences of 512 tokens), both vLLM engines beside the trainer in one process (small KV caches,
+# eager mode: no graph capture per cycle), the deterministic fp32 sampler, and small batches (a cycle is a few steps).
+STAGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "generate": {"n": 2, "max_tokens": 64, "dtype": "float32", "max_model_len": 512, "kv_cache_gib": 0.5,
+                 "enforce_eager": True},
+    "score": {"topk": 16, "max_model_len": 512, "kv_cache_gib": 0.5, "enforce_eager": True},
+    "train": {"micro_batch_size": 4, "global_batch_size": 8, "warmup_steps": 1},
+}
+# Stage keys the driver sets itself, per cycle or per task, with where each comes from: a stage section naming one
+# is refused at load (it would be overwritten silently otherwise).
+DRIVER_SET: dict[str, dict[str, str]] = {
+    "generate": {"prompts": "prompts", "teacher_prompt_field": "teacher_prompt_field", "student": "student",
+                 "out": "out (OUT/rollouts/<cycle>)", "shard": "the task", "num_shards": "slurm_generate_shards",
+                 "seed": "generate_seed / seed + cycle", "policy_version": "the trainer step",
+                 "on_bad_prompt": "always skip (a cycle does not stop on one bad prompt)"},
+    "score": {"rollouts": "the cycle's rollouts", "cache": "cache / offpolicy_cache", "teacher": "teacher",
+              "shard": "the task", "num_shards": "slurm_score_shards",
+              "on_overlong": "always skip (a cycle does not stop on one overlong sample)"},
+    "train": {"student": "student", "cache": "the cycle's view", "seed": "seed", "train_steps":
+              "num_cycles x steps_per_generation", "save_dir": "out (OUT/train)", "save_interval":
+              "steps_per_generation", "exit_after": "the cycle's end", "data_position": "the cycle's view",
+              "progress": "progress"},
+}
 
 
 @dataclass
@@ -27,16 +63,12 @@ class OnPolicyConfig:
     steps_per_generation: int = 2
     lmbda: float = 0.5  # probability that a cycle is on-policy, drawn from random.Random(seed + step)
     seed: int = 1234  # lmbda draws, trainer seed, sampling seeds
-    # -- on-policy sampling
+    # -- on-policy sampling (the sampling settings themselves are generate's: `generate:` below)
     prompts: str = "reasoning-gym:basic_arithmetic?size=64&seed=0"
     # OPSD: a text/chat field of `prompts` the teacher sees instead of the prompt (the student samples from its
     # prompt, the teacher scores teacher prompt + completion); null: the teacher sees the student's prompt
     teacher_prompt_field: str | None = None
     prompts_per_cycle: int = 8  # cycle c samples prompts [c*ppc, (c+1)*ppc) of the source, wrapping around
-    n: int = 2
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
     generate_seed: int | None = None  # null: seed + cycle (fresh samples each cycle); a number: that seed always
     weight_sync: str = "reload"  # reload: in-place into the running sampler; restart: a fresh engine per cycle
     # -- off-policy data: an existing cache, or built once from a dataset's reference responses
@@ -45,34 +77,12 @@ class OnPolicyConfig:
     # -- held-out KL(teacher || student) on student samples (generated once by the initial student, scored)
     heldout_prompts: str | None = None
     heldout_n: int = 1
-    # -- teacher / engines
-    topk: int = 16  # 0: only the sampled tokens' teacher logprobs (loss=opd; no held-out KL then)
-    topp: float | None = None  # variable k (score stage `topp`/`min_k`, topk the cap); null: fixed k
-    min_k: int | None = None
-    dtype: str = "float32"
-    max_model_len: int = 512
-    kv_cache_gib: float = 0.5
-    enforce_eager: bool = True
-    batch_tokens: int = 8192
-    # -- trainer
-    micro_batch_size: int = 4
-    global_batch_size: int = 8
-    seq_length: int = 512
-    lr: float = 1.0e-4
-    min_lr: float = 1.0e-5
-    warmup_steps: int = 1
-    clip_grad: float = 1.0
-    beta: float = 0.5
-    kd_temperature: float = 1.0
-    topk_mode: str = "tail"
-    loss: str = "gkd"  # gkd | opd: the trainer's loss (TrainConfig.loss; opd = sampled-token on-policy distillation)
-    sft_alpha: float = 0.0
-    train_extra: dict = field(default_factory=dict)  # any other TrainConfig key, e.g. {window_rows: 1024}
-    # -- LoRA student: lora_rank > 0 trains adapters on the frozen student, and each cycle ships only the adapter
-    # to the sampler (peft folder + a new LoRARequest) instead of reloading full weights
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    # -- the stages' own settings under their own names and validation (GenerateConfig, ScoreConfig, TrainConfig),
+    # over STAGE_DEFAULTS; e.g. `score: {topk: 64}` or `train.lr=1e-5`. Keys the driver sets itself (DRIVER_SET)
+    # are refused.
+    generate: dict = field(default_factory=dict)
+    score: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
     # -- executor=slurm: each cycle's stages as dependent jobs (pipeline/onpolicy/slurm.py); sbatch options apply
     # to every job (export, generate and score tasks, train); null leaves the cluster's default
     slurm_partition: str | None = None
@@ -98,29 +108,40 @@ class OnPolicyConfig:
             p.append(f"weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
         if not 0.0 <= self.lmbda <= 1.0:
             p.append("lmbda must be in [0, 1]")
-        for name in ("num_cycles", "steps_per_generation", "prompts_per_cycle", "n", "max_tokens", "heldout_n"):
+        for name in ("num_cycles", "steps_per_generation", "prompts_per_cycle", "heldout_n"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1")
         if self.lmbda < 1.0 and not (self.offpolicy_cache or self.offpolicy_dataset):
             p.append("lmbda < 1 needs off-policy data: offpolicy_cache (an existing cache) and/or offpolicy_dataset")
         if self.offpolicy_dataset and not self.offpolicy_cache:
             p.append("offpolicy_dataset needs offpolicy_cache: the directory it is scored into")
-        if self.topk == 0 and self.loss != "opd":
-            p.append("topk=0 stores no teacher top-k: only loss=opd can train from it")
-        if self.topk == 0 and self.heldout_prompts:
-            p.append("topk=0: the held-out KL needs the teacher's top-k; set heldout_prompts: null (or topk >= 1)")
-        if self.max_tokens >= self.max_model_len:
-            p.append("max_tokens must be < max_model_len (the prompt needs room)")
         p += self._slurm_problems()
         if self.stop_after is not None:
             cycle, _, stage = self.stop_after.partition(":")
             if not cycle.isdigit() or stage not in STAGES:
                 p.append(f"stop_after: 'CYCLE:STAGE' with STAGE in {STAGES}, got {self.stop_after!r}")
-        return p + self._stage_problems()
+        stage_problems = self._stage_problems()
+        if stage_problems:
+            return p + stage_problems
+        gen, sc, tr = self.generate_settings, self.score_settings, self.train_settings
+        if sc.topk == 0 and tr.loss != "opd":
+            p.append("score.topk=0 stores no teacher top-k: only train.loss=opd can train from it")
+        if sc.topk == 0 and self.heldout_prompts:
+            p.append("score.topk=0: the held-out KL needs the teacher's top-k; set heldout_prompts: null (or topk >= 1)")
+        if gen.max_model_len is not None and gen.max_tokens >= gen.max_model_len:
+            p.append("generate.max_tokens must be < generate.max_model_len (the prompt needs room)")
+        return p
+
+    @classmethod
+    def key_hint(cls, key: str) -> str | None:
+        """For an unknown top-level key: the stage section it belongs in (pipeline.config reports it)."""
+        name = key.removeprefix("kd_")  # the old flat name of train.temperature
+        stages = ["train"] if key != name else [s for s, c in STAGE_CLASSES.items() if name in {f.name for f in fields(c)}]
+        if not stages:
+            return None
+        return f"a stage setting goes under its stage: {' or '.join(f'{s}.{name}' for s in stages)}"
 
     def _slurm_problems(self) -> list[str]:
-        import shlex
-
         p = []
         for name in ("slurm_generate_shards", "slurm_score_shards"):
             if getattr(self, name) < 1:
@@ -148,12 +169,38 @@ class OnPolicyConfig:
         return p
 
     def _stage_problems(self) -> list[str]:
-        """Build every stage config once, so a bad value is reported at load, not cycles later."""
-        try:
-            self.train_config(Path("."), [self.cache], self.steps_per_generation, None)
-        except (ConfigError, TypeError) as e:
-            return [f"trainer: {e}"]
-        return [f"scorer: {e}" for e in self.score_config(Path("."), self.cache).validate()]
+        """Each stage section through its stage's own loader and validation, so a bad value fails at load."""
+        p = []
+        for stage in STAGE_CLASSES:
+            section = getattr(self, stage)
+            owned = sorted(k for k in section if k.replace(".", "_") in DRIVER_SET[stage])
+            if owned:
+                p += [f"{stage}.{k} is set by the on-policy driver (from {DRIVER_SET[stage][k.replace('.', '_')]}); "
+                      "remove it" for k in owned]
+                continue
+            try:
+                getattr(self, f"{stage}_settings")
+            except ConfigError as e:
+                p.append(f"{stage}: {str(e).removeprefix('defaults: ')}")
+        return p
+
+    def stage_values(self, stage: str) -> dict[str, Any]:
+        """A stage's settings for this run: STAGE_DEFAULTS under the run's own section."""
+        return {**STAGE_DEFAULTS[stage], **getattr(self, stage)}
+
+    # The stage settings the driver reads itself (the sampler's LoRA rank, the teacher's k, ...), as typed stage
+    # configs; the paths, seeds and shards in them are placeholders the cycle's config replaces.
+    @functools.cached_property
+    def generate_settings(self) -> GenerateConfig:
+        return self.generate_config(Path(self.out), self.student, 0, self.seed)
+
+    @functools.cached_property
+    def score_settings(self) -> ScoreConfig:
+        return self.score_config(Path(self.out), self.cache)
+
+    @functools.cached_property
+    def train_settings(self) -> TrainConfig:
+        return self.train_config(Path(self.out) / "train", [self.cache], self.steps_per_generation, None)
 
     @property
     def total_steps(self) -> int:
@@ -161,37 +208,24 @@ class OnPolicyConfig:
 
     # -- stage configs ----------------------------------------------------------------------------------------
     def generate_config(self, out: Path, student: str, policy_version: int, seed: int) -> GenerateConfig:
-        return GenerateConfig(
-            prompts=self.prompts, teacher_prompt_field=self.teacher_prompt_field, student=student, out=str(out),
-            num_shards=1, shard=0, n=self.n,
-            temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, seed=seed,
-            policy_version=policy_version, on_bad_prompt="skip", dtype=self.dtype, max_model_len=self.max_model_len,
-            kv_cache_gib=self.kv_cache_gib, enforce_eager=self.enforce_eager,
-        )
+        return load_config(GenerateConfig, None, {
+            **self.stage_values("generate"), "prompts": self.prompts, "teacher_prompt_field": self.teacher_prompt_field,
+            "student": student, "out": str(out), "num_shards": 1, "shard": 0, "seed": seed,
+            "policy_version": policy_version, "on_bad_prompt": "skip"})
 
     def score_config(self, rollouts: Path, cache: str) -> ScoreConfig:
-        return ScoreConfig(
-            rollouts=str(rollouts), cache=cache, teacher=self.teacher, topk=self.topk, topp=self.topp,
-            min_k=self.min_k, shard=0, num_shards=1,
-            on_overlong="skip", dtype=self.dtype, max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
-            enforce_eager=self.enforce_eager, batch_tokens=self.batch_tokens,
-        )
+        return load_config(ScoreConfig, None, {
+            **self.stage_values("score"), "rollouts": str(rollouts), "cache": cache, "teacher": self.teacher,
+            "shard": 0, "num_shards": 1, "on_overlong": "skip"})
 
     def train_config(self, save_dir: Path, sources: list[str], exit_after: int | None,
                      data_position: int | None) -> TrainConfig:
         """The trainer of the whole run: train_steps is the run's total (so the LR schedule is that of one long
         run), and each cycle stops after its steps_per_generation with `exit_after` (a checkpoint at each end)."""
-        values = {
-            "student": self.student, "cache": list(sources), "seed": self.seed,
-            "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size,
-            "seq_length": self.seq_length, "train_steps": self.total_steps, "lr": self.lr, "min_lr": self.min_lr,
-            "warmup_steps": self.warmup_steps, "clip_grad": self.clip_grad, "beta": self.beta,
-            "temperature": self.kd_temperature, "topk_mode": self.topk_mode, "loss": self.loss, "sft_alpha": self.sft_alpha,
-            "save_dir": str(save_dir), "save_interval": self.steps_per_generation, "exit_after": exit_after,
-            "data_position": data_position, "progress": False, "lora_rank": self.lora_rank,
-            "lora_alpha": self.lora_alpha, "lora_targets": list(self.lora_targets), **self.train_extra,
-        }
-        return load_config(TrainConfig, None, values)
+        return load_config(TrainConfig, None, {
+            **self.stage_values("train"), "student": self.student, "cache": list(sources), "seed": self.seed,
+            "train_steps": self.total_steps, "save_dir": str(save_dir), "save_interval": self.steps_per_generation,
+            "exit_after": exit_after, "data_position": data_position, "progress": False})
 
 
 def load(path: str | Path | None, overrides: list[str]) -> OnPolicyConfig:

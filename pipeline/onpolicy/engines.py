@@ -12,7 +12,7 @@ layers it loads, but a *tied* lm_head (SmolLM2) receives no weight of its own an
 packed embedding (logprobs off by up to 0.6 nat). `_repack_tied_lm_head` re-packs it; the test suite checks reload
 against a fresh engine on a tied model.
 
-LoRA students (`lora_rank > 0`): the sampler holds the frozen base with `enable_lora`, and each policy version is a
+LoRA students (`train.lora_rank > 0`): the sampler holds the frozen base with `enable_lora`, and each policy version is a
 peft adapter folder (`gkd export --adapter-only`, ~4 MB for the default student at rank 16 instead of 198 MB),
 registered under a new LoRARequest id (vLLM caches adapters by id) and the previous one dropped. Nothing is
 reloaded into the base weights.
@@ -28,6 +28,7 @@ from typing import Any
 from pipeline.engine import EngineArgs, open_engine, shutdown
 from pipeline.generate.sampler import engine_args, lora_rank_limit
 from pipeline.onpolicy.config import OnPolicyConfig
+from pipeline.score.scorer import engine_length, open_teacher_engine, teacher_engine_args
 
 
 def _repack_tied_lm_head(worker: Any) -> None:
@@ -71,7 +72,7 @@ class Engines:
         """The sampler for the student weights in `model_dir` (an HF folder, or a peft adapter folder over the base
         student); returns it, the seconds the weight sync took, and the LoRARequest to generate with (or None)."""
         adapter = (Path(model_dir) / "adapter_config.json").exists()
-        if adapter or cfg.lora_rank > 0:
+        if adapter or cfg.train_settings.lora_rank > 0:
             return self._student_lora(cfg, Path(model_dir), adapter)
         return (*self._student_full(cfg, model_dir), None)
 
@@ -80,7 +81,7 @@ class Engines:
 
         base = Path(json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]) \
             if adapter else model_dir
-        rank = lora_rank_limit(cfg.lora_rank)
+        rank = lora_rank_limit(cfg.train_settings.lora_rank)
         t0 = time.perf_counter()
         if self.sampler is None or self.sampler_weights != _weights_id(base) or self.sampler_lora_rank < rank:
             self._open_sampler(cfg, base, lora_rank=rank)
@@ -127,19 +128,18 @@ class Engines:
         return self.sampler, time.perf_counter() - t0
 
     def scorer(self, cfg: OnPolicyConfig, teacher: Path) -> Any:
-        """The teacher engine, opened as `gkd score` would open it (so `score(cfg, llm=...)` gives the same rows)."""
+        """The teacher engine, opened by the score stage's own rule (so `score(cfg, llm=...)` gives the rows `gkd
+        score` would)."""
         from transformers import AutoConfig
 
-        max_pos = getattr(AutoConfig.from_pretrained(teacher), "max_position_embeddings", None) or cfg.max_model_len + 1
-        engine_len = min(cfg.max_model_len + 1, int(max_pos))
-        key = (str(teacher), cfg.topk, engine_len, cfg.dtype)
+        scfg = cfg.score_settings
+        engine_len = engine_length(scfg, AutoConfig.from_pretrained(teacher))
+        key = (teacher_engine_args(scfg, teacher, engine_len), scfg.topk, scfg.logprob_mode)
         if self.teacher is not None and self.teacher_key == key:
             return self.teacher
         if self.teacher is not None:
             shutdown(self.teacher)
-        args = EngineArgs(model=str(teacher), dtype=cfg.dtype, max_model_len=engine_len, kv_cache_gib=cfg.kv_cache_gib,
-                          max_num_batched_tokens=max(cfg.batch_tokens, engine_len), enforce_eager=cfg.enforce_eager)
-        self.teacher = _open(args, self._stack, max_logprobs=cfg.topk, logprobs_mode="raw_logprobs")
+        self.teacher = self._stack.enter_context(open_teacher_engine(scfg, teacher, engine_len))
         self.teacher_key = key
         return self.teacher
 

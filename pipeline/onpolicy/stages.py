@@ -74,7 +74,7 @@ class Workspace:
     @classmethod
     def open(cls, cfg: OnPolicyConfig) -> Workspace:
         student = resolve_student(cfg.student)
-        check_trainable(read_hf_arch(student), cfg.seq_length, student / "config.json")
+        check_trainable(read_hf_arch(student), cfg.train_settings.seq_length, student / "config.json")
         return cls(cfg, student, resolve_teacher(cfg.teacher))
 
     # -- paths ---------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ class Workspace:
     def exported(self, step: int) -> bool:
         """Whether the sampler's weights of `step` are on disk (step 0: the student folder itself). Export folders
         appear atomically, so the file that is always written is proof of a complete one."""
-        done = "adapter_config.json" if self.cfg.lora_rank > 0 else "config.json"
+        done = "adapter_config.json" if self.cfg.train_settings.lora_rank > 0 else "config.json"
         return step == 0 or (self.export_dir(step) / done).exists()
 
     def weights(self, step: int) -> Path:
@@ -112,7 +112,7 @@ class Workspace:
             from pipeline.train.checkpoint import step_dir
 
             # A LoRA student ships its adapter only (peft folder, MBs): the sampler keeps the base weights.
-            export(step_dir(self.save_dir, step), path, self.student, adapter_only=self.cfg.lora_rank > 0)
+            export(step_dir(self.save_dir, step), path, self.student, adapter_only=self.cfg.train_settings.lora_rank > 0)
         return path
 
     def latest_step(self) -> int:
@@ -263,7 +263,7 @@ def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[]
         path = shard_path(ws.rollouts("dataset"), "dataset", 0, 1)
         if not is_complete(path, "rollout"):
             rows, _ = import_rows(ws.tokenizer(), load_prompts(cfg.offpolicy_dataset),
-                                  max_len=cfg.max_model_len, on_bad="skip", where=cfg.offpolicy_dataset)
+                                  max_len=cfg.score_settings.max_model_len, on_bad="skip", where=cfg.offpolicy_dataset)
             write_rollouts(path, rows, tokenizer_fingerprint=tokenizer_fingerprint(ws.tokenizer()),
                            extra={"dataset": cfg.offpolicy_dataset})
         score_into(ws, path.parent, cfg.offpolicy_cache, engines.scorer(cfg, ws.teacher))
@@ -292,7 +292,7 @@ def generate_stage(ws: Workspace, engines: Engines, cycle: int, shard: int = 0, 
         raise RuntimeError(f"{ws.export_dir(step)}: the student weights of step {step} are missing (the export stage "
                            "writes them)")
     return sample(ws, engines, cycle_name(cycle), ws.shard_prompts(cycle, shard, num_shards), ws.weights(step),
-                  step, ws.cycle_seed(cycle), ws.cfg.n, shard, num_shards)
+                  step, ws.cycle_seed(cycle), ws.cfg.generate_settings.n, shard, num_shards)
 
 
 def score_stage(ws: Workspace, cycle: int, llm: Any = None, shard: int = 0, num_shards: int = 1) -> tuple[dict, bool]:

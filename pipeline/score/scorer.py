@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -422,10 +423,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = int(teacher_config.vocab_size)
-    # vLLM must fit one sampled token after the scored sequence, so the engine gets max_model_len + 1 where the
-    # model's positions allow it: a sequence of exactly max_model_len tokens is then scorable.
-    max_pos = int(getattr(teacher_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
-    engine_len = min(cfg.max_model_len + 1, max_pos)
+    engine_len = engine_length(cfg, teacher_config)
     served = probe = None
     if cfg.teacher_url:
         if llm is not None:
@@ -551,19 +549,37 @@ def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int) -
         if cfg.teacher_adapter:
             model_dir = stack.enter_context(merged_teacher(teacher, cfg.teacher_adapter, dtype=DTYPES[cfg.dtype],
                                                            parent=cfg.merge_dir))
-        engine_args = EngineArgs(
-            model=str(model_dir),
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            dtype=cfg.dtype,
-            max_model_len=engine_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_cache_gib=cfg.kv_cache_gib,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or max(cfg.batch_tokens, engine_len),
-            enforce_eager=cfg.enforce_eager,
-            extra=cfg.engine_extra,
-        )
-        engine = stack.enter_context(open_engine(engine_args, max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode))
+        engine = stack.enter_context(open_teacher_engine(cfg, model_dir, engine_len))
         yield InProcessTeacher(engine, cfg.topk)
+
+
+def engine_length(cfg: ScoreConfig, teacher_config: Any) -> int:
+    """The engine's max_model_len for scoring sequences of up to `cfg.max_model_len` tokens. vLLM must fit one
+    sampled token after the scored sequence, so the engine gets max_model_len + 1 where the model's positions allow
+    it: a sequence of exactly max_model_len tokens is then scorable."""
+    max_pos = int(getattr(teacher_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
+    return min(cfg.max_model_len + 1, max_pos)
+
+
+def teacher_engine_args(cfg: ScoreConfig, model_dir: str | Path, engine_len: int) -> EngineArgs:
+    """The in-process teacher engine of a score config: the one rule `gkd score` and the on-policy driver share."""
+    return EngineArgs(
+        model=str(model_dir),
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        dtype=cfg.dtype,
+        max_model_len=engine_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        kv_cache_gib=cfg.kv_cache_gib,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or max(cfg.batch_tokens, engine_len),
+        enforce_eager=cfg.enforce_eager,
+        extra=cfg.engine_extra,
+    )
+
+
+def open_teacher_engine(cfg: ScoreConfig, model_dir: str | Path, engine_len: int):
+    """A context manager: the teacher engine of `cfg`, with the logprob settings scoring needs (max_logprobs = k)."""
+    return open_engine(teacher_engine_args(cfg, model_dir, engine_len), max_logprobs=cfg.topk,
+                       logprobs_mode=cfg.logprob_mode)
 
 
 def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int):

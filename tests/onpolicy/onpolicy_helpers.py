@@ -48,13 +48,37 @@ def build_models(root: Path) -> dict:
 
 
 def overrides(models: dict, out: Path, **kw) -> dict:
-    """A 2-cycle, 2-steps-per-cycle on-policy run small enough for a loaded 2-core box."""
-    values = dict(
-        out=str(out), student=str(models["student"]), teacher=str(models["teacher"]), cache=str(out / "cache"),
-        num_cycles=2, steps_per_generation=2, lmbda=1.0, seed=7, prompts=RG.format(size=4, seed=0),
-        prompts_per_cycle=4, n=2, max_tokens=12, generate_seed=5, topk=8, max_model_len=320, kv_cache_gib=0.05,
-        micro_batch_size=2, global_batch_size=4, seq_length=320, lr=2e-3, min_lr=1e-4, warmup_steps=1,
-        heldout_prompts=RG.format(size=2, seed=2), progress=False, offpolicy_cache=None, offpolicy_dataset=None,
-    )
-    values.update(kw)
+    """A 2-cycle, 2-steps-per-cycle on-policy run small enough for a loaded 2-core box. A keyword that is a stage
+    setting (lr=..., lora_rank=..., loss=...; train_extra={...} for several) goes to its stage's section."""
+    values = {
+        "out": str(out), "student": str(models["student"]), "teacher": str(models["teacher"]),
+        "cache": str(out / "cache"), "num_cycles": 2, "steps_per_generation": 2, "lmbda": 1.0, "seed": 7,
+        "prompts": RG.format(size=4, seed=0), "prompts_per_cycle": 4, "generate_seed": 5,
+        "heldout_prompts": RG.format(size=2, seed=2), "progress": False, "offpolicy_cache": None,
+        "offpolicy_dataset": None,
+        "generate.n": 2, "generate.max_tokens": 12, "generate.max_model_len": 320, "generate.kv_cache_gib": 0.05,
+        "score.topk": 8, "score.max_model_len": 320, "score.kv_cache_gib": 0.05,
+        "train.micro_batch_size": 2, "train.global_batch_size": 4, "train.seq_length": 320, "train.lr": 2e-3,
+        "train.min_lr": 1e-4, "train.warmup_steps": 1,
+    }
+    for k, v in kw.items():
+        values.update(_section_key(k, v))
     return values
+
+
+def _section_key(key: str, value) -> dict:
+    import dataclasses
+
+    from pipeline.generate.sampler import GenerateConfig
+    from pipeline.onpolicy.config import OnPolicyConfig
+    from pipeline.score.scorer import ScoreConfig
+    from pipeline.train.trainer import TrainConfig
+
+    if key in {f.name for f in dataclasses.fields(OnPolicyConfig)}:
+        return {key: value}
+    if key == "train_extra":
+        return {f"train.{k}": v for k, v in value.items()}
+    for stage, cls in (("train", TrainConfig), ("score", ScoreConfig), ("generate", GenerateConfig)):
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            return {f"{stage}.{key}": value}
+    raise KeyError(f"{key} is neither an on-policy nor a stage setting")

@@ -33,8 +33,8 @@ def test_in_place_reload_serves_the_new_weights(family, tmp_path):
     from pipeline.onpolicy.engines import Engines
 
     old, new = build_family(family, tmp_path / "old", seed=0), build_family(family, tmp_path / "new", seed=1)
-    cfg = OnPolicyConfig(dtype="float32", max_model_len=SEQ + 1, kv_cache_gib=0.25, enforce_eager=True,
-                         weight_sync="reload")
+    cfg = OnPolicyConfig(generate={"dtype": "float32", "max_model_len": SEQ + 1, "kv_cache_gib": 0.25,
+                                   "enforce_eager": True}, weight_sync="reload")
     ids = torch.randint(3, 384, (SEQ,), generator=torch.Generator().manual_seed(3)).tolist()
     engines = Engines()
     try:
