@@ -50,7 +50,7 @@ def prose_text() -> tuple[str, str]:
     import sys
 
     parts = []
-    for name in sorted(sys.stdlib_module_names):
+    for name in sorted(sys.stdlib_module_names - {"this", "antigravity"}):  # importing these prints / opens a browser
         try:
             mod = __import__(name)
         except Exception:  # noqa: BLE001 - some stdlib modules do not import on every platform
