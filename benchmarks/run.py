@@ -71,15 +71,29 @@ def main() -> int:
     return 0
 
 
+# Sections that run in a folder of their own: name -> (run(work), markdown(results)).
+SIMPLE = {
+    "served": (score_bench.served_run, score_bench.served_markdown),
+    "lora": (lora_bench.run, lora_bench.markdown),
+    "baselines": (baseline_bench.run, baseline_bench.markdown),
+    "topp": (topp_bench.run, topp_bench.markdown),
+    "faults": (faults.run, faults.markdown),
+}
+
+
 def _measure(name: str, args: argparse.Namespace, work: Path, results: dict[str, dict]) -> tuple[dict, str]:
     """Run one section; returns its raw results and its markdown."""
+    if name in SIMPLE:
+        run, markdown = SIMPLE[name]
+        res = run(work / name)
+        return res, markdown(res)
     if name == "score" or (name == "train" and "score" not in results):
         results["score"] = score_bench.run(work)
     if name == "score":
         return results["score"], score_bench.markdown(results["score"])
-    if name == "served":
-        res = score_bench.served_run(work / "served")
-        return res, score_bench.served_markdown(res)
+    if name == "train":
+        res = train_bench.run(results["score"]["prose_cache"], work)
+        return res, train_bench.markdown(res)
     if name == "loss":
         out = work / "loss.json"
         # A process of its own: its peak-memory figures must not include the other sections' allocations.
@@ -88,27 +102,10 @@ def _measure(name: str, args: argparse.Namespace, work: Path, results: dict[str,
                        check=True, cwd=ROOT)
         res = json.loads(out.read_text())
         return res, loss_bench.to_markdown(res)
-    if name == "train":
-        res = train_bench.run(results["score"]["prose_cache"], work)
-        return res, train_bench.markdown(res)
-    if name == "lora":
-        res = lora_bench.run(work / "lora")
-        return res, lora_bench.markdown(res)
-    if name == "baselines":
-        res = baseline_bench.run(work / "baselines")
-        return res, baseline_bench.markdown(res)
-    if name == "onpolicy":
-        res = onpolicy_bench.run(work / "onpolicy", cycles=args.onpolicy_cycles)
-        return res, onpolicy_bench.markdown(res)
-    if name == "opd":
-        res = onpolicy_bench.run_opd(work / "opd", cycles=args.onpolicy_cycles)
-        return res, onpolicy_bench.markdown_opd(res)
-    if name == "topp":
-        res = topp_bench.run(work / "topp")
-        return res, topp_bench.markdown(res)
-    if name == "faults":
-        res = faults.run(work / "faults")
-        return res, faults.markdown(res)
+    if name in ("onpolicy", "opd"):
+        run = onpolicy_bench.run if name == "onpolicy" else onpolicy_bench.run_opd
+        res = run(work / name, cycles=args.onpolicy_cycles)
+        return res, (onpolicy_bench.markdown if name == "onpolicy" else onpolicy_bench.markdown_opd)(res)
     raise ValueError(f"no such section: {name}")
 
 
