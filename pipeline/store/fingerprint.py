@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,12 +35,17 @@ def teacher_fingerprint(model_dir: str | Path) -> str:
     weights = sorted({p for pat in WEIGHT_PATTERNS for p in model_dir.glob(pat)})
     if not weights:
         raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)})")
-    for p in weights:
+    _hash_files(h, weights)
+    return h.hexdigest()
+
+
+def _hash_files(h: Any, paths: list[Path]) -> None:
+    """Each file's name, a NUL, then its bytes (streamed), in the given order."""
+    for p in paths:
         h.update(p.name.encode() + b"\0")
         with open(p, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
-    return h.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -96,11 +102,7 @@ def adapter_fingerprint(base_fp: str, adapter_dir: str | Path) -> str:
     h = _digest()
     h.update(f"adapter|{base_fp}|".encode())
     h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
-    for p in weights:
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
+    _hash_files(h, weights)
     return h.hexdigest()
 
 
