@@ -53,6 +53,7 @@ def main() -> int:
     sections = old_sections(out)
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
     results: dict[str, dict] = {}  # the score section's caches feed the train section
+    text = ""
     try:
         for name in SECTIONS:
             if name not in only:
@@ -60,14 +61,14 @@ def main() -> int:
             stamp = Stamp.now(command)  # the machine's load before this section, not after it
             res, body = _measure(name, args, work, results)
             sections[name] = section(name, body, res, stamp)
-            write_benchmarks(out, sections)  # after each section: a later failure keeps what was measured
+            text = write_benchmarks(out, sections)  # after each section: a later failure keeps what was measured
     finally:
         # A full bench leaves several GB of caches and checkpoints; a user re-running it must not fill the disk.
         if args.keep_work:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    print(write_benchmarks(out, sections))
+    print(text)
     return 0
 
 

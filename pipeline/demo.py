@@ -181,11 +181,11 @@ def prepare(cfg: DemoConfig) -> Prepared:
     t = time.perf_counter()
     sc = dict(teacher=str(teacher), topk=cfg.topk, max_model_len=1024, kv_cache_gib=cfg.kv_cache_gib,
               enforce_eager=cfg.enforce_eager, batch_tokens=4096)
-    # the score stage's own engine rule (1,025 positions: one sampled token after a 1,024-token sequence)
     from transformers import AutoConfig
 
-    engine = teacher_engine_args(ScoreConfig(**sc), teacher, engine_length(ScoreConfig(**sc),
-                                                                           AutoConfig.from_pretrained(teacher)))
+    # the score stage's own engine rule (1,025 positions: one sampled token after a 1,024-token sequence)
+    scfg = ScoreConfig(**sc)
+    engine = teacher_engine_args(scfg, teacher, engine_length(scfg, AutoConfig.from_pretrained(teacher)))
     teacher_ans = GenerateConfig(prompts=eval_src, out=str(out / "rollouts" / "eval-teacher"), student=str(teacher),
                                  n=1, max_tokens=cfg.max_tokens, temperature=0.0, seed=2, dtype="float32")
     with open_engine(engine, max_logprobs=cfg.topk, logprobs_mode="raw_logprobs") as llm:

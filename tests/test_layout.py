@@ -29,12 +29,16 @@ def entry_modules() -> set[str]:
     return {module_name(p) for p in PACKAGE.rglob("*.py") if p.name in ENTRY_NAMES}
 
 
-def imported(path: Path) -> set[str]:
-    """Every module an import statement of `path` names, at any depth (function-level imports included); `from
-    A import B` names A and A.B, since B may be a module."""
+def imported(path: Path, *, top_level: bool = False) -> set[str]:
+    """Every module an import statement of `path` names, at any depth (function-level imports included), or with
+    `top_level` only those the module runs when it is imported (its body, also under `if`/`try`); `from A import B`
+    names A and A.B, since B may be a module."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = ([n for stmt in tree.body for n in (ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt])]
+             if top_level else ast.walk(tree))
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -64,24 +68,11 @@ def test_no_library_module_imports_an_entry_module():
     assert not bad, "library modules importing entry modules:\n" + "\n".join(bad)
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """Modules `path` imports when it is imported (module body, also under `if`/`try`), not inside functions."""
-    out: set[str] = set()
-    for stmt in ast.parse(path.read_text(), str(path)).body:
-        for node in ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt]:
-            if isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                out.add(node.module)
-                out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out
-
-
 def test_project_imports_sit_at_module_top_unless_heavy():
     """An in-function import of one of our modules is allowed only where importing it at the top would pull in a
     heavy third-party package (see HEAVY) the importer does not import already, or where LAZY_ON_PURPOSE says why."""
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    top = {name: _top_level_imports(p) for name, p in paths.items()}
+    top = {name: imported(p, top_level=True) for name, p in paths.items()}
     heavy: dict[str, bool] = {}
 
     def is_heavy(name: str, seen: frozenset[str] = frozenset()) -> bool:

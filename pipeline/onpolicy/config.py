@@ -135,8 +135,9 @@ class OnPolicyConfig:
     @classmethod
     def key_hint(cls, key: str) -> str | None:
         """For an unknown top-level key: the stage section it belongs in (pipeline.config reports it)."""
-        name = key.removeprefix("kd_")  # the old flat name of train.temperature
-        stages = ["train"] if key != name else [s for s, c in STAGE_CLASSES.items() if name in {f.name for f in fields(c)}]
+        name = key.removeprefix("kd_")  # kd_temperature: the old flat name of train.temperature
+        stages = [s for s, c in STAGE_CLASSES.items() if name in {f.name for f in fields(c)}
+                  and (key == name or s == "train")]
         if not stages:
             return None
         return f"a stage setting goes under its stage: {' or '.join(f'{s}.{name}' for s in stages)}"
@@ -172,11 +173,11 @@ class OnPolicyConfig:
         """Each stage section through its stage's own loader and validation, so a bad value fails at load."""
         p = []
         for stage in STAGE_CLASSES:
-            section = getattr(self, stage)
-            owned = sorted(k for k in section if k.replace(".", "_") in DRIVER_SET[stage])
+            owned = {k: DRIVER_SET[stage][flat] for k in getattr(self, stage)
+                     if (flat := k.replace(".", "_")) in DRIVER_SET[stage]}
             if owned:
-                p += [f"{stage}.{k} is set by the on-policy driver (from {DRIVER_SET[stage][k.replace('.', '_')]}); "
-                      "remove it" for k in owned]
+                p += [f"{stage}.{k} is set by the on-policy driver (from {source}); remove it"
+                      for k, source in sorted(owned.items())]
                 continue
             try:
                 getattr(self, f"{stage}_settings")
