@@ -40,8 +40,11 @@ from torch import Tensor
 
 from pipeline.train.loss import TEACHER_EPS, divergence, student_bins, teacher_bins
 
-# Each [chunk, V_local] float32 buffer is about this big (a few exist at once); at V = 151,936 that is 110 rows.
-CHUNK_BYTES = 64 << 20
+# The [chunk, V_local] float32 buffer is about this big; at V = 151,936 that is 441 rows. One exists at a time (two
+# with SFT rows in tail mode). Every chunk streams all of W through its three matmuls, so small chunks are slow: with
+# 110 rows (64 MiB, and three buffers alive) the fused step was 1.14x the unfused one at 4,096 tokens, with 441 rows
+# 0.87x and 0.97x in two runs, at 0.79 GB peak against the unfused 4.66 (BENCHMARKS.md, loss section).
+CHUNK_BYTES = 256 << 20
 
 
 def chunk_rows(v_local: int, budget: int = CHUNK_BYTES) -> int:
@@ -116,6 +119,8 @@ class _FusedLinearGKD(torch.autograd.Function):
         y_idx = y_local.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
         fill = torch.where(owned, -math.inf, math.inf).to(cdtype)  # amin-scatter: only owned ids leave the tail
         for s in range(0, rows.numel(), chunk):
+            # Free the last chunk's buffers before this chunk's matmul allocates the next (else two are alive).
+            z = ex = ef = gz = wk = contrib = None
             e = min(s + chunk, rows.numel())
             hc = hidden[rows[s:e]]
             any_sft = bool(ce_on[s:e].any())
@@ -129,18 +134,21 @@ class _FusedLinearGKD(torch.autograd.Function):
                 wk = weight[idx[s:e]]  # [c, k, H]
                 zk = torch.einsum("ch,ckh->ck", hc.to(weight.dtype), wk).to(cdtype) * owned[s:e]
             zk = _sum(zk, group)
+            # z is consumed in place: ef (SFT rows) is the only second [chunk, V] buffer. One buffer per chunk is
+            # what lets a chunk be large, and large chunks are what keep the matmuls as fast as the unfused
+            # path's (each chunk streams all of W; BENCHMARKS.md, loss section).
+            lse_full = ef = zy = None
+            if any_sft:
+                zy = _sum(z.gather(1, y_idx[s:e]).squeeze(-1) * y_owned[s:e], group)
+                ef = z.clone() if mode == "tail" else z
+                m_f, s_f = _exp_sum(ef)
+                lse_full = _global_lse(m_f, s_f, group)
             lse_tail = ex = None
             if mode == "tail":
-                ex = z / tau if tau != 1.0 else z.clone()
+                ex = z.div_(tau) if tau != 1.0 else z
                 ex.scatter_reduce_(1, idx[s:e], fill[s:e], "amin")
                 m_t, s_t = _exp_sum(ex)  # ex <- exp(x - m_t): reused for the gradient
                 lse_tail = _global_lse(m_t, s_t, group)
-            lse_full = ef = zy = None
-            if any_sft:
-                ef = z.clone()
-                m_f, s_f = _exp_sum(ef)
-                lse_full = _global_lse(m_f, s_f, group)
-                zy = _sum(z.gather(1, y_idx[s:e]).squeeze(-1) * y_owned[s:e], group)
             # The divergence (and CE) of this chunk as a function of the few gathered numbers; their gradients.
             with torch.enable_grad():
                 zk_l = zk.detach().requires_grad_()
@@ -167,16 +175,16 @@ class _FusedLinearGKD(torch.autograd.Function):
                 continue
             g_zk = grads[0] if grads[0] is not None else torch.zeros_like(zk)
             g_zk = g_zk * owned[s:e]  # each rank owns its ids' entries; the loss is replicated across TP
-            if dense:
+            if dense:  # tail mode or SFT rows, so gz is set below
+                gz = None
                 if mode == "tail":  # ∂ lse_tail / ∂z_v = softmax over the complement / τ
                     g_tail = grads[1] if grads[1] is not None else torch.zeros_like(lse_tail)
                     scale = torch.where(torch.isfinite(lse_tail), (m_t - lse_tail).exp(), 0.0) * g_tail / tau
                     gz = ex.mul_(scale.unsqueeze(-1))
-                else:
-                    gz = torch.zeros_like(z)
                 if any_sft:  # CE: g · (softmax − onehot(y))
                     g_full, g_zy = grads[-2], grads[-1]
-                    gz.add_(ef.mul_(((m_f - lse_full).exp() * g_full).unsqueeze(-1)))
+                    p_full = ef.mul_(((m_f - lse_full).exp() * g_full).unsqueeze(-1))
+                    gz = p_full if gz is None else gz.add_(p_full)
                     gz.scatter_add_(1, y_idx[s:e], (g_zy * y_owned[s:e]).unsqueeze(-1))
                 gz.scatter_add_(1, idx[s:e], g_zk)
                 if n_valid < v_local:
