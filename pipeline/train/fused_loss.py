@@ -43,7 +43,8 @@ from pipeline.train.loss import TEACHER_EPS, divergence, student_bins, teacher_b
 # The [chunk, V_local] float32 buffer is about this big; at V = 151,936 that is 441 rows. One exists at a time (two
 # with SFT rows in tail mode). Every chunk streams all of W through its three matmuls, so small chunks are slow: with
 # 110 rows (64 MiB, and three buffers alive) the fused step was 1.14x the unfused one at 4,096 tokens, with 441 rows
-# 0.87x and 0.97x in two runs, at 0.79 GB peak against the unfused 4.66 (BENCHMARKS.md, loss section).
+# 0.87x and 0.97x in two runs, at 0.79 GB peak against the unfused 4.66 (BENCHMARKS.md, loss section). The live
+# teacher's top-k pass (live_teacher.py) uses the same size, also one buffer at a time.
 CHUNK_BYTES = 256 << 20
 
 
@@ -134,9 +135,7 @@ class _FusedLinearGKD(torch.autograd.Function):
                 wk = weight[idx[s:e]]  # [c, k, H]
                 zk = torch.einsum("ch,ckh->ck", hc.to(weight.dtype), wk).to(cdtype) * owned[s:e]
             zk = _sum(zk, group)
-            # z is consumed in place: ef (SFT rows) is the only second [chunk, V] buffer. One buffer per chunk is
-            # what lets a chunk be large, and large chunks are what keep the matmuls as fast as the unfused
-            # path's (each chunk streams all of W; BENCHMARKS.md, loss section).
+            # z is consumed in place; ef (SFT rows in tail mode) is the only second buffer (why: CHUNK_BYTES).
             lse_full = ef = zy = None
             if any_sft:
                 zy = _sum(z.gather(1, y_idx[s:e]).squeeze(-1) * y_owned[s:e], group)

@@ -61,12 +61,13 @@ def teacher_topk(hidden: Tensor, weight: Tensor, mask: Tensor, k: int, *, tp_gro
     cdtype = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights: float32 after the matmul
     kk = min(k, n_valid)  # a rank whose slice is mostly padding offers fewer candidates
     for s in range(0, rows.numel(), chunk):
+        z = None  # one [chunk, V_local] buffer at a time (fused_loss.CHUNK_BYTES): free the last before the matmul
         r = rows[s: s + chunk]
         z = (h[r].to(weight.dtype) @ weight.t()).to(cdtype)
         z = z[:, :n_valid]
-        m = z.amax(-1)
-        se = (z - m.unsqueeze(-1)).exp().sum(-1)
         vals, idx = z.topk(kk, dim=-1)  # sorted, largest first
+        m = z.amax(-1)
+        se = z.sub_(m.unsqueeze(-1)).exp_().sum(-1)  # in place: z is not read again
         gid = idx + rank * v_local
         if world > 1:
             if kk < k:  # pad to a common width so all ranks gather the same shape
