@@ -35,7 +35,8 @@ remapped ids alone is ~91 B/token on prose (the id *set* ~54), so order-0 coders
 options left out: tie groups sorted by id (-2, slow segmented cumsum on decode), per-rank remap tables (no gain
 after their footer cost), per-previous-token id tables (-6.6, needs the actual ids at decode time).
 Decoding works on a whole record batch at once. The hot loop (escape bytes -> number -> id remap, or running sum
--> grid value) is one branch-free numba pass per entry (codec_kernels.py; numpy fallback). Measured whole decode
+-> grid value) is one numba pass per entry, branch-free or branchy by the share of escapes (codec_kernels.py;
+numpy fallback). Measured whole decode
 on SmolLM2 top-64 prose + math shards, one core, side by side: 1.1M scored positions/s with the former ~10
 whole-array numpy passes, 1.7M with the tuned numpy fallback, 2.2-2.6M with the kernel, 2.8M without the
 actual-token columns (`actual=False`, what the trainer's loader asks for). On a slower 2-core Icelake VM, prose,
