@@ -273,6 +273,15 @@ def markdown(res: dict) -> list[str]:
     return rows
 
 
+def _bf16_units_note(precision: dict) -> str:
+    if "cpu_bf16" not in precision:  # measured before the flags were recorded
+        return ""
+    units = precision["cpu_bf16"]
+    if units:
+        return f", bf16 instructions: {', '.join(units)}"
+    return ", no bf16 instructions (bf16 matmuls compute via fp32)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=["attention", "memory", "plain", "precision"])
@@ -299,9 +308,3 @@ def main() -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-def _bf16_units_note(precision: dict) -> str:
-    if "cpu_bf16" not in precision:  # measured before the flags were recorded
-        return ""
-    units = precision["cpu_bf16"]
-    return f", bf16 instructions: {', '.join(units)}" if units else ", no bf16 instructions (bf16 matmuls compute via fp32)"

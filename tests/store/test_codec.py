@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.store import codec
+from pipeline.store import codec_kernels as ck
 
 COLUMNS = ("topk_ids", "topk_logprobs", "tail_logprobs", "actual_rank", "actual_logprobs")
 STEP_ERR = 1 / 64 + 1e-6  # max abs error of the grid, plus float32 slack
@@ -212,14 +213,12 @@ def test_kernel_and_numpy_agree_on_wide_escapes_and_refuse_the_same_damage() -> 
 def test_both_kernel_modes_match_numpy_and_refuse_the_same_damage(nb_vocab: tuple[int, int]) -> None:
     """The kernel's branch-free mode (many escapes) and branchy mode (few) decode ids and values exactly like the
     numpy path, whichever stream each is given, and refuse blobs with too many or too few escapes."""
-    from pipeline.store import codec_kernels as ck
-
     nb, vocab = nb_vocab
     rng = np.random.default_rng(7)
     k = 16
-    first = 40 if nb == 1 else 3000  # nb = 2 needs > 32k distinct ids in the shard
+    rows_0 = 40 if nb == 1 else 3000  # nb = 2 needs > 32k distinct ids in the shard
     rows = [(rng.integers(0, vocab, size=(n, k)), -rng.exponential(3, size=(n, k)).astype(np.float32),
-             rng.integers(0, vocab, size=n), np.full(n, k + 1), np.full(n, -20.0, np.float32)) for n in (first, 1, 25)]
+             rng.integers(0, vocab, size=n), np.full(n, k + 1), np.full(n, -20.0, np.float32)) for n in (rows_0, 1, 25)]
     enc = codec.encode(rows, k=k, vocab_size=vocab)
     dec = codec.Decoder(enc.footer)
     assert dec.id_esc[1] == nb
@@ -234,10 +233,10 @@ def test_both_kernel_modes_match_numpy_and_refuse_the_same_damage(nb_vocab: tupl
             got = ck.lookup(buf, offsets, counts, t, nbytes, table, kk, branchy=branchy)
             assert got.dtype == want.dtype and np.array_equal(got, want), (column, branchy)
         for damage in ("more", "fewer"):  # row 0: first bytes all escapes / none, low bytes as they were
-            first = np.full(counts[0], 255 if damage == "more" else 0, np.uint8).tobytes()
-            bad = np.frombuffer(b"".join([first + blobs[0][counts[0]:], *blobs[1:]]), np.uint8)
             if damage == "fewer" and len(blobs[0]) == counts[0]:
                 continue  # row 0 had no escapes: nothing to drop
+            first = np.full(counts[0], 255 if damage == "more" else 0, np.uint8).tobytes()
+            bad = np.frombuffer(b"".join([first + blobs[0][counts[0]:], *blobs[1:]]), np.uint8)
             for kw in ({"branchy": False}, {"branchy": True}, {"use_kernel": False}):
                 assert _refused(bad, offsets, counts, t, nbytes, table, kk, **kw), (column, kw)
 
@@ -245,8 +244,6 @@ def test_both_kernel_modes_match_numpy_and_refuse_the_same_damage(nb_vocab: tupl
 def _refused(*args, **kwargs) -> bool:
     """codec_kernels.lookup refuses damage by raising CodecError or by returning its negative code (a number past
     the table, which the decoder turns into a CodecError naming the column)."""
-    from pipeline.store import codec_kernels as ck
-
     try:
         return isinstance(ck.lookup(*args, **kwargs), int)
     except codec.CodecError:
