@@ -15,12 +15,20 @@ The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_at
 - `attention_mask`: None means the layer's mask type decides (causal: SDPA's `is_causal`, which lets the flash
   kernels skip the masked half instead of reading a mask); else a bool tensor broadcastable to `[b, 1, sq, sk]`
   with True = masked out (Megatron's convention, e.g. a block-diagonal causal mask for packed rows), given to SDPA
-  inverted (SDPA: True = attend). A mask that is exactly block-diagonal causal (what packing builds) is instead
-  run as one causal SDPA call per document (`packed_segments`): the kernels then skip the masked triangle and the
-  other documents' blocks (sum of L_i^2 / 2 instead of S^2 work; a masked call cannot skip anything). As in
-  Megatron's unfused path, an explicit mask replaces the causal one. The
+  inverted (SDPA: True = attend). A mask that is exactly block-diagonal causal is instead run as one causal SDPA
+  call per document (`packed_segments`): the kernels then skip the masked triangle and the other documents' blocks
+  (sum of L_i^2 / 2 instead of S^2 work; a masked call cannot skip anything). As in Megatron's unfused path, an
+  explicit mask replaces the causal one. The
   call's `attn_mask_type` wins over the constructor's, as in Transformer Engine's module (Megatron's unfused one
   ignores it; training always passes the layer's own type, so the two agree there).
+- `packed_seq_params`: the trainer's packed rows come as `DocumentSpans` (each row's document spans, from the
+  loader's `doc_ids`) with `attention_mask=None`, and take the per-document path directly: no `[B, 1, S, S]` mask
+  is built or checked, so a packed micro-batch costs O(B*S) beside the kernels at any sequence length (the mask is
+  67 MB per row at 8,192 tokens, 1 GiB at 32,768, and reading it back into spans is O(S^2) work per forward).
+  Megatron hands `packed_seq_params` from `GPTModel.forward` to `core_attention` untouched; every other use of it
+  in megatron-core 0.16.1 tests `qkv_format == "thd"` (RoPE, the q/k/v layout), which "sbhd" is not, and its RoPE
+  length is `max_seqlen_q`, the row length, as without it. Megatron's own module refuses it (`attention=local`
+  gets the mask). THD `PackedSeqParams` (Transformer Engine's varlen format) stays refused.
 - softmax scale: `softmax_scale` or 1/sqrt(hn). Megatron's `apply_query_key_layer_scaling` divides the scores by
   the layer number and multiplies them back inside the softmax (an fp16 overflow guard), so the net scale is the same.
 - A query row whose keys are all masked: Megatron fills masked scores with -10000 and so averages every key; SDPA
@@ -31,18 +39,44 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from pipeline.train.packing import attention_mask
+
 Tensor = torch.Tensor
 BACKENDS = ("sdpa", "local")
 _TORCH_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
+
+
+@dataclass
+class DocumentSpans(PackedSeqParams):
+    """Packed rows as their documents' column spans, for `SDPAttention` (see the module docstring): row b holds
+    documents [start, end) in `spans[b]`, covering 0..S-1 in order (padding is a span of its own)."""
+
+    spans: list[list[tuple[int, int]]] | None = None
+
+
+def document_spans(doc_ids: Tensor) -> DocumentSpans:
+    """`DocumentSpans` of packed rows from their per-token sample ids `doc_ids` [B, S] (-1 = padding): a span starts
+    wherever the id changes. For the loader's layout (a row's samples side by side, padding after them) these are
+    the spans `packed_segments` reads off `packing.attention_mask(doc_ids)`, at O(B*S) instead of O(B*S^2)."""
+    b, s = doc_ids.shape
+    starts = torch.ones(b, s, dtype=torch.bool)
+    starts[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).cpu()
+    spans = []
+    for row in starts:
+        idx = [*row.nonzero().flatten().tolist(), s]
+        spans.append(list(zip(idx[:-1], idx[1:], strict=True)))
+    return DocumentSpans(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, spans=spans)
 
 
 class SDPAttention(MegatronModule):
@@ -85,14 +119,22 @@ class SDPAttention(MegatronModule):
         attention_bias: Tensor | None = None,
         packed_seq_params: object | None = None,
     ) -> Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("attention=sdpa: attention_bias and THD packed_seq_params are not supported "
-                             "(pack with a block-diagonal attention_mask instead)")
+        if attention_bias is not None:
+            raise ValueError("attention=sdpa: attention_bias is not supported")
+        if packed_seq_params is not None and not isinstance(packed_seq_params, DocumentSpans):
+            raise ValueError("attention=sdpa: THD packed_seq_params (Transformer Engine's format) are not supported; "
+                             "pass packed rows as DocumentSpans or a block-diagonal attention_mask")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, hn = query.shape
         # [s, b, n, hn] -> [b, n, s, hn]: views, no copy (the kernels take strided inputs).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if attention_mask is not None:
+        if packed_seq_params is not None:
+            spans = packed_seq_params.spans
+            if attention_mask is not None or sq != key.shape[0] or not _tiles(spans, b, sq):
+                raise ValueError(f"DocumentSpans must tile 0..{sq} of each of the {b} rows in order (self-attention, "
+                                 "no attention_mask beside them)")
+            out = self._per_document(q, k, v, spans)
+        elif attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise ValueError(f"attention_mask must be bool (True = masked out), got {attention_mask.dtype}")
             segments = packed_segments(attention_mask, b, sq, key.shape[0])
@@ -128,6 +170,33 @@ class SDPAttention(MegatronModule):
                 self._sdpa(q[r : r + 1, :, s:e], k[r : r + 1, :, s:e], v[r : r + 1, :, s:e], None, e - s > 1)
                 for s, e in row], dim=2))
         return torch.cat(rows, dim=0)
+
+
+def attention_inputs(doc_ids: Tensor, packed: bool, backend: str) -> dict:
+    """How a micro-batch keeps its rows' samples apart, as `GPTModel.forward` keywords. Padded rows: nothing (the
+    layers' causal mask). Packed rows: `sdpa` gets their `document_spans` (no `[B, 1, S, S]` mask is built); Megatron's
+    own module (`local`) the block-diagonal causal mask, True = masked (`packing.attention_mask`; its unfused softmax
+    applies it since masked_softmax_fusion is off)."""
+    if not packed:
+        return {"attention_mask": None}
+    if backend == "sdpa":
+        return {"attention_mask": None, "packed_seq_params": document_spans(doc_ids)}
+    return {"attention_mask": attention_mask(doc_ids)}
+
+
+def _tiles(spans: list[list[tuple[int, int]]] | None, rows: int, s: int) -> bool:
+    """Whether `spans` holds, for each of `rows` rows, non-empty spans that cover 0..s-1 back to back."""
+    if spans is None or len(spans) != rows:
+        return False
+    for row in spans:
+        end = 0
+        for start, stop in row:
+            if start != end or stop <= start:
+                return False
+            end = stop
+        if end != s:
+            return False
+    return True
 
 
 # The mask is the same tensor for every layer of a forward: check its structure once (weakref, version).

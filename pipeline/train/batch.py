@@ -30,7 +30,7 @@ class MicroBatch:
     # (ScoredLoader(actual=True) reads it: loss=opd)
     teacher_actual: torch.Tensor
     keys: list[str]  # content keys of the samples, in order
-    packed: bool  # several samples per row: the trainer passes packing.attention_mask(doc_ids) to the model
+    packed: bool  # several samples per row, kept apart by doc_ids (trainer: attention.attention_inputs)
     end: int  # global sample position right after this micro-batch's round (the resume state at a step end)
     tokens: int  # real (non-pad) tokens
     positions: int  # B * S: real tokens + padding

@@ -16,8 +16,9 @@ Micro-batches, two layouts (`packing`):
 - **packed** (the trainer's default): a micro-batch is `micro_batch_size` rows of `seq_length` tokens, a token
   budget; a step's rows hold the longest run of samples from its start position that `packing.pack` fits into
   them (first-fit, repacked first-fit-decreasing when a sample fits nowhere; lengths only, see packing.py).
-  `doc_ids` numbers the samples of each row (-1 = padding) and the trainer turns it into a block-diagonal causal
-  mask (`packing.attention_mask`), so no token sees another sample and no label crosses a sample boundary.
+  `doc_ids` numbers the samples of each row (-1 = padding) and the trainer turns it into per-sample attention
+  spans (`attention.attention_inputs`; a block-diagonal causal mask for `attention: local`), so no token sees
+  another sample; no label crosses a sample boundary.
 - **padded** (`packing: false`): micro-batch m = samples [mB, (m+1)B), one per row.
 Both right-pad with `pad_id` to the longest row of the micro-batch rounded up to a multiple of 8 (at most
 seq_length; attention cost is quadratic).

@@ -9,8 +9,9 @@ resume state stays one integer (the sample position after it). Measured on unifo
 (the demo cache's spread) into 8 x 256: 12 % padding with plain first-fit, 7.7 % with the repack; the volume bound
 of a contiguous run is 3.3 %.
 
-Within a row, samples keep their order. The attention mask (:func:`attention_mask`) lets position i attend to j
-iff j <= i and both belong to the same sample; padding (doc -1) attends to earlier padding of its own row, so no
+Within a row, samples keep their order. The attention mask (:func:`attention_mask`, what `attention: local` gets;
+`sdpa` gets the same rule as per-sample spans, `attention.document_spans`) lets position i attend to j iff j <= i
+and both belong to the same sample; padding (doc -1) attends to earlier padding of its own row, so no
 softmax row is empty. Megatron's unfused softmax fills masked scores with -10000 after scaling, whose exp underflows
 to exactly 0 in float32: samples sharing a row do not see each other at all.
 

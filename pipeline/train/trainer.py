@@ -37,7 +37,6 @@ from pipeline.train.families import check_trainable, read_hf_arch
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
-from pipeline.train.packing import attention_mask
 
 
 @dataclass
@@ -392,15 +391,16 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
     return loss, kd_n, sums
 
 
-def score_live(teacher, batch, mask, cfg: TrainConfig, student_vocab: int):
+def score_live(teacher, batch, attn: dict, cfg: TrainConfig, student_vocab: int):
     """The micro-batch with its teacher rows computed now by the frozen live teacher, at its loss positions: the
-    top-k and tail the score stage would have stored, unquantised (pipeline/train/live_teacher.py)."""
+    top-k and tail the score stage would have stored, unquantised (pipeline/train/live_teacher.py). `attn`: the
+    student's attention keywords (`attention.attention_inputs`), the teacher being built with the same backend."""
     import dataclasses
 
     from megatron.core import parallel_state
 
     with torch.no_grad():
-        hidden = teacher(batch.input_ids, batch.position_ids, mask)
+        hidden = teacher(batch.input_ids, batch.position_ids, **attn)
         ids, lps, tail, valid = teacher_topk(
             hidden, output_weight(teacher), batch.loss_mask, cfg.teacher_live_topk,
             tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=teacher.hf_vocab_size,
@@ -412,14 +412,15 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
     `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
 
+    from pipeline.train.attention import attention_inputs
+
     batch = next(data_iterator).to(_device())
-    # Packed rows: a block-diagonal causal mask (True = masked). Both attention backends apply an explicit mask
-    # (Megatron's unfused softmax: masked_softmax_fusion is off; SDPA: inverted); None keeps the causal default.
-    mask = attention_mask(batch.doc_ids) if batch.packed else None
+    # Packed rows: their document spans (sdpa) or a block-diagonal causal mask (local); padded: the causal default.
+    attn = attention_inputs(batch.doc_ids, batch.packed, cfg.attention)
     if teacher is not None:
-        batch = score_live(teacher, batch, mask, cfg, vocab_size)
+        batch = score_live(teacher, batch, attn, cfg, vocab_size)
     # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
-    out = model(batch.input_ids, batch.position_ids, mask)
+    out = model(batch.input_ids, batch.position_ids, **attn)
     return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))
 
 

@@ -184,8 +184,9 @@ def student(packed_cache):
     destroy_distributed()
 
 
-def _forward(model, ids, mask):
-    return model(ids, torch.arange(ids.shape[1]).expand_as(ids), mask)
+def _forward(model, ids, mask=None, **attn):
+    """Logits of `ids`; `attn`: GPTModel.forward keywords (attention.attention_inputs) instead of `mask`."""
+    return model(ids, torch.arange(ids.shape[1]).expand_as(ids), **(attn or {"attention_mask": mask}))
 
 
 def _per_token_kd(logits, t_ids, t_lp, mask) -> torch.Tensor:
@@ -208,10 +209,13 @@ def _per_token_kd(logits, t_ids, t_lp, mask) -> torch.Tensor:
 TOLERANCES = {torch.float64: (4e-8, 2e-9, 1e-7), torch.float32: (4e-6, 4e-6, 2e-5)}  # logits, per-token GKD, grads
 
 
+@pytest.mark.parametrize("apart", ["spans", "mask"])  # what the trainer passes the sdpa student; the mask path
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_packed_student_equals_one_sample_per_row(packed_cache, student, dtype):
+def test_packed_student_equals_one_sample_per_row(packed_cache, student, dtype, apart):
     """Logits, per-token GKD losses and parameter gradients of packed rows equal those of the same samples padded
-    one per row: samples at column offsets > 0 see RoPE at shifted positions, which must not matter."""
+    one per row: samples at column offsets > 0 see RoPE at shifted positions, which must not matter. `apart`: the
+    rows' samples kept apart by their document spans (the trainer's sdpa input) or by the block-diagonal mask."""
+    from pipeline.train.attention import attention_inputs
     from pipeline.train.loss import gkd_loss
 
     tol_logits, tol_kd, tol_grad = TOLERANCES[dtype]
@@ -223,12 +227,14 @@ def test_packed_student_equals_one_sample_per_row(packed_cache, student, dtype):
             ref, spans = _unpack(mb)
             offsets += [o for _, o, _ in spans]
             results = []
-            for ids, t_ids, t_lp, lmask, amask in (
-                (mb.input_ids, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, attention_mask(mb.doc_ids)),
-                (ref["input_ids"], ref["teacher_ids"], ref["teacher_logprobs"], ref["loss_mask"], None),
+            packed_attn = (attention_inputs(mb.doc_ids, True, "sdpa") if apart == "spans"
+                           else {"attention_mask": attention_mask(mb.doc_ids)})
+            for ids, t_ids, t_lp, lmask, attn in (
+                (mb.input_ids, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, packed_attn),
+                (ref["input_ids"], ref["teacher_ids"], ref["teacher_logprobs"], ref["loss_mask"], {}),
             ):
                 student.zero_grad()
-                logits = _forward(student, ids, amask)
+                logits = _forward(student, ids, **attn)
                 s, n = gkd_loss(logits, t_ids, t_lp.to(dtype), lmask, beta=0.5, mode="tail")
                 (s / n).backward()
                 grads = {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
@@ -252,17 +258,21 @@ def test_packed_student_equals_one_sample_per_row(packed_cache, student, dtype):
 
 def test_no_attention_across_samples(packed_cache, student):
     """Perturb the first sample of a row: every later sample of that row keeps its logits exactly (masked scores
-    get probability exactly 0). Without the mask they move: the check can fail."""
+    get probability exactly 0), kept apart by document spans or by the mask. Without either they move: the check
+    can fail."""
+    from pipeline.train.attention import attention_inputs
+
     mb = next(m for m in _epoch(_loader(packed_cache["cache"])) if int(m.doc_ids[0].max()) >= 1)
     first = mb.doc_ids[0] == 0
     later = mb.doc_ids[0] >= 1
     ids = mb.input_ids.clone()
     ids[0, first] = (ids[0, first] + 7) % 300 + 3
     with torch.no_grad():
-        base = _forward(student, mb.input_ids, attention_mask(mb.doc_ids))
-        moved = _forward(student, ids, attention_mask(mb.doc_ids))
         unmasked = _forward(student, mb.input_ids, None), _forward(student, ids, None)
-    assert not torch.equal(base[0, first], moved[0, first])
-    assert torch.equal(base[0, later], moved[0, later])
-    assert torch.equal(base[1:], moved[1:])
+        for attn in (attention_inputs(mb.doc_ids, True, "sdpa"), {"attention_mask": attention_mask(mb.doc_ids)}):
+            base = _forward(student, mb.input_ids, **attn)
+            moved = _forward(student, ids, **attn)
+            assert not torch.equal(base[0, first], moved[0, first])
+            assert torch.equal(base[0, later], moved[0, later])
+            assert torch.equal(base[1:], moved[1:])
     assert not torch.allclose(unmasked[0][0, later], unmasked[1][0, later])
