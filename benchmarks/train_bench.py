@@ -126,17 +126,21 @@ def padded_rows(cache: Path, micro_batch_size: int, seq_length: int) -> int:
     return best[1]
 
 
-def packed_vs_padded(cache: Path, work: Path, steps: int, micro_batch_size: int, seq_length: int,
-                     rounds: int, extra: tuple[str, ...] = ()) -> dict:
+def packed_vs_padded(cache: Path, work: Path, micro_batch_size: int, seq_length: int, rounds: int,
+                     extra: tuple[str, ...] = ()) -> dict:
     """Interleaved subprocess runs, padded then packed, `rounds` times; real tokens/s of each (steady steps).
     Packed: micro_batch_size rows of seq_length; padded: as many rows as give the same positions per step.
-    `extra`: more `gkd train` overrides for both (e.g. fused_loss=false)."""
+    Each run trains one epoch of the cache plus its first step (left out as warm-up), so both layouts are timed
+    on the same samples: a few steps of each would time different samples, whose share of loss positions (the
+    output layer's work) differs from step to step. `extra`: more `gkd train` overrides for both (e.g.
+    fused_loss=false)."""
     rows = {"padded": padded_rows(cache, micro_batch_size, seq_length), "packed": micro_batch_size}
+    steps = {name: epoch_steps(cache, r, seq_length, name == "packed") + 1 for name, r in rows.items()}
     runs: dict[str, list[dict]] = {"padded": [], "packed": []}
     for r in range(rounds):
         for name in runs:
             save = work / f"{cache.name}-{name}-{r}{'-'.join(('', *extra)).replace('=', '')}"
-            metrics = _train(cache, save, steps, rows[name], seq_length, [f"packing={name == 'packed'}", *extra])
+            metrics = _train(cache, save, steps[name], rows[name], seq_length, [f"packing={name == 'packed'}", *extra])
             runs[name].append(_steady(metrics))
     out = {name: {"real_tokens_per_s": float(np.median([x["real_tokens_per_s"] for x in v])),
                   "padding_fraction": float(np.mean([x["padding_fraction"] for x in v])),
@@ -147,6 +151,20 @@ def packed_vs_padded(cache: Path, work: Path, steps: int, micro_batch_size: int,
     out["ceiling"] = 1 / (1 - out["padded"]["padding_fraction"])
     out.update(micro_batch_size=micro_batch_size, seq_length=seq_length, steps=steps, rounds=rounds)
     return out
+
+
+def epoch_steps(cache: Path, micro_batch_size: int, seq_length: int, packing: bool) -> int:
+    """Micro-batches (= optimizer steps at global_batch_size = micro_batch_size) until the loader has handed out
+    every sample of the cache once, in the layout's own order from position 0."""
+    from pipeline.train.data import ScoredLoader
+
+    loader = ScoredLoader([cache], micro_batch_size=micro_batch_size, seq_length=seq_length, seed=1234,
+                          packing=packing)
+    it, count = loader.iter_from(0, prefetch=0), 0
+    while True:
+        count += 1
+        if next(it).end >= loader.num_samples:
+            return count
 
 
 def padding(cache: Path, micro_batch_size: int, seq_length: int) -> dict:
@@ -191,7 +209,7 @@ def _loader(cache: str | Path, micro_batch_size: int, seq_length: int, rounds: i
 
 
 def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8, seq_length: int = 512,
-        pack_steps: int = 4, pack_micro_batch_size: int = 4, rounds: int = 2) -> dict:
+        pack_micro_batch_size: int = 4, rounds: int = 2) -> dict:
     """`cache`: the prose cache of the score bench (loader, train step); the packing caches are built here."""
     from benchmarks import step_bench
 
@@ -206,13 +224,13 @@ def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8
                                              if f.is_file())}
     res["compute"] = step_bench.run(cache)  # attention backend; our step vs a plain transformers loop
     caches = build_caches(work, seq_length)
-    res["packing"] = {name: packed_vs_padded(c, work, pack_steps, pack_micro_batch_size, seq_length, rounds)
+    res["packing"] = {name: packed_vs_padded(c, work, pack_micro_batch_size, seq_length, rounds)
                       for name, c in caches.items()}
     # The fused loss runs the output layer on loss positions only, so padding costs the padded run its transformer
     # layers but not its largest matmul; with logits on every position (fused_loss=false, the unfused trainers'
     # layout) padding costs everything, which is the case the ceiling 1/(1 - padding) describes.
-    res["packing_unfused"] = packed_vs_padded(caches["mixed"], work, pack_steps, pack_micro_batch_size, seq_length,
-                                              rounds, extra=("fused_loss=false",))
+    res["packing_unfused"] = packed_vs_padded(caches["mixed"], work, pack_micro_batch_size, seq_length, rounds,
+                                              extra=("fused_loss=false",))
     res["padding_demo"] = [padding(caches["demo"], 8, 256), padding(caches["demo"], 8, 512)]
     res["padding_mixed"] = padding(caches["mixed"], pack_micro_batch_size, seq_length)
     return res
@@ -267,9 +285,11 @@ def markdown(res: dict) -> str:
         "",
         f"Packed vs padded: embedded student, fp32 CPU, packed micro-batch {mixed['micro_batch_size']} rows of "
         f"{mixed['seq_length']} tokens; the padded runs get as many rows as give the same positions per step (so the "
-        f"ratio is the padding removed, not a larger batch); {mixed['steps']} steps per run (the first left out), "
-        f"subprocess runs interleaved, {mixed['rounds']} round(s). Both caches scored here by the teacher "
-        "(benchmarks/train_bench.py).",
+        f"ratio is the padding removed, not a larger batch); each run trains one epoch of its cache plus the "
+        f"first step, which is left out as warm-up, so both layouts are timed on the same samples (mixed: "
+        f"{mixed['steps']['padded']} padded / {mixed['steps']['packed']} packed steps per run; demo-like: "
+        f"{demo['steps']['padded']} / {demo['steps']['packed']}); subprocess runs interleaved, {mixed['rounds']} "
+        "round(s). Both caches scored here by the teacher (benchmarks/train_bench.py).",
         "",
         f"Checkpoint size (model + optimizer state): full {tr['checkpoint_bytes'] / 2**20:.0f} MiB, LoRA "
         f"{res['train_lora']['checkpoint_bytes'] / 2**20:.1f} MiB (adapter and its Adam moments only).",
