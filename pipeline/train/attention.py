@@ -24,7 +24,7 @@ The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_at
 - `packed_seq_params`: the trainer's packed rows come as `DocumentSpans` (each row's document spans, from the
   loader's `doc_ids`) with `attention_mask=None`, and take the per-document path directly: no `[B, 1, S, S]` mask
   is built or checked, so a packed micro-batch costs O(B*S) beside the kernels at any sequence length (the mask is
-  67 MB per row at 8,192 tokens, 1 GiB at 32,768, and reading it back into spans is O(S^2) work per forward).
+  64 MiB per row at 8,192 tokens, 1 GiB at 32,768, and reading it back into spans is O(S^2) work per forward).
   Megatron hands `packed_seq_params` from `GPTModel.forward` to `core_attention` untouched; every other use of it
   in megatron-core 0.16.1 tests `qkv_format == "thd"` (RoPE, the q/k/v layout), which "sbhd" is not, and its RoPE
   length is `max_seqlen_q`, the row length, as without it. Megatron's own module refuses it (`attention=local`
