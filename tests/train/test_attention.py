@@ -247,8 +247,9 @@ def test_bad_document_spans_and_thd_params_are_refused(single_process):
     q, k, v = torch.randn(24, 2, 4, 16), torch.randn(24, 2, 2, 16), torch.randn(24, 2, 2, 16)
     good = document_spans(packed_doc_ids(PACKED, 24))
     assert sdpa(q, k, v, None, packed_seq_params=good).shape == (24, 2, 64)
-    bad = [[(0, 10), (10, 24)], [(0, 5), (5, 12), (12, 20)]],  [[(0, 10), (11, 24)], [(0, 24)]], [[(0, 24)]]
-    for spans in bad:  # short of the row, a gap, a row missing
+    short = [[(0, 10), (10, 24)], [(0, 5), (5, 12), (12, 20)]]
+    gap = [[(0, 10), (11, 24)], [(0, 24)]]
+    for spans in (short, gap, [[(0, 24)]]):  # the last: a row missing
         with pytest.raises(ValueError, match="DocumentSpans must tile 0..24 of each of the 2 rows"):
             sdpa(q, k, v, None, packed_seq_params=DocumentSpans(qkv_format="sbhd", spans=spans))
     with pytest.raises(ValueError, match="no attention_mask beside them"):
