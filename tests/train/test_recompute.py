@@ -16,7 +16,7 @@ from train_fixtures import random_ids as _ids
 from pipeline.train.model import build_model, load_hf_weights
 
 
-def _grads(hf_dir, attention: str, recompute: str, lora: bool = False, mask=None):
+def _grads(hf_dir, attention: str, recompute: str, lora: bool = False, attn: dict | None = None):
     model = build_model(hf_dir, attention=attention, recompute=recompute)
     load_hf_weights(model, hf_dir)
     if lora:
@@ -35,7 +35,7 @@ def _grads(hf_dir, attention: str, recompute: str, lora: bool = False, mask=None
         layer.self_attention.core_attention.register_forward_hook(
             lambda *a: calls.__setitem__("core_attention", calls["core_attention"] + 1))
     ids = _ids()
-    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), mask)
+    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), **(attn or {"attention_mask": None}))
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
     (logits * weights).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -47,12 +47,15 @@ def _grads(hf_dir, attention: str, recompute: str, lora: bool = False, mask=None
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_recompute_gives_the_same_gradients(hf_dirs, single_process, arch, attention, recompute, packed):
-    """Also with a packed (block-diagonal) mask, which the checkpoints carry as one more input."""
-    from test_attention import PACKED, block_causal_mask
+    """Also with packed rows as the trainer passes them (attention_inputs: document spans to sdpa, the block-diagonal
+    mask to local), which the checkpoints carry as one more input."""
+    from test_attention import PACKED, packed_doc_ids
 
-    mask = block_causal_mask(PACKED, _ids().shape[1]) if packed else None
-    ref, ref_calls, layers = _grads(hf_dirs[arch], attention, "none", mask=mask)
-    grads, calls, _ = _grads(hf_dirs[arch], attention, recompute, mask=mask)
+    from pipeline.train.attention import attention_inputs
+
+    attn = attention_inputs(packed_doc_ids(PACKED, _ids().shape[1]), packed, attention)
+    ref, ref_calls, layers = _grads(hf_dirs[arch], attention, "none", attn=attn)
+    grads, calls, _ = _grads(hf_dirs[arch], attention, recompute, attn=attn)
     assert ref_calls == {"core_attention": layers, "layer": layers}
     # selective: core attention runs again in backward; full: the whole layer (and so its attention) does.
     assert calls == {"core_attention": 2 * layers, "layer": layers if recompute == "selective" else 2 * layers}
