@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import ARCHS
+from train_fixtures import ARCHS, needs_peak_rss, peak_rss_growth
 from train_fixtures import random_ids as _ids
 
 from pipeline.train.model import build_model, load_hf_weights
@@ -258,12 +258,7 @@ def test_bad_document_spans_and_thd_params_are_refused(single_process):
         sdpa(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc peak-RSS reset")
+@needs_peak_rss
 def test_packed_rows_cost_no_seq_squared_memory(hf_dirs, single_process):
     """A packed row of 8,192 tokens through the model as the trainer feeds it (document spans): peak memory stays
     below one S x S bool (64 MiB; measured 37 MiB, the activations and logits). The same row given the
@@ -280,11 +275,7 @@ def test_packed_rows_cost_no_seq_squared_memory(hf_dirs, single_process):
     with torch.no_grad():
         model(ids[:, :64], pos[:, :64], **attention_inputs(doc[:, :64], True, "sdpa"))  # one-off allocations
         for backend in ("sdpa", "local"):  # local: the mask route, run here by sdpa's own masked path
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset this process's peak RSS (VmHWM) to the current RSS
-            before = _status_bytes("VmRSS")
-            model(ids, pos, **attention_inputs(doc, True, backend))
-            growth[backend] = _status_bytes("VmHWM") - before
+            growth[backend] = peak_rss_growth(lambda b=backend: model(ids, pos, **attention_inputs(doc, True, b)))
     assert growth["sdpa"] < s * s, {k: v / 2**20 for k, v in growth.items()}
     assert growth["local"] > 3 * s * s, {k: v / 2**20 for k, v in growth.items()}
 

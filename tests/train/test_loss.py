@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_fixtures import needs_peak_rss, peak_rss_growth
 
 from pipeline.train.loss import gkd_loss, vocab_parallel_ce
 
@@ -196,12 +197,7 @@ def test_bad_arguments():
         gkd_loss(z, ids, ell, MASK, beta=0.5, mode="full")
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc peak-RSS reset")
+@needs_peak_rss
 @pytest.mark.parametrize("mode", ["tail", "renorm"])
 def test_peak_memory_is_logits_grad_plus_one_chunk(mode):
     t, v, k, chunk = 1024, 32768, 16, 128
@@ -212,12 +208,8 @@ def test_peak_memory_is_logits_grad_plus_one_chunk(mode):
     mask[::3] = False  # the masked path copies rows, so check it rather than the in-place one
     gkd_loss(z[:8], ids[:8], ell[:8], mask[:8], beta=0.5, mode=mode)[0].backward()  # warm up allocator/threads
     z.grad = None
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset this process's peak RSS (VmHWM) to the current RSS
-    before = _status_bytes("VmRSS")
-    loss, _ = gkd_loss(z, ids, ell, mask, beta=0.5, temperature=2.0, mode=mode, chunk_size=chunk)
-    loss.backward()
-    growth = _status_bytes("VmHWM") - before
+    growth = peak_rss_growth(
+        lambda: gkd_loss(z, ids, ell, mask, beta=0.5, temperature=2.0, mode=mode, chunk_size=chunk)[0].backward())
     tv = t * v * 4
     # The gradient plus a few [chunk, V] buffers (glibc keeps these 16 MiB blocks in its heap, so several may count);
     # any extra [T, V] float32 temporary would add 128 MiB (a full log_softmax reference grows by 3x the logits).
