@@ -18,6 +18,7 @@ import functools
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -153,40 +154,41 @@ def packed_vs_padded(cache: Path, work: Path, micro_batch_size: int, seq_length:
     return out
 
 
-def epoch_steps(cache: Path, micro_batch_size: int, seq_length: int, packing: bool) -> int:
-    """Micro-batches (= optimizer steps at global_batch_size = micro_batch_size) until the loader has handed out
-    every sample of the cache once, in the layout's own order from position 0."""
+def _epoch(cache: Path, micro_batch_size: int, seq_length: int, packing: bool) -> tuple[int, Iterator]:
+    """(samples in the cache, the micro-batches of one epoch): the layout's own order from position 0 (the
+    trainer's seed), up to the micro-batch that hands out the cache's last sample."""
     from pipeline.train.data import ScoredLoader
 
     loader = ScoredLoader([cache], micro_batch_size=micro_batch_size, seq_length=seq_length, seed=1234,
                           packing=packing)
-    it, count = loader.iter_from(0, prefetch=0), 0
-    while True:
-        count += 1
-        if next(it).end >= loader.num_samples:
-            return count
+
+    def batches() -> Iterator:
+        for mb in loader.iter_from(0, prefetch=0):
+            yield mb
+            if mb.end >= loader.num_samples:
+                return
+
+    return loader.num_samples, batches()
+
+
+def epoch_steps(cache: Path, micro_batch_size: int, seq_length: int, packing: bool) -> int:
+    """Micro-batches (= optimizer steps at global_batch_size = micro_batch_size) until the loader has handed out
+    every sample of the cache once."""
+    return sum(1 for _ in _epoch(cache, micro_batch_size, seq_length, packing)[1])
 
 
 def padding(cache: Path, micro_batch_size: int, seq_length: int) -> dict:
     """Padding fraction of one epoch, padded vs packed, from the loader (no training)."""
-    from pipeline.train.data import ScoredLoader
-
     out = {}
     for packing in (False, True):
-        loader = ScoredLoader([cache], micro_batch_size=micro_batch_size, seq_length=seq_length, seed=1234,
-                              packing=packing)
-        it = loader.iter_from(0, prefetch=0)
-        tokens = positions = 0
-        count = 0
-        while True:
-            mb = next(it)
+        samples, batches = _epoch(cache, micro_batch_size, seq_length, packing)
+        tokens = positions = count = 0
+        for mb in batches:
             tokens, positions, count = tokens + mb.tokens, positions + mb.positions, count + 1
-            if mb.end >= loader.num_samples:
-                break
         out["packed" if packing else "padded"] = 1 - tokens / positions
         if not packing:
             out["positions_per_micro_batch"] = positions / count
-    out.update(micro_batch_size=micro_batch_size, seq_length=seq_length, samples=loader.num_samples)
+    out.update(micro_batch_size=micro_batch_size, seq_length=seq_length, samples=samples)
     return out
 
 
