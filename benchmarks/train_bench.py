@@ -233,6 +233,10 @@ def run(cache: str | Path, work: Path, steps: int = 3, micro_batch_size: int = 8
     # layout) padding costs everything, which is the case the ceiling 1/(1 - padding) describes.
     res["packing_unfused"] = packed_vs_padded(caches["mixed"], work, pack_micro_batch_size, seq_length, rounds,
                                               extra=("fused_loss=false",))
+    # The same on the demo-like cache, whose loss positions (the completions) are about a third of its tokens: with
+    # the fused loss their output-layer work, the same in both layouts, keeps the ratio well under the ceiling.
+    res["packing_demo_unfused"] = packed_vs_padded(caches["demo"], work, pack_micro_batch_size, seq_length, rounds,
+                                                   extra=("fused_loss=false",))
     res["padding_demo"] = [padding(caches["demo"], 8, 256), padding(caches["demo"], 8, 512)]
     res["padding_mixed"] = padding(caches["mixed"], pack_micro_batch_size, seq_length)
     return res
@@ -243,11 +247,16 @@ def markdown(res: dict) -> str:
 
     ld, tr, pk = res["loader"], res["train"], res["packing"]
     mixed, demo = pk["mixed"], pk["demo"]
-    unfused = res["packing_unfused"]
+    unfused, demo_unfused = res["packing_unfused"], res["packing_demo_unfused"]
     d256, d512 = res["padding_demo"]
 
     def pct(x: float) -> str:
         return f"{100 * x:.1f} %"
+
+    def pad_cap(p: dict) -> float:
+        """Share of the ceiling left when everything scales with positions but the packed rows still pad:
+        (1 - packed padding) / (1 - padded padding) over 1 / (1 - padded padding)."""
+        return 1 - p["packed"]["padding_fraction"]
 
     def pack_cell(p: dict) -> str:
         return (f"**{p['ratio']:.2f}×** (packed {p['packed']['real_tokens_per_s']:.0f} vs padded "
@@ -275,7 +284,12 @@ def markdown(res: dict) -> str:
         f"{unfused['padded']['real_tokens_per_s']:.0f} real tokens/s = "
         f"{mixed['packed']['real_tokens_per_s'] / unfused['padded']['real_tokens_per_s']:.2f}× | (report) |",
         f"| packed vs padded, demo-like cache, share of the ceiling | **{100 * demo['ratio'] / demo['ceiling']:.0f} %** "
-        f"of the ceiling 1/(1 − padding) = {demo['ceiling']:.2f}×: {pack_cell(demo)} | ≥ 95 % |",
+        f"of the ceiling 1/(1 − padding) = {demo['ceiling']:.2f}×, default fused loss: {pack_cell(demo)}; unfused "
+        f"loss (logits on every position, where the ceiling's premise holds): "
+        f"{100 * demo_unfused['ratio'] / demo_unfused['ceiling']:.0f} % ({demo_unfused['ratio']:.2f}×: packed "
+        f"{demo_unfused['packed']['real_tokens_per_s']:.0f} vs padded {demo_unfused['padded']['real_tokens_per_s']:.0f} "
+        f"real tokens/s); the packed "
+        f"rows' own padding caps any run at {100 * pad_cap(demo):.0f} % | ≥ 95 % |",
         f"| padding fraction, demo-like cache ({d256['samples']} samples) | micro-batch {d256['micro_batch_size']} × "
         f"{d256['seq_length']} (the demo's): {pct(d256['padded'])} padded → {pct(d256['packed'])} packed; "
         f"{d512['micro_batch_size']} × {d512['seq_length']}: {pct(d512['padded'])} → {pct(d512['packed'])} | (report) |",
