@@ -288,8 +288,7 @@ def markdown(res: dict) -> str:
         f"loss (logits on every position, where the ceiling's premise holds): "
         f"{100 * demo_unfused['ratio'] / demo_unfused['ceiling']:.0f} % ({demo_unfused['ratio']:.2f}×: packed "
         f"{demo_unfused['packed']['real_tokens_per_s']:.0f} vs padded {demo_unfused['padded']['real_tokens_per_s']:.0f} "
-        f"real tokens/s); the packed "
-        f"rows' own padding caps any run at {100 * pad_cap(demo):.0f} % | ≥ 95 % |",
+        f"real tokens/s); the packed rows' own padding caps any run at {100 * pad_cap(demo):.0f} % | ≥ 95 % |",
         f"| padding fraction, demo-like cache ({d256['samples']} samples) | micro-batch {d256['micro_batch_size']} × "
         f"{d256['seq_length']} (the demo's): {pct(d256['padded'])} padded → {pct(d256['packed'])} packed; "
         f"{d512['micro_batch_size']} × {d512['seq_length']}: {pct(d512['padded'])} → {pct(d512['packed'])} | (report) |",

@@ -72,11 +72,16 @@ def document_spans(doc_ids: Tensor) -> DocumentSpans:
     b, s = doc_ids.shape
     starts = torch.ones(b, s, dtype=torch.bool)
     starts[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).cpu()
-    spans = []
-    for row in starts:
-        idx = [*row.nonzero().flatten().tolist(), s]
-        spans.append(list(zip(idx[:-1], idx[1:], strict=True)))
-    return DocumentSpans(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, spans=spans)
+    return DocumentSpans(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, spans=_spans(starts))
+
+
+def _spans(starts: Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of a bool [B, S] tensor (True where a document starts; column 0 always does), its [start, end) spans."""
+    out = []
+    for row in starts.cpu():
+        idx = [*row.nonzero().flatten().tolist(), row.shape[0]]
+        out.append(list(zip(idx[:-1], idx[1:], strict=True)))
+    return out
 
 
 class SDPAttention(MegatronModule):
@@ -226,10 +231,7 @@ def packed_segments(mask: Tensor, batch: int, sq: int, sk: int) -> list[list[tup
     expected = ~((doc[:, :, None] == doc[:, None, :]) & tril)
     result = None
     if torch.equal(expected, m):
-        result = []
-        for row in starts.cpu():
-            idx = [*row.nonzero().flatten().tolist(), sq]
-            result.append(list(zip(idx[:-1], idx[1:], strict=True)))
+        result = _spans(starts)
         if len(result) == 1 and batch > 1:
             result = result * batch
     _segment_cache[:] = [weakref.ref(mask), mask._version, result]
