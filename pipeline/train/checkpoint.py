@@ -12,6 +12,10 @@ does that). A checkpoint is written under a temporary name and renamed once comp
 a job killed mid-save resumes from the previous checkpoint. A save that fails (a full disk) removes its temporary
 folder and raises `WriteError` naming the checkpoint; the run resumes from `latest` once space is freed.
 
+An hf-backend checkpoint (trainer.json `backend: hf`, pipeline/train/hf_model.py) holds the same trainer.json, and
+instead of dist_checkpointing files rank 0's `student.safetensors` (all weights, or the LoRA adapter) and
+`optimizer.pt` (torch's optimizer state): data-parallel replicas are identical, and there is no TP to reshard.
+
 trainer.json records the student's architecture (`student_arch`, the config.json fields the Megatron mapping reads):
 a resume or export with another student is refused before any tensor is loaded.
 """
@@ -96,13 +100,19 @@ def _sharded(model, optimizer, *, is_loading: bool) -> dict:
 
 
 def arch_of(model) -> dict | None:
-    """The student architecture a checkpoint records (families.HFArch as JSON), None for a model built otherwise."""
+    """The student architecture a checkpoint records (families.HFArch as JSON; an hf-backend student's config
+    fields), None for a model built otherwise."""
+    if hasattr(model, "arch_json"):
+        return model.arch_json()
     arch = getattr(model, "hf_arch", None)
     return json.loads(json.dumps(dataclasses.asdict(arch))) if arch is not None else None
 
 
 def precision_of(model) -> str:
-    """'bf16' when the model's parameters are bfloat16 (mixed precision), else 'fp32'."""
+    """'bf16' when the model's parameters are bfloat16 (mixed precision), else 'fp32' (an hf-backend student keeps
+    fp32 weights under autocast and says which)."""
+    if hasattr(model, "precision") and isinstance(model.precision, str):
+        return model.precision
     return "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
 
 
@@ -126,7 +136,13 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     else:
         states[0] = rng_state()
     try:
-        dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
+        if getattr(model, "gkd_backend", None) == "hf":
+            if rank == 0:
+                from pipeline.train.hf_model import save_state
+
+                save_state(tmp, model, optimizer)
+        else:
+            dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
         if rank == 0:
             (tmp / META).write_text(json.dumps({**meta, "step": step, "rng": states}, indent=1) + "\n")
             shutil.rmtree(final, ignore_errors=True)
@@ -163,6 +179,16 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
         raise CheckpointMismatchError(f"{ckpt}: checkpoint trained in {saved_precision}, this run is {precision_of(model)}; "
                          f"resume with bf16={str(saved_precision == 'bf16').lower()} (the optimizer's main weights "
                          "and moments are kept per precision), or start a new save_dir")
+    if getattr(model, "gkd_backend", None) == "hf" or meta.get("backend") == "hf":
+        if getattr(model, "gkd_backend", None) != meta.get("backend", "megatron"):
+            raise CheckpointMismatchError(f"{ckpt}: saved by the {meta.get('backend', 'megatron')} backend, this run "
+                                          f"uses the {getattr(model, 'gkd_backend', 'megatron')} one; resume with "
+                                          f"backend={meta.get('backend', 'megatron')}, or start a new save_dir")
+        from pipeline.train.hf_model import load_state
+
+        load_state(ckpt, model, optimizer)
+        _restore_rng(meta, optimizer)
+        return meta
     state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(ckpt))
     if own_lora is not None:
         load_lora_state(model, state["model"])
@@ -170,7 +196,13 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
         model.load_state_dict(state["model"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank < len(meta.get("rng", [])):  # same world size: continue each rank's streams exactly
-            set_rng_state(meta["rng"][rank])
+    _restore_rng(meta, optimizer)
     return meta
+
+
+def _restore_rng(meta: dict, optimizer) -> None:
+    if optimizer is None:  # export / evaluation: no run to continue
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank < len(meta.get("rng", [])):  # same world size: continue each rank's streams exactly
+        set_rng_state(meta["rng"][rank])

@@ -6,7 +6,8 @@
     gkd export --checkpoint runs/lora --out DIR --merged           # LoRA run: base + adapter as one HF folder
     gkd export --checkpoint runs/train --out DIR --dtype bfloat16  # weights dtype (default: the student's config)
 
-One process at TP=1: dist_checkpointing reshards a checkpoint saved at any TP degree on load. The architecture and
+A checkpoint of the hf backend (trainer.json `backend: hf`) is written by transformers' `save_pretrained` (the
+adapter by peft's). A Megatron one: one process at TP=1: dist_checkpointing reshards a checkpoint saved at any TP degree on load. The architecture and
 tokenizer come from the student folder recorded in the checkpoint's trainer.json (override with --student); a
 LoRA checkpoint holds only the adapter, which is put back on that folder's base weights. A LoRA checkpoint exports
 merged unless --adapter-only is given.
@@ -54,6 +55,11 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
     out_dtype = getattr(torch, DTYPES[dtype] if dtype else student_dtype(hf_dir))
+    if meta.get("backend") == "hf":  # transformers' own save_pretrained (peft's for the adapter): no Megatron
+        from pipeline.train.hf_model import export as export_hf_backend
+
+        export_hf_backend(ckpt, meta, hf_dir, Path(out_dir), adapter_only=adapter_only, dtype=out_dtype)
+        return Path(out_dir)
     # Built in the checkpoint's precision, so its tensors load as they were saved; cast on writing.
     params_dtype = torch.bfloat16 if meta.get("precision") == "bf16" else torch.float32
     init_distributed(tp=1, pp=1, seed=0)

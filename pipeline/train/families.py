@@ -194,3 +194,62 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rope: Llama3Rope) -> torch.Tensor:
     blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+# ---------------------------------------------------------------- which backend trains a student
+
+BACKENDS = ("auto", "megatron", "hf")
+
+
+def hf_refusal(hf_dir: str | Path) -> str | None:
+    """Why the transformers backend cannot train this config (None: it can): no causal-LM class in transformers,
+    an encoder-decoder, or an encoder-only family (BERT-like models have an LM head class, but attend both ways
+    unless the config says is_decoder)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(hf_dir))
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return f"transformers cannot read it ({e})"
+    model_type = cfg.model_type
+    if getattr(cfg, "is_encoder_decoder", False):
+        return f"model_type {model_type} is an encoder-decoder; the student must be a decoder-only causal LM"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"model_type {model_type} has no causal-LM class in transformers (AutoModelForCausalLM)"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False):
+        return (f"model_type {model_type} is an encoder-only family (bidirectional attention unless is_decoder: "
+                "true); the student must be a causal LM")
+    return None
+
+
+def resolve_backend(hf_dir: str | Path, requested: str, seq_length: int) -> tuple[str, str]:
+    """(backend, why) for a student folder: `megatron` for the families Megatron-Core maps exactly (read_hf_arch,
+    check_trainable), `hf` (transformers) for every other causal LM; `auto` picks in that order. Refusals name the
+    key that blocks a backend: `backend=megatron` with an unmapped family suggests `backend=hf`; a config neither
+    backend trains names its model_type and both backends' reasons. The one rule: the trainer, the bench and the
+    docs call this."""
+    path = Path(hf_dir) / "config.json"
+    if requested not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    megatron_no = None
+    if requested in ("auto", "megatron"):
+        try:
+            arch = read_hf_arch(hf_dir)
+            check_trainable(arch, seq_length, path)
+            return "megatron", f"Megatron-Core maps model_type {arch.model_type} exactly"
+        except UnsupportedModelError as e:
+            if requested == "megatron":
+                raise UnsupportedModelError(f"{e}. backend=hf trains it through transformers") from e
+            megatron_no = str(e).removeprefix(f"{path}: ")
+    hf_no = hf_refusal(hf_dir)
+    if hf_no is not None:
+        model_type = json.loads(path.read_text()).get("model_type")
+        why = f"megatron: {megatron_no}; hf: {hf_no}" if megatron_no else f"hf: {hf_no}"
+        raise UnsupportedModelError(f"{path}: no backend trains model_type {model_type!r} ({why})")
+    if megatron_no:
+        return "hf", f"transformers (Megatron-Core does not map it: {megatron_no})"
+    return "hf", "transformers (backend=hf)"

@@ -322,7 +322,10 @@ def output_hidden_states(model) -> None:
 
 
 def output_weight(model) -> Tensor:
-    """This rank's vocab slice of the output-layer weight (the embedding when tied), as GPTModel uses it."""
+    """This rank's vocab slice of the output-layer weight (the embedding when tied), as GPTModel uses it; the LM
+    head's weight of an hf-backend student (`hf_model.HFStudent.output_weight`)."""
+    if hasattr(model, "output_weight"):
+        return model.output_weight()
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight

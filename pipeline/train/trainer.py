@@ -33,7 +33,7 @@ from pipeline.config import ConfigError, to_dict
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import WriteError, atomic_write_bytes
 from pipeline.train.data import ScoredLoader, resolve_sources
-from pipeline.train.families import check_trainable, read_hf_arch
+from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
@@ -41,7 +41,11 @@ from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
 
 @dataclass
 class TrainConfig:
-    student: str = "default"  # HF folder (llama, mistral, qwen2, qwen3; see README); "default" = the SmolLM2 6-layer student
+    student: str = "default"  # HF folder (any causal LM; see README); "default" = the SmolLM2 6-layer student
+    # megatron: Megatron-Core (llama, mistral, qwen2, qwen3: TP, its DDP and optimizer); hf: transformers (any
+    # AutoModelForCausalLM: Qwen3.5, Gemma, Phi, MoE, ...; pipeline/train/hf_model.py); auto: megatron where it maps
+    # the family exactly, else hf (families.resolve_backend). The first log line and trainer.json say which.
+    backend: str = "auto"
     cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
     # A live teacher instead of a cache (pipeline/train/live_teacher.py): an HF folder of the student's tokenizer,
     # run frozen in the trainer on every micro-batch of `rollouts` (rollout dirs/shards); then cache must be [].
@@ -179,15 +183,18 @@ class TrainConfig:
             p.append("use_distributed_optimizer needs CUDA (its checkpoint state does not load on CPU); set it false")
         if self.lora_rank < 0:
             p.append("lora_rank must be >= 0 (0: train all weights)")
+        if self.backend not in BACKENDS:
+            p.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.lora_rank > 0:
             if self.lora_alpha <= 0:
                 p.append("lora_alpha must be > 0")
-            from pipeline.train.lora import resolve_targets
+            if self.backend == "megatron":  # hf (and auto, until the family is known) check them on the model
+                from pipeline.train.lora import resolve_targets
 
-            try:
-                resolve_targets(self.lora_targets)
-            except ValueError as e:
-                p.append(str(e))
+                try:
+                    resolve_targets(self.lora_targets)
+                except ValueError as e:
+                    p.append(str(e))
         return p
 
     def precision(self) -> str:
@@ -226,8 +233,19 @@ def _init_sgd_state(opt: torch.optim.Optimizer, config=None) -> None:
                 opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
 
 
-def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
-    """GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR scheduler."""
+def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | None = None):
+    """(model, its data-parallel wrapper, optimizer, LR scheduler) of the student on `backend` (None: resolved from
+    cfg.backend). megatron: GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR
+    scheduler; hf: the transformers model (hf_model.HFStudent) in torch DDP, the same update rule and schedule."""
+    backend = backend or resolve_backend(hf_dir, cfg.backend, cfg.seq_length)[0]
+    if backend == "hf":
+        from pipeline.train import hf_model
+
+        lora = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if cfg.lora_rank else None
+        student = hf_model.build(hf_dir, lora=lora, seed=cfg.seed, fused_loss=cfg.fused_loss, packing=cfg.packing,
+                                 precision=cfg.precision(), attention=cfg.attention, recompute=cfg.recompute)
+        optimizer, scheduler = hf_model.optimizer_and_scheduler(student, cfg)
+        return student, hf_model.wrap_data_parallel(student), optimizer, scheduler
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -276,8 +294,8 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path):
     return model, ddp, optimizer, scheduler
 
 
-def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str):
-    """The frozen teacher GPTModel of `teacher_live`, with the student's TP split and precision: HF weights,
+def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = "megatron"):
+    """The frozen teacher of `teacher_live` on the student's backend, with its TP split and precision: HF weights,
     eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
     output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights."""
     from pipeline.train.data import TokenizerMismatchError
@@ -290,6 +308,11 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str):
     if fp != student_tokenizer:
         raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
                                      f"{student_tokenizer}; teacher ids would index the wrong tokens")
+    if backend == "hf":
+        from pipeline.train import hf_model
+
+        return hf_model.build(teacher_dir, packing=cfg.packing, precision=cfg.precision(), attention=cfg.attention,
+                              trainable=False)
     dtype = torch.bfloat16 if cfg.precision() == "bf16" else torch.float32
     teacher = build_model(teacher_dir, params_dtype=dtype, attention=cfg.attention)
     load_hf_weights(teacher, teacher_dir)
@@ -391,16 +414,30 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
     return loss, kd_n, sums
 
 
+def model_inputs(batch, cfg: TrainConfig, model) -> dict:
+    """The model's forward keywords besides input_ids, per backend: how packed rows keep their samples apart.
+    megatron: positions, and document spans (sdpa) or a block-diagonal mask (local), `attention.attention_inputs`;
+    hf: per-sample positions and a block-diagonal mask, `hf_model.inputs`. Padded rows: the causal default."""
+    from pipeline.train.hf_model import inputs, is_hf
+
+    if is_hf(_unwrap(model)):
+        impl = "sdpa" if cfg.attention == "sdpa" else "eager"
+        return inputs(batch.doc_ids, batch.position_ids, batch.packed, impl)
+    from pipeline.train.attention import attention_inputs
+
+    return {"position_ids": batch.position_ids, **attention_inputs(batch.doc_ids, batch.packed, cfg.attention)}
+
+
 def score_live(teacher, batch, attn: dict, cfg: TrainConfig, student_vocab: int):
     """The micro-batch with its teacher rows computed now by the frozen live teacher, at its loss positions: the
     top-k and tail the score stage would have stored, unquantised (pipeline/train/live_teacher.py). `attn`: the
-    student's attention keywords (`attention.attention_inputs`), the teacher being built with the same backend."""
+    student's forward keywords (`model_inputs`), the teacher being built on the same backend."""
     import dataclasses
 
     from megatron.core import parallel_state
 
     with torch.no_grad():
-        hidden = teacher(batch.input_ids, batch.position_ids, **attn)
+        hidden = teacher(batch.input_ids, **attn)
         ids, lps, tail, valid = teacher_topk(
             hidden, output_weight(teacher), batch.loss_mask, cfg.teacher_live_topk,
             tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=teacher.hf_vocab_size,
@@ -412,15 +449,12 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
     `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
 
-    from pipeline.train.attention import attention_inputs
-
     batch = next(data_iterator).to(_device())
-    # Packed rows: their document spans (sdpa) or a block-diagonal causal mask (local); padded: the causal default.
-    attn = attention_inputs(batch.doc_ids, batch.packed, cfg.attention)
+    attn = model_inputs(batch, cfg, model)
     if teacher is not None:
         batch = score_live(teacher, batch, attn, cfg, vocab_size)
     # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
-    out = model(batch.input_ids, batch.position_ids, **attn)
+    out = model(batch.input_ids, **attn)
     return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))
 
 
@@ -440,6 +474,8 @@ def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_s
          *(float(sum(getattr(b, f) for b in micro)) for f in _DATA_COUNTS)], dtype=torch.float64,
         device=_device())
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    if getattr(_unwrap(ddp), "gkd_backend", None) == "hf":
+        return (counts, *_hf_step(cfg, ddp, optimizer, scheduler, micro, counts, vocab_size, teacher))
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     reports = get_forward_backward_func()(
@@ -451,6 +487,31 @@ def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_s
     _, grad_norm, _ = optimizer.step()
     scheduler.step(increment=1)
     return counts, reports, lr, grad_norm
+
+
+def _hf_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, counts, vocab_size: int, teacher=None):
+    """train_step's body on the hf backend, what Megatron's no-pipelining schedule does written out: forward_step
+    and the loss per micro-batch, backward (gradients reduced over data-parallel ranks on the last one only), then
+    Megatron's clip + update. Returns (reports, lr, grad norm)."""
+    from contextlib import nullcontext
+
+    from pipeline.train.hf_model import clip_and_step
+
+    student = _unwrap(ddp)
+    optimizer.zero_grad(set_to_none=False)
+    reports, data = [], iter(micro)
+    step_counts = (counts[0].item(), counts[1].item())
+    for i in range(len(micro)):
+        sync = i == len(micro) - 1 or not hasattr(ddp, "no_sync")
+        with nullcontext() if sync else ddp.no_sync():
+            out, loss_of = forward_step(step_counts, cfg, vocab_size, data, ddp, teacher=teacher)
+            loss, _, report = loss_of(out)
+            loss.backward()
+        reports.append(report)
+    lr = optimizer.param_groups[0]["lr"]
+    grad_norm = clip_and_step(student, optimizer, cfg.clip_grad)
+    scheduler.step(increment=1)
+    return reports, lr, grad_norm
 
 
 # ---------------------------------------------------------------- the loop
@@ -485,15 +546,25 @@ def train(cfg: TrainConfig) -> dict:
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
     hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
-    check_trainable(read_hf_arch(hf_dir), cfg.seq_length, hf_dir / "config.json")
+    backend, why = resolve_backend(hf_dir, cfg.backend, cfg.seq_length)
+    if backend == "hf" and cfg.tensor_model_parallel_size > 1:
+        raise ConfigError(f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: the hf backend ({why}) has "
+                          "no tensor parallelism; train it data-parallel (torchrun) or on the Megatron backend")
+    if backend == "megatron" and cfg.lora_rank:
+        from pipeline.train.lora import resolve_targets
+
+        try:
+            resolve_targets(cfg.lora_targets)
+        except ValueError as e:
+            raise ConfigError(f"{e} (backend=hf takes any linear layer's name)") from e
     init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed)
     try:
-        return _train(cfg)
+        return _train(cfg, backend, why)
     finally:
         destroy_distributed()
 
 
-def _train(cfg: TrainConfig) -> dict:
+def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
     """setup -> steps -> checkpoints, inside an initialised process group."""
     from megatron.core import parallel_state
     from transformers import AutoTokenizer
@@ -511,8 +582,10 @@ def _train(cfg: TrainConfig) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if cfg.teacher_live is None:
         check_cache_holds_loss(cfg)  # before the model is built: a cache that cannot feed this loss is refused
-    model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir)
-    teacher = setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer)) if cfg.teacher_live else None
+    if rank == 0:
+        print(f"[train] backend={backend}: {why}", file=sys.stderr)
+    model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir, backend)
+    teacher = setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer), backend) if cfg.teacher_live else None
     loader = ScoredLoader(
         cfg.rollouts if teacher is not None else cfg.cache, micro_batch_size=cfg.micro_batch_size,
         seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id, dp_rank=dp_rank, dp_size=dp,
@@ -547,7 +620,7 @@ def _train(cfg: TrainConfig) -> dict:
         bar = tqdm(total=cfg.train_steps, initial=step, disable=not cfg.progress, desc="train", dynamic_ncols=True)
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
-              f"{', LoRA ' + str(cfg.lora_spec().to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
+              f"{', LoRA ' + str(model.lora_spec.to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
               f"dp={dp} tp={cfg.tensor_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
 
     batches = loader.iter_from(position, prefetch=cfg.prefetch)
@@ -611,6 +684,7 @@ def _train(cfg: TrainConfig) -> dict:
                     "data_position": position, "data_fingerprint": loader.fingerprint,
                     "data_shards": [str(s.path.resolve()) for s in loader.shards],
                     "scheduler": scheduler.state_dict(), "config": to_dict(cfg), "student": str(hf_dir.resolve()),
+                    "backend": backend,
                 })
             if done:
                 break

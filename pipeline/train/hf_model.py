@@ -1,0 +1,348 @@
+"""The transformers student backend (`backend=hf`): any `AutoModelForCausalLM` behind the interface the trainer's loop
+uses for a Megatron GPTModel, so both backends share one loop, one loader and one loss.
+
+    HFStudent(lm)(input_ids, position_ids, attention_mask=None) -> final normed hidden states [B, S, H]
+                                                                   (or logits [B, S, V] with logits=True)
+    output_weight(student) -> the LM head's weight [V, H]: the fused loss applies the output layer itself
+
+Which backend trains which family, and the refusals: `pipeline.train.families.resolve_backend`.
+
+What the backend does and why:
+- The fused loss (pipeline/train/fused_loss.py) takes the decoder's last hidden states and the LM head's weight, so
+  no `[tokens, vocab]` logits exist. That is exact only where the model's logits ARE `hidden · Wᵀ` (no bias, no
+  soft-capping, no logit scale: Gemma 2's `final_logit_softcapping`, Cohere's `logit_scale`, Granite's
+  `logits_scaling` are not); `build` checks it on a probe input and refuses `fused_loss=true` where it is not.
+- Packed rows: each row's samples get position ids restarting at 0 (so learned absolute position embeddings are
+  exact too, not only RoPE) and a block-diagonal causal `[B, 1, S, S]` mask, which transformers passes to the
+  attention as it is. Layers that are not attention (Qwen3.5's / Qwen3-Next's Gated DeltaNet `linear_attention`,
+  Mamba) carry a recurrent state across the row: transformers' pure-PyTorch DeltaNet fallback
+  (`torch_chunk_gated_delta_rule`) has no sequence-boundary input, so packing is refused for them, naming the layer
+  type; every other model is checked on a probe (two samples packed == each alone) before training.
+- LoRA through peft (`lora.*` keys as for Megatron; Megatron's layer names map to the HF modules they come from,
+  `all-linear` is peft's own); the adapter is what checkpoints and `gkd export --adapter-only` hold.
+- bf16: fp32 weights (the optimizer's master copy) with the body under `torch.autocast(bfloat16)`; the output layer
+  and the loss run in float32.
+- Data parallelism: torch DDP with a hook that sums gradients over ranks instead of averaging them (the loss is
+  already normalised by the global active count: trainer.py's module docstring).
+- Gradient checkpointing: `recompute=selective|full` both checkpoint whole decoder layers (transformers has no
+  finer grain).
+- Tensor parallelism: none (refused); use the Megatron backend for the families it maps.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipeline.config import ConfigError
+from pipeline.train.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
+
+# Layer types (config.layer_types) that are attention and so keep packed samples apart under a block-diagonal mask.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+# Fixed seed and sizes of the probes `build` runs (packing, fused output layer): small enough to cost a few forwards.
+_PROBE_SEED, _PROBE_LENGTHS = 1234, (5, 7)
+_PROBE_RTOL = 1e-4
+
+
+class HFStudent(nn.Module):
+    """A transformers causal LM (optionally peft-wrapped) as the trainer's loop sees a model.
+
+    `forward` returns the decoder's final (normed) hidden states, or the logits with `logits=True` (the unfused
+    reference path). Attributes the loop, the loss and the checkpoints read: `hf_vocab_size`, `lora_spec`
+    (None for full fine-tuning), `precision`, `gkd_backend`."""
+
+    gkd_backend = "hf"
+
+    def __init__(self, lm: nn.Module, *, logits: bool = False, lora_spec: LoRASpec | None = None,
+                 precision: str = "fp32"):
+        super().__init__()
+        self.lm = lm  # not `module`: the trainer unwraps DDP by that name
+        self.logits = logits
+        self.lora_spec = lora_spec
+        self.precision = precision
+        self.hf_vocab_size = int(self.base().get_output_embeddings().weight.shape[0])
+
+    def base(self) -> nn.Module:
+        """The transformers model (inside peft's wrapper for a LoRA student; its layers carry the adapters)."""
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        dev = input_ids.device.type
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            if self.logits:
+                out = self.base()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                  use_cache=False).logits
+            else:
+                out = self.base().get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                                attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return out.float()  # the output layer and the loss run in float32
+
+    def output_weight(self) -> Tensor:
+        return self.base().get_output_embeddings().weight
+
+    def arch_json(self) -> dict:
+        """What a checkpoint records of the student, to refuse a resume or export with another one."""
+        c = self.base().config
+        keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "layer_types")
+        return {k: getattr(c, k, None) for k in keys}
+
+
+def is_hf(model: nn.Module) -> bool:
+    return getattr(model, "gkd_backend", None) == "hf"
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def inputs(doc_ids: Tensor, position_ids: Tensor, packed: bool, attn_implementation: str) -> dict:
+    """`HFStudent.forward` keywords of a micro-batch. Padded rows: the model's own causal mask (padding is at the
+    end of each row, after every loss position). Packed rows: positions restarting at each sample and the
+    block-diagonal causal mask (bool, True = attend, for sdpa; additive elsewhere)."""
+    if not packed:
+        return {"position_ids": position_ids, "attention_mask": None}
+    s = doc_ids.shape[-1]
+    col = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
+    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
+    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(new_doc, col, 0).cummax(-1).values  # column where each token's sample starts
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril_()
+    allowed = ((doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)) & causal).unsqueeze(1)
+    if attn_implementation != "sdpa":
+        allowed = torch.zeros(allowed.shape, dtype=torch.float32, device=doc_ids.device).masked_fill_(
+            ~allowed, torch.finfo(torch.float32).min)
+    return {"position_ids": col - start, "attention_mask": allowed}
+
+
+# ---------------------------------------------------------------- build
+
+
+def lora_targets(targets: Sequence[str], lm: nn.Module) -> list[str] | str:
+    """peft `target_modules` for `targets`: Megatron's layer names (and their short names) become the HF modules they
+    are made of, HF module names pass through, `all-linear` is peft's own. A name that matches no linear layer of
+    the model is refused, naming the ones it could match."""
+    if "all-linear" in targets:
+        return "all-linear"
+    head = lm.get_output_embeddings()
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear) and m is not head})
+    out: list[str] = []
+    for t in targets:
+        kind = ALIASES.get(t, t)
+        out += [m.rsplit(".", 1)[-1] for m in HF_MODULES[kind]] if kind in TARGETS else [t]
+    missing = sorted({t for t in out if t not in names})
+    if missing:
+        raise ConfigError(f"lora_targets: {', '.join(missing)} match(es) no linear layer of this "
+                          f"{lm.config.model_type} model; it has {', '.join(names)} (or use all-linear; the output "
+                          "layer is not adaptable)")
+    return list(dict.fromkeys(out))
+
+
+def build(hf_dir: str | Path, *, lora: tuple[int, float, Sequence[str]] | None = None, seed: int = 0,
+          fused_loss: bool = True, packing: bool = False, precision: str = "fp32", attention: str = "sdpa",
+          recompute: str = "none", trainable: bool = True) -> HFStudent:
+    """The student (or, with `trainable=False`, a frozen live teacher) from an HF folder, in float32 weights;
+    `lora` = (rank, alpha, targets). Refuses, before training, what this backend would compute wrongly: a fused
+    output layer where the logits are not `hidden · Wᵀ`, packing across layers that do not keep samples apart."""
+    from transformers import AutoModelForCausalLM
+
+    attn = {"sdpa": "sdpa", "local": "eager"}[attention]
+    lm = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation=attn)
+    if packing:
+        check_packing(lm, hf_dir)
+    if fused_loss:
+        check_fused(lm, hf_dir)
+    spec = None
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        rank, alpha, targets = lora
+        modules = lora_targets(targets, lm)
+        spec = LoRASpec(rank, alpha, (modules,) if isinstance(modules, str) else tuple(modules))
+        torch.manual_seed(seed)  # peft's A init (B starts at zero): the same adapter for the same seed
+        lm = get_peft_model(lm, LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0,
+                                           bias="none"))
+    if recompute != "none" and trainable:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora is not None:
+            lm.enable_input_require_grads()  # checkpointed layers need an input that requires grad (frozen base)
+    student = HFStudent(lm, logits=not fused_loss, lora_spec=spec, precision=precision)
+    if not trainable:
+        student.requires_grad_(False)
+        return student.eval()
+    return student.train()
+
+
+def _probe_ids(vocab: int, n: int, generator: torch.Generator) -> Tensor:
+    return torch.randint(0, vocab, (1, n), generator=generator)
+
+
+def check_packing(lm: nn.Module, hf_dir: str | Path) -> None:
+    """Refuse packing where a layer cannot keep a row's samples apart: non-attention layer types by name, anything
+    else by a probe (two samples packed in one row against each alone, in eval mode)."""
+    types = list(getattr(lm.config, "layer_types", None) or [])
+    other = sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise ConfigError(
+            f"{Path(hf_dir) / 'config.json'}: packing=true, but layer_types has {', '.join(other)} "
+            f"({sum(t in other for t in types)} of {len(types)} layers), which carries state from one sample of a "
+            "packed row into the next (transformers' fallback kernel has no sequence boundaries); set packing=false")
+    g = torch.Generator().manual_seed(_PROBE_SEED)
+    docs = [_probe_ids(lm.config.vocab_size, n, g) for n in _PROBE_LENGTHS]
+    row = torch.cat(docs, dim=1)
+    doc_ids = torch.cat([torch.full((1, d.shape[1]), i) for i, d in enumerate(docs)], dim=1)
+    kw = inputs(doc_ids, torch.arange(row.shape[1])[None], True, lm.config._attn_implementation)
+    was_training = lm.training
+    lm.eval()
+    with torch.no_grad():
+        packed = lm(input_ids=row, use_cache=False, **kw).logits[0]
+        alone = torch.cat([lm(input_ids=d, use_cache=False).logits[0] for d in docs])
+    lm.train(was_training)
+    gap = float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-30))
+    if gap > _PROBE_RTOL:
+        raise ConfigError(f"{Path(hf_dir) / 'config.json'}: packing=true, but this {lm.config.model_type} model "
+                          f"gives two samples packed in one row other logits than each alone (max gap {gap:.1e} of "
+                          "the logits' scale); it does not keep packed samples apart: set packing=false")
+
+
+def check_fused(lm: nn.Module, hf_dir: str | Path) -> None:
+    """Refuse the fused output layer + loss where the model's logits are not `final hidden · Wᵀ`."""
+    head = lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ConfigError(f"{Path(hf_dir) / 'config.json'}: fused_loss=true needs a bias-free linear output layer, "
+                          f"this {lm.config.model_type} model has {type(head).__name__}; set fused_loss=false")
+    ids = _probe_ids(lm.config.vocab_size, 8, torch.Generator().manual_seed(_PROBE_SEED))
+    with torch.no_grad():
+        logits = lm(input_ids=ids, use_cache=False).logits[0]
+        hidden = lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]
+        gap = float((hidden @ head.weight.T - logits).abs().max() / logits.abs().max().clamp_min(1e-30))
+    if gap > _PROBE_RTOL:
+        raise ConfigError(f"{Path(hf_dir) / 'config.json'}: fused_loss=true applies the output layer to the final "
+                          f"hidden states, but this {lm.config.model_type} model's logits are not hidden · Wᵀ (max "
+                          f"gap {gap:.1e}: a soft-cap or logit scale); set fused_loss=false")
+
+
+def wrap_data_parallel(student: HFStudent) -> nn.Module:
+    """torch DDP over the default group when there are several processes, gradients SUMMED over ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return student
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(student, broadcast_buffers=False)
+
+    def sum_hook(group, bucket):
+        return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, sum_hook)
+    return ddp
+
+
+def optimizer_and_scheduler(student: HFStudent, cfg):
+    """The optimizer Megatron's `get_megatron_optimizer` builds on CPU (torch AdamW, betas 0.9/0.95, eps 1e-8, or
+    SGD with momentum 0.9; no weight decay on biases and 1-D weights) and Megatron's own warmup + cosine schedule,
+    so both backends train with the same update rule."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay, no_decay = [], []
+    for name, p in student.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if cfg.optimizer == "adam":
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    else:
+        opt = torch.optim.SGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.9)
+    scheduler = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=cfg.train_steps, lr_decay_style="cosine", start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_steps, wd_incr_style="constant",
+    )
+    return opt, scheduler
+
+
+def clip_and_step(student: HFStudent, optimizer, clip_grad: float) -> float:
+    """Megatron's step on fp32 grads: global L2 norm, clip to `clip_grad` (0: no clipping), then the update.
+    Returns the norm before clipping."""
+    params = [p for p in student.parameters() if p.requires_grad and p.grad is not None]
+    if clip_grad > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    optimizer.step()
+    return float(norm)
+
+
+# ---------------------------------------------------------------- checkpoints and export
+
+MODEL_FILE, OPTIMIZER_FILE = "student.safetensors", "optimizer.pt"
+
+
+def trainable_state(student: HFStudent) -> dict[str, Tensor]:
+    """What a checkpoint holds: the adapters of a LoRA student, else every weight (tied ones once)."""
+    if student.lora_spec is not None:
+        return {n: p.detach() for n, p in student.named_parameters() if ".lora_" in n}  # peft's adapter names
+    return student.state_dict()
+
+
+def save_state(folder: Path, student: HFStudent, optimizer) -> None:
+    """Rank 0's part of a checkpoint (data-parallel replicas are identical)."""
+    from safetensors.torch import save_file, save_model
+
+    if student.lora_spec is not None:
+        save_file({k: v.contiguous() for k, v in trainable_state(student).items()}, str(folder / MODEL_FILE))
+    else:
+        save_model(student, str(folder / MODEL_FILE))  # drops the duplicate of tied weights
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
+
+
+def load_state(folder: Path, student: HFStudent, optimizer=None) -> None:
+    from safetensors.torch import load_file, load_model
+
+    if student.lora_spec is not None:
+        state = load_file(str(folder / MODEL_FILE))
+        missing = set(trainable_state(student)) - set(state)
+        if missing or set(state) - set(trainable_state(student)):
+            raise ConfigError(f"{folder / MODEL_FILE}: adapter keys differ from this LoRA student's "
+                              f"(e.g. {sorted(missing or set(state))[:2]})")
+        student.load_state_dict(state, strict=False)
+    else:
+        load_model(student, str(folder / MODEL_FILE), strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
+
+
+def export(ckpt: Path, meta: dict, hf_dir: Path, out_dir: Path, *, adapter_only: bool, dtype: torch.dtype) -> None:
+    """An hf-backend checkpoint as an HF folder (LoRA merged) or, `adapter_only`, as peft's adapter folder; written
+    under a temporary name and renamed (pipeline.store.shards.staged_dir)."""
+    from pipeline.store.shards import staged_dir
+
+    lora = meta.get("lora")
+    student = build(hf_dir, lora=None if lora is None else (lora["rank"], lora["alpha"], lora["targets"]),
+                    fused_loss=False, trainable=False)
+    load_state(ckpt, student)
+    with staged_dir(out_dir) as partial:
+        if adapter_only:
+            student.lm.save_pretrained(str(partial))
+            _set_base(partial / "adapter_config.json", hf_dir)
+            return
+        lm = student.lm.merge_and_unload() if lora is not None else student.lm
+        lm.to(dtype).save_pretrained(str(partial), safe_serialization=True)
+        for f in hf_dir.iterdir():  # tokenizer, chat template, generation config: everything but weights/config
+            if f.is_file() and not (partial / f.name).exists() and not _is_weights(f.name):
+                shutil.copy2(f, partial / f.name)
+
+
+def _set_base(adapter_config: Path, base: Path) -> None:
+    config = json.loads(adapter_config.read_text())
+    config["base_model_name_or_path"] = str(base.resolve())  # what vLLM and evaluate.load_hf put it on
+    adapter_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _is_weights(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".safetensors.index.json"))
