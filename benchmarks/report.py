@@ -33,6 +33,7 @@ SECTIONS = {  # name -> heading, in file order
     "served": "Served teacher vs in-process scoring (issue #19: a served teacher)",
     "loss": "GKD loss (issue: train stage)",
     "train": "Trainer (issue: train stage)",
+    "hf": "Transformers student backend vs Megatron-Core, Qwen3.5 (issue #30: any student)",
     "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
     "baselines": "Cache vs live teacher: step time and break-even (issue: honest baselines)",
     "onpolicy": "On-policy vs off-policy GKD (issue: on-policy)",

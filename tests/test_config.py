@@ -58,7 +58,8 @@ def test_every_shipped_recipe_loads_and_its_sections_agree():
     from pipeline.train.run import TrainConfig
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs" / "recipes").glob("*.yaml"))
-    assert [p.stem for p in recipes] == ["llama3.1-8b-to-3.2-1b", "qwen2.5-7b-to-0.5b", "qwen3-8b-to-0.6b"]
+    assert [p.stem for p in recipes] == ["llama3.1-8b-to-3.2-1b", "qwen2.5-7b-to-0.5b", "qwen3-8b-to-0.6b",
+                                         "qwen3.5-9b-to-4b"]
     for path in recipes:
         score, _ = parse_args(["--config", str(path)])
         train = load_config(TrainConfig, path, section="train")

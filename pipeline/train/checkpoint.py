@@ -36,6 +36,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mpu_random
 
 from pipeline.store.shards import WriteError, atomic_write_bytes, os_error_in
+from pipeline.train import hf_model
 from pipeline.train.lora import is_lora, load_lora_state, lora_sharded_state_dict
 
 LATEST = "latest"
@@ -138,9 +139,7 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     try:
         if getattr(model, "gkd_backend", None) == "hf":
             if rank == 0:
-                from pipeline.train.hf_model import save_state
-
-                save_state(tmp, model, optimizer)
+                hf_model.save_state(tmp, model, optimizer)
         else:
             dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
         if rank == 0:
@@ -184,9 +183,7 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
             raise CheckpointMismatchError(f"{ckpt}: saved by the {meta.get('backend', 'megatron')} backend, this run "
                                           f"uses the {getattr(model, 'gkd_backend', 'megatron')} one; resume with "
                                           f"backend={meta.get('backend', 'megatron')}, or start a new save_dir")
-        from pipeline.train.hf_model import load_state
-
-        load_state(ckpt, model, optimizer)
+        hf_model.load_state(ckpt, model, optimizer)
         _restore_rng(meta, optimizer)
         return meta
     state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(ckpt))

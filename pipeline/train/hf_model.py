@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeline.config import ConfigError
+from pipeline.store.shards import staged_dir
 from pipeline.train.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
 
 # Layer types (config.layer_types) that are attention and so keep packed samples apart under a block-diagonal mask.
@@ -320,8 +321,6 @@ def load_state(folder: Path, student: HFStudent, optimizer=None) -> None:
 def export(ckpt: Path, meta: dict, hf_dir: Path, out_dir: Path, *, adapter_only: bool, dtype: torch.dtype) -> None:
     """An hf-backend checkpoint as an HF folder (LoRA merged) or, `adapter_only`, as peft's adapter folder; written
     under a temporary name and renamed (pipeline.store.shards.staged_dir)."""
-    from pipeline.store.shards import staged_dir
-
     lora = meta.get("lora")
     student = build(hf_dir, lora=None if lora is None else (lora["rank"], lora["alpha"], lora["targets"]),
                     fused_loss=False, trainable=False)

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,6 +33,7 @@ from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import WriteError, atomic_write_bytes
+from pipeline.train import hf_model
 from pipeline.train.data import ScoredLoader, resolve_sources
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
@@ -239,8 +241,6 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     scheduler; hf: the transformers model (hf_model.HFStudent) in torch DDP, the same update rule and schedule."""
     backend = backend or resolve_backend(hf_dir, cfg.backend, cfg.seq_length)[0]
     if backend == "hf":
-        from pipeline.train import hf_model
-
         lora = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if cfg.lora_rank else None
         student = hf_model.build(hf_dir, lora=lora, seed=cfg.seed, fused_loss=cfg.fused_loss, packing=cfg.packing,
                                  precision=cfg.precision(), attention=cfg.attention, recompute=cfg.recompute)
@@ -309,8 +309,6 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
         raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
                                      f"{student_tokenizer}; teacher ids would index the wrong tokens")
     if backend == "hf":
-        from pipeline.train import hf_model
-
         return hf_model.build(teacher_dir, packing=cfg.packing, precision=cfg.precision(), attention=cfg.attention,
                               trainable=False)
     dtype = torch.bfloat16 if cfg.precision() == "bf16" else torch.float32
@@ -418,11 +416,9 @@ def model_inputs(batch, cfg: TrainConfig, model) -> dict:
     """The model's forward keywords besides input_ids, per backend: how packed rows keep their samples apart.
     megatron: positions, and document spans (sdpa) or a block-diagonal mask (local), `attention.attention_inputs`;
     hf: per-sample positions and a block-diagonal mask, `hf_model.inputs`. Padded rows: the causal default."""
-    from pipeline.train.hf_model import inputs, is_hf
-
-    if is_hf(_unwrap(model)):
+    if hf_model.is_hf(_unwrap(model)):
         impl = "sdpa" if cfg.attention == "sdpa" else "eager"
-        return inputs(batch.doc_ids, batch.position_ids, batch.packed, impl)
+        return hf_model.inputs(batch.doc_ids, batch.position_ids, batch.packed, impl)
     from pipeline.train.attention import attention_inputs
 
     return {"position_ids": batch.position_ids, **attention_inputs(batch.doc_ids, batch.packed, cfg.attention)}
@@ -493,10 +489,6 @@ def _hf_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, counts, v
     """train_step's body on the hf backend, what Megatron's no-pipelining schedule does written out: forward_step
     and the loss per micro-batch, backward (gradients reduced over data-parallel ranks on the last one only), then
     Megatron's clip + update. Returns (reports, lr, grad norm)."""
-    from contextlib import nullcontext
-
-    from pipeline.train.hf_model import clip_and_step
-
     student = _unwrap(ddp)
     optimizer.zero_grad(set_to_none=False)
     reports, data = [], iter(micro)
@@ -509,7 +501,7 @@ def _hf_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, counts, v
             loss.backward()
         reports.append(report)
     lr = optimizer.param_groups[0]["lr"]
-    grad_norm = clip_and_step(student, optimizer, cfg.clip_grad)
+    grad_norm = hf_model.clip_and_step(student, optimizer, cfg.clip_grad)
     scheduler.step(increment=1)
     return reports, lr, grad_norm
 

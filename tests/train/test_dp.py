@@ -45,19 +45,19 @@ def uneven(tmp_path_factory) -> dict:
     return {"student": student, "cache": root / "cache"}
 
 
-def _args(d: dict, save: Path, micro: int, fused: bool = True) -> list[str]:
-    return [f"student={d['student']}", f"cache=[{d['cache']}]", f"micro_batch_size={micro}", "global_batch_size=8",
+def _args(d: dict, save: Path, micro: int, fused: bool = True, backend: str = "auto") -> list[str]:
+    return [f"backend={backend}", f"student={d['student']}", f"cache=[{d['cache']}]", f"micro_batch_size={micro}", "global_batch_size=8",
             "seq_length=64", "train_steps=3", "warmup_steps=0", "optimizer=sgd", "lr=0.5", "min_lr=0.5",
             "sft_alpha=0.5", f"save_dir={save}", "save_interval=3", "progress=false", f"fused_loss={str(fused).lower()}"]
 
 
-def _run(d: dict, save: Path, micro: int, dp: int = 1) -> tuple[list[dict], dict]:
+def _run(d: dict, save: Path, micro: int, dp: int = 1, backend: str = "auto") -> tuple[list[dict], dict]:
     if dp == 1:
-        assert cli(["train", *_args(d, save, micro)]) == 0
+        assert cli(["train", *_args(d, save, micro, backend=backend)]) == 0
     else:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(dp),
-                        "-m", "pipeline.train.run", *_args(d, save, micro)], check=True, env=env, cwd=REPO, timeout=600)
+                        "-m", "pipeline.train.run", *_args(d, save, micro, backend=backend)], check=True, env=env, cwd=REPO, timeout=600)
     assert cli(["export", "--checkpoint", str(save), "--out", str(save / "hf")]) == 0
     metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     return metrics, load_file(save / "hf" / "model.safetensors")
@@ -76,6 +76,23 @@ def test_dp_and_accumulation_invariance(uneven, tmp_path):
         for m, r in zip(metrics, ref_metrics, strict=True):
             assert_layout_close(torch.tensor([m["jsd"], m["sft"]]), torch.tensor([r["jsd"], r["sft"]]), f"{name} loss")
         assert_layout_close({k: w[k] - start[k] for k in start}, {k: ref_w[k] - start[k] for k in start}, name)
+
+
+@pytest.mark.distributed
+def test_hf_backend_dp_and_accumulation_invariance(uneven, tmp_path):
+    """The same three layouts on the transformers backend (torch DDP, gradients summed over ranks): DP=2 == DP=1,
+    and both equal the Megatron backend's DP=1 run."""
+    start = load_file(uneven["student"] / "model.safetensors")
+    runs = {"hf dp1 x4": _run(uneven, tmp_path / "a", micro=2, backend="hf"),
+            "hf dp2 x2": _run(uneven, tmp_path / "c", micro=2, dp=2, backend="hf"),
+            "megatron dp1 x4": _run(uneven, tmp_path / "m", micro=2, backend="megatron")}
+    ref_metrics, ref_w = runs["hf dp1 x4"]
+    for name, (metrics, w) in runs.items():
+        assert [m["active_tokens"] for m in metrics] == [m["active_tokens"] for m in ref_metrics], name
+        for m, r in zip(metrics, ref_metrics, strict=True):
+            assert_layout_close(torch.tensor([m["jsd"], m["sft"]]), torch.tensor([r["jsd"], r["sft"]]), f"{name} loss")
+        assert_layout_close({k: w[k] - start[k] for k in start}, {k: ref_w[k] - start[k] for k in start}, name)
+    assert json.loads((tmp_path / "c" / "step_0000003" / "trainer.json").read_text())["backend"] == "hf"
 
 
 def test_per_microbatch_mean_would_fail_this_data(uneven):

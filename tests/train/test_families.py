@@ -186,14 +186,20 @@ def test_mistral_window_is_checked_against_seq_length(families):
 
 
 def test_trainer_refuses_a_short_window_before_any_work(families, tmp_path):
-    """`train` checks the student against its seq_length first: the cache below does not even exist."""
+    """`train` checks the student against its seq_length first: the cache below does not even exist. backend=auto
+    trains such a student on the transformers backend, which implements the sliding window itself."""
+    from pipeline.train.families import resolve_backend
     from pipeline.train.run import TrainConfig, train
 
     cfg = TrainConfig(student=str(families["mistral"]), cache=[str(tmp_path / "no-cache")], seq_length=128,
-                      save_dir=str(tmp_path / "run"), progress=False)
-    with pytest.raises(ValueError, match="sliding_window = 96 is smaller than the training seq_length = 128"):
+                      save_dir=str(tmp_path / "run"), progress=False, backend="megatron")
+    with pytest.raises(ValueError, match="sliding_window = 96 is smaller than the training seq_length = 128.*"
+                                         "backend=hf trains it"):
         train(cfg)
     assert not (tmp_path / "run").exists()
+    backend, why = resolve_backend(families["mistral"], "auto", 128)
+    assert backend == "hf" and "sliding_window = 96" in why
+    assert resolve_backend(families["mistral"], "auto", 96)[0] == "megatron"
 
 
 @pytest.mark.distributed
