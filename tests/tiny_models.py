@@ -61,7 +61,8 @@ def build_llama(out_dir: str | Path, *, vocab_size: int, layers: int = 2, hidden
 def build_qwen35(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0, vocab_size: int | None = None) -> Path:
     """A random 4-layer Qwen3.5 text model (transformers' own Qwen3_5TextConfig: 3 Gated DeltaNet layers + 1 gated
     full-attention layer, partial RoPE 0.25 by the config's default), saved as Qwen3_5ForCausalLM with the tiny
-    tokenizer. head_dim 32 and DeltaNet heads of 32: vLLM's CPU kernels need head sizes >= 32."""
+    tokenizer. DeltaNet key/value heads of 64: vLLM's CPU kernel (`chunk_gated_delta_rule_cpu`) refuses 32
+    ("Unexpected head dim size, 32"; 64 and 128 work); attention head_dim 32 is fine."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -71,7 +72,7 @@ def build_qwen35(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0, voc
     cfg = Qwen3_5TextConfig(
         vocab_size=vocab_size or len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+        linear_key_head_dim=64, linear_value_head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32",
     )
     model = Qwen3_5ForCausalLM(cfg)

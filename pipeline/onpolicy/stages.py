@@ -40,7 +40,7 @@ from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, shard_path, write_rollouts
 from pipeline.store.shards import is_complete
 from pipeline.train.export import export
-from pipeline.train.families import check_trainable, read_hf_arch
+from pipeline.train.families import resolve_backend
 from pipeline.train.trainer import train
 
 METRICS = "metrics.jsonl"
@@ -74,7 +74,8 @@ class Workspace:
     @classmethod
     def open(cls, cfg: OnPolicyConfig) -> Workspace:
         student = resolve_student(cfg.student)
-        check_trainable(read_hf_arch(student), cfg.train_settings.seq_length, student / "config.json")
+        # the trainer's own backend rule: a student neither backend trains is refused before any cycle
+        resolve_backend(student, cfg.train_settings.backend, cfg.train_settings.seq_length)
         return cls(cfg, student, resolve_teacher(cfg.teacher))
 
     # -- paths ---------------------------------------------------------------------------------------------------

@@ -138,8 +138,7 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
         states[0] = rng_state()
     try:
         if getattr(model, "gkd_backend", None) == "hf":
-            if rank == 0:
-                hf_model.save_state(tmp, model, optimizer)
+            hf_model.save_state(tmp, model, optimizer, rank)
         else:
             dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
         if rank == 0:

@@ -23,7 +23,13 @@ What the backend does and why:
 - bf16: fp32 weights (the optimizer's master copy) with the body under `torch.autocast(bfloat16)`; the output layer
   and the loss run in float32.
 - Data parallelism: torch DDP with a hook that sums gradients over ranks instead of averaging them (the loss is
-  already normalised by the global active count: trainer.py's module docstring).
+  already normalised by the global active count: trainer.py's module docstring). `fsdp: true`: FSDP2
+  (`fully_shard` on every decoder layer and on the whole student) shards weights, gradients and optimizer state
+  over the ranks, for students that do not fit one device. FSDP2 averages gradients and gloo has no PREMUL_SUM for
+  a divide factor of 1, so the loss is multiplied by the data-parallel size instead (exact for powers of two). After
+  the root's forward its own parameters (embeddings, final norm, LM head) stay unsharded until backward, which is
+  when the fused loss reads the head's weight. Checkpoints gather full state dicts (one file, loadable at any
+  world size), and each rank takes its shard back on resume.
 - Gradient checkpointing: `recompute=selective|full` both checkpoint whole decoder layers (transformers has no
   finer grain).
 - Tensor parallelism: none (refused); use the Megatron backend for the families it maps.
@@ -65,6 +71,7 @@ class HFStudent(nn.Module):
         super().__init__()
         self.lm = lm  # not `module`: the trainer unwraps DDP by that name
         self.logits = logits
+        self.fsdp = False  # set by wrap_data_parallel(fsdp=True)
         self.lora_spec = lora_spec
         self.precision = precision
         self.hf_vocab_size = int(self.base().get_output_embeddings().weight.shape[0])
@@ -227,9 +234,20 @@ def check_fused(lm: nn.Module, hf_dir: str | Path) -> None:
                           f"gap {gap:.1e}: a soft-cap or logit scale); set fused_loss=false")
 
 
-def wrap_data_parallel(student: HFStudent) -> nn.Module:
-    """torch DDP over the default group when there are several processes, gradients SUMMED over ranks."""
+def wrap_data_parallel(student: HFStudent, fsdp: bool = False) -> nn.Module:
+    """torch DDP over the default group when there are several processes, gradients SUMMED over ranks; with `fsdp`,
+    FSDP2 in place (the student itself is returned, sharded; see the module docstring)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        return student
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
+        for layer in student.base().get_decoder().layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(student, mesh=mesh)
+        student.fsdp = True
         return student
     from torch.nn.parallel import DistributedDataParallel
 
@@ -273,8 +291,9 @@ def clip_and_step(student: HFStudent, optimizer, clip_grad: float) -> float:
     if clip_grad > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, clip_grad)
     else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     optimizer.step()
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
     return float(norm)
 
 
@@ -290,10 +309,35 @@ def trainable_state(student: HFStudent) -> dict[str, Tensor]:
     return student.state_dict()
 
 
-def save_state(folder: Path, student: HFStudent, optimizer) -> None:
-    """Rank 0's part of a checkpoint (data-parallel replicas are identical)."""
+def _full_state(student: HFStudent, optimizer) -> tuple[dict, dict | None]:
+    """An FSDP student's full model and optimizer state dicts, on CPU (collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(student, options=options)
+    if student.lora_spec is not None:
+        model = {k: v for k, v in model.items() if ".lora_" in k}
+    return model, None if optimizer is None else get_optimizer_state_dict(student, optimizer, options=options)
+
+
+def save_state(folder: Path, student: HFStudent, optimizer, rank: int = 0) -> None:
+    """This rank's part of a checkpoint: rank 0 writes (data-parallel replicas are identical; an FSDP student's
+    shards are gathered first, by every rank)."""
     from safetensors.torch import save_file, save_model
 
+    if student.fsdp:
+        model, opt = _full_state(student, optimizer)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in model.items()}, str(folder / MODEL_FILE))
+            if opt is not None:
+                torch.save(opt, folder / OPTIMIZER_FILE)
+        return
+    if rank != 0:
+        return
     if student.lora_spec is not None:
         save_file({k: v.contiguous() for k, v in trainable_state(student).items()}, str(folder / MODEL_FILE))
     else:
@@ -305,6 +349,19 @@ def save_state(folder: Path, student: HFStudent, optimizer) -> None:
 def load_state(folder: Path, student: HFStudent, optimizer=None) -> None:
     from safetensors.torch import load_file, load_model
 
+    if student.fsdp:  # every rank reads the full state and keeps its shard
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, strict=student.lora_spec is None)
+        set_model_state_dict(student, load_file(str(folder / MODEL_FILE)), options=options)
+        if optimizer is not None:
+            set_optimizer_state_dict(student, optimizer, torch.load(folder / OPTIMIZER_FILE, weights_only=True),
+                                     options=StateDictOptions(full_state_dict=True))
+        return
     if student.lora_spec is not None:
         state = load_file(str(folder / MODEL_FILE))
         missing = set(trainable_state(student)) - set(state)

@@ -92,6 +92,9 @@ class TrainConfig:
     # Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks): CUDA only, since its
     # checkpoint state does not load on CPU (docs/architecture.md).
     use_distributed_optimizer: bool = False
+    # backend=hf under torchrun: FSDP2 (fully_shard per decoder layer) shards weights, gradients and optimizer state
+    # over the data-parallel ranks instead of replicating them (DDP), for students that do not fit one device.
+    fsdp: bool = False
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
     tensor_model_parallel_size: int = 1
     # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
@@ -244,8 +247,9 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
         lora = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if cfg.lora_rank else None
         student = hf_model.build(hf_dir, lora=lora, seed=cfg.seed, fused_loss=cfg.fused_loss, packing=cfg.packing,
                                  precision=cfg.precision(), attention=cfg.attention, recompute=cfg.recompute)
+        wrapped = hf_model.wrap_data_parallel(student, fsdp=cfg.fsdp)  # FSDP shards in place: before the optimizer
         optimizer, scheduler = hf_model.optimizer_and_scheduler(student, cfg)
-        return student, hf_model.wrap_data_parallel(student), optimizer, scheduler
+        return student, wrapped, optimizer, scheduler
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -493,12 +497,16 @@ def _hf_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, counts, v
     optimizer.zero_grad(set_to_none=False)
     reports, data = [], iter(micro)
     step_counts = (counts[0].item(), counts[1].item())
+    # FSDP averages gradients over ranks; the loss is normalised by the global count already (hf_model docstring)
+    scale = dist.get_world_size() if student.fsdp else 1
     for i in range(len(micro)):
-        sync = i == len(micro) - 1 or not hasattr(ddp, "no_sync")
-        with nullcontext() if sync else ddp.no_sync():
+        last = i == len(micro) - 1
+        if student.fsdp:
+            student.set_requires_gradient_sync(last)
+        with nullcontext() if last or not hasattr(ddp, "no_sync") else ddp.no_sync():
             out, loss_of = forward_step(step_counts, cfg, vocab_size, data, ddp, teacher=teacher)
             loss, _, report = loss_of(out)
-            loss.backward()
+            (loss * scale if scale != 1 else loss).backward()
         reports.append(report)
     lr = optimizer.param_groups[0]["lr"]
     grad_norm = hf_model.clip_and_step(student, optimizer, cfg.clip_grad)
@@ -539,6 +547,9 @@ def train(cfg: TrainConfig) -> dict:
 
     hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
     backend, why = resolve_backend(hf_dir, cfg.backend, cfg.seq_length)
+    if backend == "megatron" and cfg.fsdp:
+        raise ConfigError(f"fsdp=true shards a transformers student; this one trains on Megatron-Core ({why}): use "
+                          "use_distributed_optimizer=true there (CUDA), or backend=hf")
     if backend == "hf" and cfg.tensor_model_parallel_size > 1:
         raise ConfigError(f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: the hf backend ({why}) has "
                           "no tensor parallelism; train it data-parallel (torchrun) or on the Megatron backend")

@@ -51,13 +51,15 @@ def _args(d: dict, save: Path, micro: int, fused: bool = True, backend: str = "a
             "sft_alpha=0.5", f"save_dir={save}", "save_interval=3", "progress=false", f"fused_loss={str(fused).lower()}"]
 
 
-def _run(d: dict, save: Path, micro: int, dp: int = 1, backend: str = "auto") -> tuple[list[dict], dict]:
+def _run(d: dict, save: Path, micro: int, dp: int = 1, backend: str = "auto", extra: tuple = ()
+         ) -> tuple[list[dict], dict]:
     if dp == 1:
-        assert cli(["train", *_args(d, save, micro, backend=backend)]) == 0
+        assert cli(["train", *_args(d, save, micro, backend=backend), *extra]) == 0
     else:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(dp),
-                        "-m", "pipeline.train.run", *_args(d, save, micro, backend=backend)], check=True, env=env, cwd=REPO, timeout=600)
+                        "-m", "pipeline.train.run", *_args(d, save, micro, backend=backend), *extra], check=True,
+                       env=env, cwd=REPO, timeout=600)
     assert cli(["export", "--checkpoint", str(save), "--out", str(save / "hf")]) == 0
     metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     return metrics, load_file(save / "hf" / "model.safetensors")
@@ -80,11 +82,13 @@ def test_dp_and_accumulation_invariance(uneven, tmp_path):
 
 @pytest.mark.distributed
 def test_hf_backend_dp_and_accumulation_invariance(uneven, tmp_path):
-    """The same three layouts on the transformers backend (torch DDP, gradients summed over ranks): DP=2 == DP=1,
-    and both equal the Megatron backend's DP=1 run."""
+    """The same layouts on the transformers backend (torch DDP, gradients summed over ranks; FSDP2, weights,
+    gradients and optimizer state sharded over the 2 ranks): DP=2 == FSDP=2 == DP=1 == the Megatron backend's DP=1
+    run. Then the FSDP run stopped after step 2 (a checkpoint gathered from the shards) and rerun resumes exactly."""
     start = load_file(uneven["student"] / "model.safetensors")
     runs = {"hf dp1 x4": _run(uneven, tmp_path / "a", micro=2, backend="hf"),
             "hf dp2 x2": _run(uneven, tmp_path / "c", micro=2, dp=2, backend="hf"),
+            "hf fsdp2 x2": _run(uneven, tmp_path / "f", micro=2, dp=2, backend="hf", extra=("fsdp=true",)),
             "megatron dp1 x4": _run(uneven, tmp_path / "m", micro=2, backend="megatron")}
     ref_metrics, ref_w = runs["hf dp1 x4"]
     for name, (metrics, w) in runs.items():
@@ -93,6 +97,16 @@ def test_hf_backend_dp_and_accumulation_invariance(uneven, tmp_path):
             assert_layout_close(torch.tensor([m["jsd"], m["sft"]]), torch.tensor([r["jsd"], r["sft"]]), f"{name} loss")
         assert_layout_close({k: w[k] - start[k] for k in start}, {k: ref_w[k] - start[k] for k in start}, name)
     assert json.loads((tmp_path / "c" / "step_0000003" / "trainer.json").read_text())["backend"] == "hf"
+    resumed = tmp_path / "r"
+    for stop in (("exit_after=2",), ()):
+        _run(uneven, resumed, micro=2, dp=2, backend="hf", extra=("fsdp=true", *stop))
+    metrics, w = runs["hf fsdp2 x2"]
+    again = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "jsd", "sft", "grad_norm", "active_tokens")
+    assert [[m[k] for k in keys] for m in again] == [[m[k] for k in keys] for m in metrics]
+    a = load_file(tmp_path / "f" / "step_0000003" / "student.safetensors")
+    b = load_file(resumed / "step_0000003" / "student.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_per_microbatch_mean_would_fail_this_data(uneven):

@@ -259,3 +259,14 @@ def test_hf_backend_refuses_tensor_parallelism(qwen35, tmp_path, capsys, monkeyp
                               tensor_model_parallel_size=2)])
     err = capsys.readouterr().err
     assert rc == 2 and "the hf backend" in err and "no tensor parallelism" in err
+
+
+def test_hf_recompute_and_bf16(tiny, runs, tmp_path):
+    """recompute=full (gradient checkpointing of every decoder layer) trains what the plain run trains; bf16
+    (autocast over fp32 weights) gives losses within bf16's rounding of the fp32 run's and records its precision."""
+    recompute = _train_export(tiny, tmp_path / "recompute", backend="hf", recompute="full")
+    _compare(tiny, recompute, runs["hf"], "hf recompute=full vs none")
+    assert cli(["train", *_args(tiny["student"], tiny["cache"], tmp_path / "bf16", backend="hf", bf16="true")]) == 0
+    bf16, fp32 = _metrics(tmp_path / "bf16"), runs["hf"][0]
+    assert all(abs(a["jsd"] - b["jsd"]) < 2e-2 * b["jsd"] for a, b in zip(bf16, fp32, strict=True)), (bf16, fp32)
+    assert json.loads((tmp_path / "bf16" / "step_0000004" / "trainer.json").read_text())["precision"] == "bf16"
