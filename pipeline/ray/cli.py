@@ -15,11 +15,15 @@ fails on its own (bad input: the stage's message) is not retried. Exit 0 when ev
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import importlib
+import io
 import sys
 import time
+from typing import Any
 
-from pipeline.ray.cluster import RayError, check_resources, connect, import_ray
+from pipeline.ray.cluster import RayError, check_resources, connect, import_ray, require_ray
 from pipeline.slurm.arrays import array_spec
 from pipeline.slurm.queue import SlurmError, missing_shards
 from pipeline.slurm.sbatch import check_stage_args
@@ -41,10 +45,29 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run_shard(stage: str, stage_args: list[str], shard: int, num_shards: int) -> int:
-    """Inside a Ray worker: the stage's own entry on one shard, as `gkd <stage> ... --shard I --num-shards N`."""
+class _Tail(io.TextIOBase):
+    """stderr passed through, its last lines kept: a failed task's own message goes back with its result (worker
+    logs reach the driver asynchronously, possibly after it has exited)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.lines = stream, collections.deque(maxlen=5)
+
+    def write(self, text: str) -> int:
+        self.lines.extend(x for x in text.splitlines() if x.strip())
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def run_shard(stage: str, stage_args: list[str], shard: int, num_shards: int) -> tuple[int, list[str]]:
+    """Inside a Ray worker: the stage's own entry on one shard, as `gkd <stage> ... --shard I --num-shards N`;
+    returns its exit code and the last lines it wrote to stderr."""
     module = importlib.import_module(STAGES[stage])
-    return int(module.main([*stage_args, "--shard", str(shard), "--num-shards", str(num_shards)]) or 0)
+    tail = _Tail(sys.stderr)
+    with contextlib.redirect_stderr(tail):
+        code = int(module.main([*stage_args, "--shard", str(shard), "--num-shards", str(num_shards)]) or 0)
+    return code, list(tail.lines)
 
 
 def missing(stage: str, stage_args: list[str], num_shards: int) -> list[int]:
@@ -61,28 +84,30 @@ def run(a: argparse.Namespace, stage_args: list[str]) -> int:
     if a.max_retries < 0:
         raise ValueError(f"--max-retries must be >= 0, got {a.max_retries}")
     check_stage_args(stage_args)
-    ray = import_ray()  # before any work: "not installed" comes first
+    require_ray()  # before any work: "not installed" comes first
     todo = missing(a.stage, stage_args, a.num_shards)
     if not todo:
         print(f"gkd ray {a.stage}: all {a.num_shards} tasks are done; nothing to run", file=sys.stderr)
         return 0
     with connect(a.address) as where:
+        ray = import_ray()
         check_resources({"CPU": a.num_cpus, "GPU": a.num_gpus}, f"a {a.stage} task (--num-cpus/--num-gpus)")
-        task = ray.remote(max_calls=1)(run_shard).options(num_cpus=a.num_cpus, num_gpus=a.num_gpus,
-                                                          max_retries=a.max_retries, retry_exceptions=False)
+        task = ray.remote(max_calls=1)(run_shard)
+        opts = {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus, "max_retries": a.max_retries,
+                "retry_exceptions": False}
         print(f"gkd ray {a.stage}: {len(todo)} of {a.num_shards} tasks (--array={array_spec(todo)}) on {where}",
               file=sys.stderr)
         t0 = time.time()
-        pending = {task.options(name=f"gkd-{a.stage}-{i}-of-{a.num_shards}").remote(a.stage, stage_args, i,
+        pending = {task.options(**opts, name=f"gkd-{a.stage}-{i}-of-{a.num_shards}").remote(a.stage, stage_args, i,
                                                                                    a.num_shards): i for i in todo}
         failed: dict[int, str] = {}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             i = pending.pop(ready[0])
             try:
-                code = ray.get(ready[0])
+                code, tail = ray.get(ready[0])
                 if code:
-                    failed[i] = f"exit {code} (the stage's message is in its log above)"
+                    failed[i] = f"exit {code}: {tail[-1] if tail else '(no message)'}"
             except ray.exceptions.RayTaskError as e:  # the stage raised: its own error, not retried
                 failed[i] = str(e.cause if e.cause is not None else e).strip().splitlines()[-1]
             except ray.exceptions.RayError as e:  # worker died more often than --max-retries

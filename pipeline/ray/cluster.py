@@ -43,6 +43,14 @@ def import_ray() -> Any:
     return ray
 
 
+def require_ray() -> None:
+    """Refuse early, without importing Ray (a `local` cluster must set its environment before the import)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise RayError(f"Ray is not installed in this Python ({INSTALL})")
+
+
 def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     """A TCP connect to `host:port` (or `ray://host:port`): refuse an unreachable address in seconds, before Ray
     starts its own minute-long retries."""
@@ -74,13 +82,14 @@ def connect(address: str = "auto", num_cpus: float | None = None, num_gpus: floa
     """Connect this process to the cluster at `address` (see the module docstring) and yield where it is; a cluster
     this call started (`local`), or a connection it opened, is closed on exit. A process already connected (a
     test session, a notebook) keeps its connection."""
+    if address == "local":  # loopback only (module docstring); read when Ray is first imported
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = import_ray()
     if ray.is_initialized():
         yield ray.get_runtime_context().gcs_address
         return
     kwargs: dict[str, Any] = {"runtime_env": runtime_env(), "log_to_driver": True}
     if address == "local":
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only (module docstring)
         kwargs.update(address="local", include_dashboard=False,
                       num_cpus=int(num_cpus) if num_cpus is not None else None,
                       num_gpus=int(num_gpus) if num_gpus is not None else None)

@@ -19,12 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "onpolicy"))  # onp
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-    from pipeline.ray.cluster import runtime_env
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only (pipeline/ray/cluster.py)
+        # loopback only (pipeline/ray/cluster.py); Ray reads it at import
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         mp.setenv("RAY_DISABLE_USAGE_STATS", "1")
+        ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+        from pipeline.ray.cluster import runtime_env
+
         t0 = time.time()
         ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env(), log_to_driver=True)
         address = ray.get_runtime_context().gcs_address
