@@ -46,7 +46,7 @@ from pipeline.onpolicy.stages import (
     train_stage,
 )
 from pipeline.onpolicy.state import State
-from pipeline.ray.cluster import RayError, check_resources, connect, import_ray
+from pipeline.ray.cluster import RayError, check_resources, connect, enter_cwd, import_ray
 from pipeline.store.shards import atomic_write_bytes
 
 ROLES = ("sampler", "teacher", "trainer")
@@ -55,11 +55,12 @@ ROLES = ("sampler", "teacher", "trainer")
 class StageHost:
     """One actor: a Workspace and (sampler, teacher) the run's engine, for as long as the run lives."""
 
-    def __init__(self, cfg: OnPolicyConfig, role: str, threads: int) -> None:
+    def __init__(self, cfg: OnPolicyConfig, role: str, threads: int, cwd: str) -> None:
         import socket
 
         import torch
 
+        enter_cwd(cwd)  # relative paths of the config mean what they mean to the driver
         torch.set_num_threads(threads)
         self.cfg, self.role = cfg, role
         self.ws = Workspace.open(cfg)
@@ -104,9 +105,10 @@ class StageHost:
         self.engines.close()
 
 
-def _setup_task(cfg: OnPolicyConfig, state: State, state_file: str) -> dict:
+def _setup_task(cfg: OnPolicyConfig, state: State, state_file: str, cwd: str) -> dict:
     """The run's setup in a worker of its own with its own engines (closed at the end); its progress in
     `state_file`, so a retry continues where it stopped (the off-policy shard list stays frozen)."""
+    enter_cwd(cwd)
     path = Path(state_file)
     if path.exists():
         state = State(**json.loads(path.read_text()))
@@ -148,13 +150,12 @@ class RayDriver:
 
     def start(self) -> None:
         cfg = self.cfg
-        need = {"CPU": cfg.ray_num_cpus, "GPU": cfg.ray_num_gpus}
-        check_resources(need, "an on-policy engine actor (ray_num_cpus/ray_num_gpus)", count=len(ROLES))
         host = self.ray.remote(StageHost)
         threads = max(1, int(cfg.ray_num_cpus))
         for role in ROLES:
-            self.actors[role] = host.options(num_cpus=cfg.ray_num_cpus, num_gpus=cfg.ray_num_gpus,
-                                             name=f"gkd-onpolicy-{role}-{os.getpid()}").remote(cfg, role, threads)
+            actor = host.options(num_cpus=cfg.ray_num_cpus, num_gpus=cfg.ray_num_gpus,
+                                 name=f"gkd-onpolicy-{role}-{os.getpid()}")
+            self.actors[role] = actor.remote(cfg, role, threads, os.getcwd())
 
     def setup(self) -> None:
         cfg, st = self.cfg, self.state
@@ -164,7 +165,8 @@ class RayDriver:
             setup_stage(self.ws, Engines(), st, lambda: st.save(self.ws.out))
             return
         task = self.ray.remote(max_calls=1)(_setup_task).options(num_cpus=cfg.ray_num_cpus, num_gpus=cfg.ray_num_gpus)
-        out = self.get(task.remote(cfg, st, str(Path(cfg.out) / "ray" / "setup-state.json")), "the setup task")
+        state_file = str(Path(cfg.out).resolve() / "ray" / "setup-state.json")
+        out = self.get(task.remote(cfg, st, state_file, os.getcwd()), "the setup task")
         st.offpolicy_shards, st.setup_done = out["offpolicy_shards"], out["setup_done"]
         st.save(self.ws.out)
 
@@ -189,8 +191,10 @@ class RayDriver:
         from tqdm import tqdm
 
         cfg, st = self.cfg, self.state
+        need = {"CPU": cfg.ray_num_cpus, "GPU": cfg.ray_num_gpus}
+        check_resources(need, "an on-policy engine actor (ray_num_cpus/ray_num_gpus)", count=len(ROLES))
+        self.setup()  # before the actors: its task needs what they would hold
         self.start()
-        self.setup()
         bar = tqdm(total=cfg.num_cycles, initial=min(st.cycle, cfg.num_cycles), desc="onpolicy (ray)", unit="cycle",
                    disable=not cfg.progress, file=sys.stderr)
         try:

@@ -19,11 +19,12 @@ import collections
 import contextlib
 import importlib
 import io
+import os
 import sys
 import time
 from typing import Any
 
-from pipeline.ray.cluster import RayError, check_resources, connect, import_ray, require_ray
+from pipeline.ray.cluster import RayError, check_resources, connect, enter_cwd, import_ray, require_ray
 from pipeline.slurm.arrays import array_spec
 from pipeline.slurm.queue import SlurmError, missing_shards
 from pipeline.slurm.sbatch import check_stage_args
@@ -60,9 +61,10 @@ class _Tail(io.TextIOBase):
         self.stream.flush()
 
 
-def run_shard(stage: str, stage_args: list[str], shard: int, num_shards: int) -> tuple[int, list[str]]:
-    """Inside a Ray worker: the stage's own entry on one shard, as `gkd <stage> ... --shard I --num-shards N`;
-    returns its exit code and the last lines it wrote to stderr."""
+def run_shard(stage: str, stage_args: list[str], shard: int, num_shards: int, cwd: str) -> tuple[int, list[str]]:
+    """Inside a Ray worker: the stage's own entry on one shard, as `gkd <stage> ... --shard I --num-shards N` run
+    in the driver's directory `cwd`; returns its exit code and the last lines it wrote to stderr."""
+    enter_cwd(cwd)
     module = importlib.import_module(STAGES[stage])
     tail = _Tail(sys.stderr)
     with contextlib.redirect_stderr(tail):
@@ -98,8 +100,8 @@ def run(a: argparse.Namespace, stage_args: list[str]) -> int:
         print(f"gkd ray {a.stage}: {len(todo)} of {a.num_shards} tasks (--array={array_spec(todo)}) on {where}",
               file=sys.stderr)
         t0 = time.time()
-        pending = {task.options(**opts, name=f"gkd-{a.stage}-{i}-of-{a.num_shards}").remote(a.stage, stage_args, i,
-                                                                                   a.num_shards): i for i in todo}
+        pending = {task.options(**opts, name=f"gkd-{a.stage}-{i}-of-{a.num_shards}").remote(
+            a.stage, stage_args, i, a.num_shards, os.getcwd()): i for i in todo}
         failed: dict[int, str] = {}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)

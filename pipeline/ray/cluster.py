@@ -114,6 +114,13 @@ def connect(address: str = "auto", num_cpus: float | None = None, num_gpus: floa
         ray.shutdown()
 
 
+def enter_cwd(cwd: str) -> None:
+    """In a worker: the driver's working directory, where it exists on this node (a shared filesystem), so relative
+    paths in stage arguments and configs mean what they mean to the driver."""
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+
+
 def check_resources(need: dict[str, float], what: str, count: int = 1) -> None:
     """Refuse, instead of waiting forever, a request no live node can hold: `count` units of `need` (e.g. CPU, GPU)
     each. One unit must fit on one node; all `count` together must fit in the whole cluster (actors that live at
