@@ -22,6 +22,7 @@ from pipeline.onpolicy.config import OnPolicyConfig
 from pipeline.onpolicy.run import run
 from pipeline.onpolicy.state import State
 
+pytestmark = pytest.mark.ray
 SGD = dict(train_extra={"optimizer": "sgd"}, lr=0.3, min_lr=0.03)  # tests/tolerance.py, rule 1 (as the Slurm test)
 
 

@@ -26,6 +26,7 @@ from pipeline.store import TeacherCache
 from pipeline.store.rollouts import rollout_row, write_rollouts
 from pipeline.store.shards import marker_path
 
+pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 N = 4
 ROWS = 48  # ~12 per task: with part_rows=1 each task writes a part per row, a window to kill it mid-task
