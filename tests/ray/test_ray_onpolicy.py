@@ -8,6 +8,9 @@ reused by every cycle, and a driver SIGKILLed between cycles that resumes at the
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,7 +114,9 @@ def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tm
     start_and_kill([sys.executable, "-m", "pipeline", "onpolicy", *args], tmp_path, tmp_path / "killed.log",
                    lambda: (out / "state.json").exists() and State.load(out).cycle >= 1, timeout=900)
     first = _actors(out)
-    assert len(first) == 3 and (State.load(out).cycle, State.load(out).stage) == (1, "export")
+    # killed once cycle 0 was recorded; cycle 1's export (its weights exported by cycle 0's eval: instant) may be too
+    killed = State.load(out)
+    assert len(first) == 3 and killed.cycle == 1 and killed.stage in ("export", "generate"), (killed.cycle, killed.stage)
     assert _wait_dead(first), "the killed driver's actors outlived it"
     t0 = time.time()
     lines = run(_cfg(models, out, **_ray(ray_cluster)))
@@ -124,3 +129,26 @@ def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tm
     assert pids == {"0": {a["pid"] for a in first}, "1": {a["pid"] for a in second}}
     assert_layout_close(_trained(out, models), _trained(local_run, models), "trained weights")
     assert _wait_dead(second)
+
+
+def test_bad_ray_settings_are_clear_errors_within_seconds(models, ray_cluster, tmp_path):
+    """A request no node can hold (Ray would keep the actors pending forever) and an unreachable address: errors
+    naming the resource / address and the fix, before any actor or engine starts."""
+    from pipeline.ray.cluster import RayError
+
+    t0 = time.time()
+    with pytest.raises(RayError, match=r"GPU=1 but no node of the cluster has that"):
+        run(_cfg(models, tmp_path / "gpu", **{**_ray(ray_cluster), "ray_num_gpus": 1}))
+    with pytest.raises(RayError, match=r"3 x CPU=1 must run at once but the cluster has only CPU=2"):
+        run(_cfg(models, tmp_path / "cpu", **{**_ray(ray_cluster), "ray_num_cpus": 1}))
+    assert time.time() - t0 < 30 and not (tmp_path / "gpu" / "ray").exists()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    values = overrides(models, tmp_path / "addr", heldout_prompts=None, executor="ray", ray_address=f"127.0.0.1:{port}")
+    res = subprocess.run([sys.executable, "-m", "pipeline", "onpolicy",
+                          *(f"{k}={'null' if v is None else v}" for k, v in values.items())],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert res.returncode == 1 and f"no Ray cluster reachable at 127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
