@@ -50,7 +50,9 @@ def onpolicy_wall(work: Path, cycles: int = 6, spg: int = 2) -> dict:
                                                      "ray_num_cpus": cores})):
         cfg = _config(work / executor, executor, 1.0, cycles, spg, cycles * 16, cache=str(work / executor / "cache"),
                       **extra)
-        args = [f"{k}={'null' if v is None else v}" for k, v in _flat(cfg).items()]
+        # floats written out plainly: YAML 1.1 reads 3e-05 as a string
+        args = [f"{k}={'null' if v is None else format(v, '.12f').rstrip('0') if isinstance(v, float) else v}"
+                for k, v in _flat(cfg).items()]
         t0 = time.perf_counter()
         res = _gkd("onpolicy", *args, cwd=work)
         if res.returncode != 0:
@@ -64,15 +66,19 @@ def onpolicy_wall(work: Path, cycles: int = 6, spg: int = 2) -> dict:
 
 
 def _flat(cfg) -> dict:
-    """A loaded OnPolicyConfig as `key=value` overrides (stage sections as dotted keys)."""
+    """A loaded OnPolicyConfig as `key=value` overrides: the keys that differ from the defaults (stage sections as
+    dotted keys)."""
     from dataclasses import fields
 
+    from pipeline.onpolicy.config import OnPolicyConfig
+
+    default = OnPolicyConfig()
     values = {}
     for f in fields(cfg):
         v = getattr(cfg, f.name)
         if f.name in ("generate", "score", "train"):
             values.update({f"{f.name}.{k}": x for k, x in v.items()})
-        elif v is not None or f.name in ("offpolicy_cache", "offpolicy_dataset"):
+        elif v != getattr(default, f.name):
             values[f.name] = v
     return values
 
@@ -122,6 +128,7 @@ def _rows(cache: Path) -> dict:
 
 def score_kills(work: Path, points: int = 10, seed: int = 0) -> dict:
     """`points` runs of `gkd ray score`, each with one worker SIGKILLed at a seeded random time of the run."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the cluster on 127.0.0.1: read at `import ray`
     import ray
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -141,9 +148,11 @@ def score_kills(work: Path, points: int = 10, seed: int = 0) -> dict:
     if ref.returncode != 0:
         raise RuntimeError(ref.stderr[-3000:])
     want = _rows(work / "unsharded")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the cluster on 127.0.0.1 (pipeline/ray/cluster.py)
     ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env())
     address = ray.get_runtime_context().gcs_address
+    if not address.startswith("127.0.0.1:"):
+        ray.shutdown()
+        raise RuntimeError(f"the bench's Ray cluster is at {address}, not on 127.0.0.1 (Ray imported before this?)")
     rng = random.Random(seed)
     out: dict = {"points": points, "shards": SHARDS, "rows": ROWS, "runs": []}
     try:
