@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,served,loss,train,lora,baselines,onpolicy,faults,ray] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,served,loss,train,lora,baselines,onpolicy,faults] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -33,8 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 DEFAULT = "score,served,loss,train,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
-# (`make faults`) ~20 kills of three commands and the fault tests, ray (the on-policy run twice + 10 killed
-# `gkd ray score` runs; needs the ray extra): ask for them
+# (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
 def main() -> int:
@@ -81,7 +80,7 @@ SIMPLE = {
     "baselines": (baseline_bench.run, baseline_bench.markdown),
     "topp": (topp_bench.run, topp_bench.markdown),
     "faults": (faults.run, faults.markdown),
-    "ray": (ray_bench.run, ray_bench.markdown),
+    "ray": (ray_bench.run, ray_bench.markdown),  # the on-policy run twice + 10 killed `gkd ray score` runs: ask for it
 }
 
 
