@@ -44,6 +44,7 @@ def onpolicy_wall(work: Path, cycles: int = 6, spg: int = 2) -> dict:
     """The on-policy bench's on-policy run with each executor, as a `gkd onpolicy` command (a process each)."""
     from benchmarks.onpolicy_bench import _config
 
+    work.mkdir(parents=True, exist_ok=True)
     out: dict = {"cycles": cycles, "steps_per_generation": spg}
     cores = os.cpu_count() or 1
     for executor, extra in (("local", {}), ("ray", {"executor": "ray", "ray_address": "local",
