@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 CONFIG ?=
 ARGS ?=
 
-.PHONY: setup test demo score generate import train bench faults lint clean-venv slurm-score slurm-resubmit slurm-train onpolicy
+.PHONY: setup test demo score generate import train bench faults lint clean-venv slurm-score slurm-resubmit slurm-train ray-score onpolicy
 
 setup: $(STAMP)
 
@@ -61,6 +61,12 @@ slurm-resubmit: setup
 
 slurm-train: setup
 	$(VENV)/bin/gkd slurm train --nodes $(NODES) --gpus-per-node $(GPUS) $(SBATCH) -- $(STAGE_ARGS)
+
+# Ray: SHARDS tasks of the score stage on a Ray cluster (needs the ray extra); RAY passes `gkd ray` options, e.g.
+#   make ray-score SHARDS=64 RAY="--address auto --num-gpus 1" ARGS="--rollouts R --cache C"
+RAY ?=
+ray-score: setup
+	$(VENV)/bin/gkd ray score --num-shards $(SHARDS) $(RAY) -- $(STAGE_ARGS)
 
 onpolicy: setup
 	$(VENV)/bin/gkd onpolicy $(if $(CONFIG),--config $(CONFIG)) $(ARGS)

@@ -40,6 +40,7 @@ SECTIONS = {  # name -> heading, in file order
     "opd": "On-policy OPD (k=0 rows) vs GKD's tail loss (k=64 rows) (issue: top-p and k=0)",
     "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
+    "ray": "Ray executor: on-policy wall time vs local, score workers killed (issue #32: Ray)",
 }
 @dataclass(frozen=True)
 class Stamp:

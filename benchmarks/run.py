@@ -23,6 +23,7 @@ from benchmarks import (
     lora_bench,
     loss_bench,
     onpolicy_bench,
+    ray_bench,
     score_bench,
     topp_bench,
     train_bench,
@@ -82,6 +83,7 @@ SIMPLE = {
     "baselines": (baseline_bench.run, baseline_bench.markdown),
     "topp": (topp_bench.run, topp_bench.markdown),
     "faults": (faults.run, faults.markdown),
+    "ray": (ray_bench.run, ray_bench.markdown),  # the on-policy run twice + 10 killed `gkd ray score` runs: ask for it
 }
 
 

@@ -34,6 +34,7 @@ def _register_available() -> None:
         ("export", "pipeline.train.export", "export a trained student to a Hugging Face folder"),
         ("onpolicy", "pipeline.onpolicy.run", "alternate generate -> score -> train"),
         ("slurm", "pipeline.slurm.cli", "submit stages as Slurm jobs"),
+        ("ray", "pipeline.ray.cli", "run stages as Ray tasks on a Ray cluster"),
         ("demo", "pipeline.demo", "the whole pipeline on the embedded default, with a report"),
     ):
         if importlib.util.find_spec(module) is not None:

@@ -6,6 +6,7 @@
     stages.py   one cycle's stages as plain functions (setup, export, generate, score, train, eval), state records
     local.py    the local executor: every stage in this process, engines kept open
     slurm.py    the Slurm executor: the same stages as chained jobs (`--stage S --cycle C`), a polling driver
+    ray.py      the Ray executor: the local loop with sampler, teacher and trainer as long-lived Ray actors
     run.py      the entry (`gkd onpolicy`): argparse, the executor chosen by `executor`
 
 The driver sits above the stages and calls their public functions; no stage imports it.

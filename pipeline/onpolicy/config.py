@@ -22,7 +22,7 @@ from pipeline.score.scorer import ScoreConfig
 from pipeline.train.trainer import TrainConfig
 
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
-EXECUTORS = ("local", "slurm")
+EXECUTORS = ("local", "slurm", "ray")
 WEIGHT_SYNCS = ("reload", "restart")
 STAGE_CLASSES = {"generate": GenerateConfig, "score": ScoreConfig, "train": TrainConfig}
 # Where an on-policy run starts from other values than the stage's own defaults, and why: short samples
@@ -96,6 +96,10 @@ class OnPolicyConfig:
     slurm_log_dir: str | None = None  # scripts and job logs; null: OUT/slurm/logs
     slurm_poll_s: float = 5.0  # squeue polling interval of the driver
     slurm_stage_timeout_s: float | None = None  # give up waiting for one stage's jobs after this long; null: never
+    # -- executor=ray: sampler, teacher and trainer as long-lived Ray actors (pipeline/onpolicy/ray.py)
+    ray_address: str = "local"  # local (a single-machine cluster of our own), auto, HOST:PORT or ray://HOST:PORT
+    ray_num_cpus: float = 1.0  # per actor (and its torch threads); the three reserve this much each
+    ray_num_gpus: float = 0.0  # per actor, e.g. 1: the sampler, the teacher and the trainer each on a GPU
     # -- run control
     progress: bool = True
     stop_after: str | None = None  # "CYCLE:STAGE": exit once that stage is done (tests, debugging)
@@ -116,6 +120,8 @@ class OnPolicyConfig:
         if self.offpolicy_dataset and not self.offpolicy_cache:
             p.append("offpolicy_dataset needs offpolicy_cache: the directory it is scored into")
         p += self._slurm_problems()
+        if self.ray_num_cpus <= 0 or self.ray_num_gpus < 0:
+            p.append("ray_num_cpus must be > 0 and ray_num_gpus >= 0")
         if self.stop_after is not None:
             cycle, _, stage = self.stop_after.partition(":")
             if not cycle.isdigit() or stage not in STAGES:

@@ -12,8 +12,8 @@ spg steps on that view. Off-policy: spg steps on the off-policy cache, continuin
 (so lmbda=0 is exactly `gkd train` on that cache). Eval: export the new weights, held-out KL, one metrics line.
 
 The stages are defined once (stages.py); this module picks the executor: local (local.py, one process, engines kept
-open) or slurm (slurm.py, each stage a job, a polling driver). The driver sits above the stages and calls their
-public functions; no stage imports it.
+open), slurm (slurm.py, each stage a job, a polling driver) or ray (ray.py, the engines in long-lived Ray actors).
+The driver sits above the stages and calls their public functions; no stage imports it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.local import run_local
 from pipeline.onpolicy.slurm import JobFailed, run_slurm, task_main
 from pipeline.onpolicy.stages import Stopped
+from pipeline.ray.cluster import RayError
 from pipeline.slurm.queue import SlurmError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "onpolicy.yaml"
@@ -41,6 +42,10 @@ def run(cfg: OnPolicyConfig, engines: Engines | None = None) -> list[dict]:
     to reuse open engines (local executor)."""
     if cfg.executor == "slurm":  # the stages as Slurm jobs; this process only submits, polls and checks
         return run_slurm(cfg)
+    if cfg.executor == "ray":  # the engines in long-lived Ray actors; Ray is imported only here
+        from pipeline.onpolicy.ray import run_ray
+
+        return run_ray(cfg)
     own = engines is None
     engines = engines or Engines()
     try:
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gkd onpolicy: {e}", file=sys.stderr)
         return 2
-    except (JobFailed, SlurmError) as e:
+    except (JobFailed, SlurmError, RayError) as e:
         print(f"gkd onpolicy: {e}", file=sys.stderr)
         return 1
     done = [m for m in lines if m["cycle"] >= 0]

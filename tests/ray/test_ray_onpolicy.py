@@ -1,0 +1,154 @@
+"""`gkd onpolicy executor=ray` on the session's Ray cluster (tests/ray/conftest.py): the same training as the local
+executor on the same config (the Slurm executor's equality test, for Ray), the engine actors started once per run and
+reused by every cycle, and a driver SIGKILLed between cycles that resumes at the next cycle with the same result.
+
+    pytest tests/ray/test_ray_onpolicy.py -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from onpolicy_helpers import build_models, overrides, start_and_kill
+from safetensors.torch import load_file
+from tolerance import assert_layout_close
+
+from pipeline.config import load_config
+from pipeline.onpolicy.config import OnPolicyConfig
+from pipeline.onpolicy.run import run
+from pipeline.onpolicy.state import State
+
+pytestmark = pytest.mark.ray
+SGD = dict(train_extra={"optimizer": "sgd"}, lr=0.3, min_lr=0.03)  # tests/tolerance.py, rule 1 (as the Slurm test)
+
+
+def _cfg(models: dict, out: Path, **kw) -> OnPolicyConfig:
+    return load_config(OnPolicyConfig, None, overrides(models, out, heldout_prompts=None, **{**SGD, **kw}))
+
+
+def _ray(address: str) -> dict:
+    # 0.5 CPU each: the three actors fit the session's 2-CPU cluster beside nothing else
+    return dict(executor="ray", ray_address=address, ray_num_cpus=0.5)
+
+
+def _trained(out: Path, models: dict) -> dict:
+    final = load_file(str(out / "exports" / "step-0000004" / "model.safetensors"))
+    start = load_file(str(models["student"] / "model.safetensors"))
+    return {k: v - start[k] for k, v in final.items()}
+
+
+def _actors(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "ray" / "actors.jsonl").read_text().splitlines()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    return build_models(tmp_path_factory.mktemp("onpolicy-models"))
+
+
+@pytest.fixture(scope="module")
+def local_run(models, tmp_path_factory) -> Path:
+    from pipeline.onpolicy.engines import Engines
+
+    out = tmp_path_factory.mktemp("local")
+    engines = Engines()
+    try:
+        run(_cfg(models, out), engines)
+    finally:
+        engines.close()
+    return out
+
+
+def test_ray_executor_equals_local(models, local_run, ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    t0 = time.time()
+    lines = run(_cfg(models, out, **_ray(ray_cluster)))
+    print(f"\n[onpolicy-ray] 2 cycles in {time.time() - t0:.0f} s", file=sys.stderr)
+    assert [m["cycle"] for m in lines] == [0, 1] and all(m["on_policy"] and m["loss"] > 0 for m in lines)
+    local = {m["cycle"]: m for m in lines}
+    for m in (json.loads(x) for x in (local_run / "metrics.jsonl").read_text().splitlines()):
+        assert local[m["cycle"]]["samples"] == m["samples"]
+        assert abs(local[m["cycle"]]["loss"] - m["loss"]) <= 1e-3 * abs(m["loss"])  # per-cycle losses
+    assert_layout_close(_trained(out, models), _trained(local_run, models), "trained weights")
+    # three actors for the run, each started once; both cycles ran on the same ones, one engine start each
+    started = _actors(out)
+    assert sorted(a["role"] for a in started) == ["sampler", "teacher", "trainer"]
+    cycles = State.load(out).cycles
+    assert cycles["0"]["ray_actors"] == cycles["1"]["ray_actors"]
+    seen = cycles["1"]["ray_actors"]
+    assert {r: seen[r]["pid"] for r in seen} == {a["role"]: a["pid"] for a in started}
+    assert seen["sampler"]["engine_starts"] == 1 and seen["teacher"]["engine_starts"] == 1
+    assert cycles["1"]["sync_s"] > 0  # cycle 1's weights were reloaded into the running sampler
+    assert _wait_dead(started)  # ended with the run
+
+
+def _wait_dead(actors: list[dict], timeout: float = 60) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if not any(_alive(a["pid"]) for a in actors):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    values = overrides(models, out, heldout_prompts=None, **{**SGD, **_ray(ray_cluster)})
+    args = [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+    start_and_kill([sys.executable, "-m", "pipeline", "onpolicy", *args], tmp_path, tmp_path / "killed.log",
+                   lambda: (out / "state.json").exists() and State.load(out).cycle >= 1, timeout=900)
+    first = _actors(out)
+    # killed once cycle 0 was recorded; cycle 1's export (its weights exported by cycle 0's eval: instant) may be too
+    killed = State.load(out)
+    assert len(first) == 3 and killed.cycle == 1 and killed.stage in ("export", "generate"), (killed.cycle, killed.stage)
+    assert _wait_dead(first), "the killed driver's actors outlived it"
+    t0 = time.time()
+    lines = run(_cfg(models, out, **_ray(ray_cluster)))
+    print(f"\n[onpolicy-ray] resumed cycle 1 in {time.time() - t0:.0f} s", file=sys.stderr)
+    assert [m["cycle"] for m in lines] == [0, 1]  # cycle 0 not redone
+    cycles = State.load(out).cycles
+    second = _actors(out)[3:]  # a fresh set for the second driver, used by cycle 1
+    assert len(second) == 3 and {a["pid"] for a in second}.isdisjoint({a["pid"] for a in first})
+    pids = {c: {a["pid"] for a in cycles[c]["ray_actors"].values()} for c in ("0", "1")}
+    assert pids == {"0": {a["pid"] for a in first}, "1": {a["pid"] for a in second}}
+    assert_layout_close(_trained(out, models), _trained(local_run, models), "trained weights")
+    assert _wait_dead(second)
+
+
+def test_bad_ray_settings_are_clear_errors_within_seconds(models, ray_cluster, tmp_path):
+    """A request no node can hold (Ray would keep the actors pending forever) and an unreachable address: errors
+    naming the resource / address and the fix, before any actor or engine starts."""
+    from pipeline.ray.cluster import RayError
+
+    t0 = time.time()
+    with pytest.raises(RayError, match=r"GPU=1 but no node of the cluster has that"):
+        run(_cfg(models, tmp_path / "gpu", **{**_ray(ray_cluster), "ray_num_gpus": 1}))
+    with pytest.raises(RayError, match=r"3 x CPU=1 must run at once but the cluster has only CPU=2"):
+        run(_cfg(models, tmp_path / "cpu", **{**_ray(ray_cluster), "ray_num_cpus": 1}))
+    assert time.time() - t0 < 30 and not (tmp_path / "gpu" / "ray").exists()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    values = overrides(models, tmp_path / "addr", heldout_prompts=None, executor="ray", ray_address=f"127.0.0.1:{port}")
+    res = subprocess.run([sys.executable, "-m", "pipeline", "onpolicy",
+                          *(f"{k}={'null' if v is None else v}" for k, v in values.items())],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert res.returncode == 1 and f"no Ray cluster reachable at 127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
