@@ -10,11 +10,16 @@ where that is impossible the tests skip with the reason. Teardown stops exactly 
 files. Client commands (also those the `gkd slurm` subprocesses and the jobs run) find the cluster via $SLURM_CONF.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+# The Ray tests' clusters listen on 127.0.0.1 only. Ray reads this when it is first imported, and vLLM imports Ray
+# in whichever test first opens an engine, long before tests/ray runs: so it is set here, before anything else.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 # Shared test helpers (tests/scored_rows.py, tests/tiny_models.py) are imported by plain name.
 sys.path.insert(0, str(Path(__file__).parent))

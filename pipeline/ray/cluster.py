@@ -12,7 +12,8 @@ Facts this relies on (Ray 2.60, docs/dependencies.md "Ray"):
   (written by `ray.init`/`ray start`); any other client sets `RAY_AUTH_TOKEN` (or `RAY_AUTH_TOKEN_PATH`) to the
   cluster's token (`ray get-auth-token` prints it). We never switch it off.
 - A single-machine cluster listens on the host's own address unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which
-  makes Ray use 127.0.0.1: `local` clusters are loopback-only.
+  makes Ray use 127.0.0.1: `local` clusters are loopback-only. Ray reads it when it is first imported, and vLLM
+  imports Ray: a process that opened an engine before may start on the host's address, which `connect` refuses.
 - Workers get this package's folder on PYTHONPATH (runtime_env), so a source checkout runs the same code in its
   workers as in the driver; on a remote cluster the package must be installed on the nodes (or `working_dir`).
 """
@@ -108,8 +109,15 @@ def connect(address: str = "auto", num_cpus: float | None = None, num_gpus: floa
         hint = " (token auth: set RAY_AUTH_TOKEN to the cluster's token, `ray get-auth-token` on its head)" \
             if "auth" in text.lower() or "token" in text.lower() else ""
         raise RayError(f"cannot connect to Ray at {address}: {text}{hint}") from None
+    where = ray.get_runtime_context().gcs_address
+    if address == "local" and not where.startswith("127.0.0.1:"):
+        ray.shutdown()
+        raise RayError(f"--address local started a cluster on {where}, not on 127.0.0.1: Ray was imported in this "
+                       "process (vLLM imports it) before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 could be set; set "
+                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment, or start a cluster with `ray start "
+                       "--head` and pass its address")
     try:
-        yield ray.get_runtime_context().gcs_address
+        yield where
     finally:
         ray.shutdown()
 
