@@ -50,6 +50,7 @@ def configure(*, verbose_now: bool | None = None) -> None:
                 del os.environ[name]  # ours, not the user's: back to the library's default
         warnings.filterwarnings("default", module=_QUIET_MODULES)
         logging.getLogger("vllm").setLevel(logging.NOTSET)
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.NOTSET)
         return
     for name, value in _QUIET_ENV.items():
         if name not in os.environ:
@@ -58,6 +59,9 @@ def configure(*, verbose_now: bool | None = None) -> None:
     # A vLLM module imported before vLLM configures its logger (triton_utils, through torch's own imports) logs
     # through Python's last-resort handler; the level on the "vllm" logger covers that window too.
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    # The CUDA build of torch that `make setup` installs on CPU machines (docs/dependencies.md) warns at import, in
+    # every process, "No CUDA runtime is found, using CUDA_HOME=...": true and harmless on a CPU machine.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=_QUIET_MODULES)
 
