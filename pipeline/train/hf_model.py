@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from pipeline.config import ConfigError
 from pipeline.store.shards import staged_dir
 from pipeline.train.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
+from pipeline.train.packing import attention_mask
 
 # Layer types (config.layer_types) that are attention and so keep packed samples apart under a block-diagonal mask.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
@@ -119,11 +120,11 @@ def inputs(doc_ids: Tensor, position_ids: Tensor, packed: bool, attn_implementat
     new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
     new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     start = torch.where(new_doc, col, 0).cummax(-1).values  # column where each token's sample starts
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril_()
-    allowed = ((doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)) & causal).unsqueeze(1)
+    masked = attention_mask(doc_ids)  # the Megatron backend's block-diagonal mask, True = masked out
+    allowed = ~masked
     if attn_implementation != "sdpa":
-        allowed = torch.zeros(allowed.shape, dtype=torch.float32, device=doc_ids.device).masked_fill_(
-            ~allowed, torch.finfo(torch.float32).min)
+        allowed = torch.zeros(masked.shape, dtype=torch.float32, device=doc_ids.device).masked_fill_(
+            masked, torch.finfo(torch.float32).min)
     return {"position_ids": col - start, "attention_mask": allowed}
 
 

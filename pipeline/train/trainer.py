@@ -420,8 +420,9 @@ def model_inputs(batch, cfg: TrainConfig, model) -> dict:
     """The model's forward keywords besides input_ids, per backend: how packed rows keep their samples apart.
     megatron: positions, and document spans (sdpa) or a block-diagonal mask (local), `attention.attention_inputs`;
     hf: per-sample positions and a block-diagonal mask, `hf_model.inputs`. Padded rows: the causal default."""
-    if hf_model.is_hf(_unwrap(model)):
-        impl = "sdpa" if cfg.attention == "sdpa" else "eager"
+    student = _unwrap(model)
+    if hf_model.is_hf(student):  # the implementation the model was built with (hf_model.build: sdpa or eager)
+        impl = student.base().config._attn_implementation
         return hf_model.inputs(batch.doc_ids, batch.position_ids, batch.packed, impl)
     from pipeline.train.attention import attention_inputs
 
