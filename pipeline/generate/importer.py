@@ -6,6 +6,8 @@
     gkd import --dataset "reasoning-gym:basic_arithmetic?size=100&seed=0" --tokenizer MODEL_DIR --out DIR
     gkd import --dataset data/opsd.jsonl --prompt-field question --response-field answer \
                --teacher-prompt-field question_with_solution --tokenizer MODEL_DIR --out DIR   # OPSD teacher view
+    gkd import --dataset data/vqa.parquet --prompt-field question --response-field answer --image-field images \
+               --tokenizer VLM_DIR --out DIR   # images: paths or datasets.Image bytes, stored in DIR/images/
 
 The prompt is the chat template with the assistant header (the ids a student sampler would be given); the
 completion is the assistant turn as the template renders it in the full conversation (its suffix after the
@@ -23,16 +25,20 @@ from typing import Any
 
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
-from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids, response_ids
+from pipeline.generate.prompts import Prompt, PromptError, image_prompt_ids, load_prompts, prompt_ids, response_ids
 from pipeline.slurm.arrays import task_index
+from pipeline.store import images as image_store
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_path, write_rollouts
 from pipeline.store.shards import ShardError, is_complete, read_marker
 
 
 def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = None, on_bad: str = "error",
-                where: str = "", fields: str = "") -> tuple[list[dict], Counter]:
-    """Rollout rows for prompts with a reference response; bad rows are refused or skipped and counted."""
+                where: str = "", fields: str = "", processor: Any = None,
+                image_root: Path | None = None) -> tuple[list[dict], Counter]:
+    """Rollout rows for prompts with a reference response; bad rows are refused or skipped and counted. Prompts
+    with images need the model's `processor` (their placeholders expanded as the student sees them) and
+    `image_root`, where their bytes are stored (pipeline/store/images.py) before the rows that name them."""
     rows, skipped = [], Counter()
     for p in prompts:
         reason = None
@@ -45,6 +51,10 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
         else:
             ids = prompt_ids(tokenizer, p.messages)
             completion = response_ids(tokenizer, p.messages, str(p.response), ids)
+            if p.images:
+                pixels = [image_store.decode(b, f"{where}: row {p.prompt_id!r}: image {i + 1}")
+                          for i, b in enumerate(p.images)]
+                ids = image_prompt_ids(processor, tokenizer, p.messages, pixels)
             teacher = None if p.teacher_messages is None else prompt_ids(tokenizer, p.teacher_messages)
             longest = max(len(ids), len(teacher or ())) + len(completion)
             if max_len is not None and longest > max_len:
@@ -58,9 +68,10 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
                                   f" {fix}, or pass --on-bad skip to skip and count it")
             skipped[reason] += 1
             continue
+        hashes = [image_store.put(image_root, b) for b in p.images]
         rows.append(rollout_row(prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=completion,
                                 source="dataset", policy_version=None, finish_reason=None, tags=p.tags,
-                                teacher_prompt_ids=teacher))
+                                teacher_prompt_ids=teacher, images=hashes))
     return rows, skipped
 
 
@@ -77,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gkd score --tags / the trainer's teachers routing); repeat for several")
     ap.add_argument("--teacher-prompt-field", help="privileged teacher prompt (OPSD): a text or chat field the teacher "
                     "sees instead of the prompt; gkd score scores it + the completion")
+    ap.add_argument("--image-field", help="the prompt's images: a path relative to the dataset file, embedded bytes "
+                    "(datasets.Image) or a list of them; needs a vision-language --tokenizer folder (its processor)")
     ap.add_argument("--max-len", type=int, help="refuse/skip rows longer than this many tokens in total")
     ap.add_argument("--on-bad", choices=("error", "skip"), default="error")
     ap.add_argument("--shard", type=int, default=None, help="default: $SLURM_ARRAY_TASK_ID, else 0")
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gkd import: {path} is complete; nothing to do")
                 return 0
             rows, mine, skipped = _import(args, shard, path)
-    except (PromptError, FileNotFoundError, ShardError) as e:
+    except (PromptError, FileNotFoundError, ShardError, image_store.ImageError) as e:
         print(f"gkd import: {e}", file=sys.stderr)
         return 2
     tokens = sum(len(r["completion_ids"]) for r in rows)
@@ -120,16 +133,34 @@ def _import(args: argparse.Namespace, shard: int, path: Path) -> tuple[list[dict
             raise PromptError(f"tokenizer {fp} differs from {declared} declared by {other}.ok")
     prompts = load_prompts(args.dataset, prompt_field=args.prompt_field, messages_field=args.messages_field,
                            response_field=response_field, id_field=args.id_field,
-                           teacher_prompt_field=args.teacher_prompt_field, tag_fields=args.tag_field)
+                           teacher_prompt_field=args.teacher_prompt_field, tag_fields=args.tag_field,
+                           image_field=args.image_field)
     mine = [p for p in prompts if assign_shard(p.prompt_id, args.num_shards) == shard]
     names = [f"--{k.replace('_', '-')} {v}" for k, v in (("messages_field", args.messages_field), ("prompt_field",
              None if args.messages_field else args.prompt_field), ("response_field", response_field)) if v]
+    processor = None
+    if any(p.images for p in mine):
+        processor = vision_processor(args.tokenizer)
     rows, skipped = import_rows(tokenizer, mine, max_len=args.max_len, on_bad=args.on_bad, where=args.dataset,
-                                fields=f": {', '.join(names)}" if names else "")
+                                fields=f": {', '.join(names)}" if names else "", processor=processor,
+                                image_root=Path(args.out))
     extra = {"tokenizer_fingerprint": fp, "dataset": args.dataset, "shard": shard, "num_shards": args.num_shards,
              "skipped": dict(skipped)}
     write_rollouts(path, rows, tokenizer_fingerprint=fp, extra=extra)
     return rows, mine, skipped
+
+
+def vision_processor(model_dir: str | Path) -> Any:
+    """The processor of a vision-language model folder (what expands an image into its placeholder tokens)."""
+    import json
+
+    from transformers import AutoProcessor
+
+    config = json.loads((Path(model_dir) / "config.json").read_text()) if (Path(model_dir) / "config.json").exists() else {}
+    if image_store.image_token_id(config) is None:
+        raise PromptError(f"{model_dir}: --image-field needs a vision-language model's folder as --tokenizer (its "
+                          "config.json has no vision_config / image_token_id); use the student's folder")
+    return AutoProcessor.from_pretrained(str(model_dir))
 
 
 if __name__ == "__main__":

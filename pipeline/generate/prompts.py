@@ -34,11 +34,19 @@ class Prompt:
     # Privileged-context teacher (OPSD): the chat the teacher sees instead of `messages` (e.g. the question with
     # its reference solution); None = the teacher sees `messages`; [] = the row's field is empty (a bad row).
     teacher_messages: list[dict] | None = None
+    # The prompt's images (their bytes), in the order of their placeholders: one `{"type": "image"}` item each at the
+    # start of the last user turn's content (`with_images`)
+    images: tuple[bytes, ...] = ()
 
     @property
     def empty(self) -> bool:
         # The turn the model answers is the last one; a system prompt alone is not a prompt.
-        return not self.messages or not str(self.messages[-1].get("content") or "").strip()
+        if not self.messages:
+            return True
+        content = self.messages[-1].get("content")
+        if isinstance(content, list):
+            return not any(str(c.get("text") or "").strip() for c in content) and not self.images
+        return not str(content or "").strip() and not self.images
 
 
 def load_prompts(
@@ -50,10 +58,14 @@ def load_prompts(
     id_field: str | None = None,
     teacher_prompt_field: str | None = None,
     tag_fields: Sequence[str] = (),
+    image_field: str | None = None,
 ) -> list[Prompt]:
     """All prompts of a source, in source order (ids are stable: the `id_field` value or the row index).
     `teacher_prompt_field`: a text (one user message) or chat field the teacher sees instead of the prompt (OPSD).
-    `tag_fields`: fields copied into each prompt's tags as strings (what score --tags and the trainer route on)."""
+    `tag_fields`: fields copied into each prompt's tags as strings (what score --tags and the trainer route on).
+    `image_field`: the prompt's images: a path (relative to the dataset file's folder) or embedded bytes (a
+    `datasets.Image` value, `{"bytes": ..., "path": ...}`), or a list of them; read here, so a missing file is
+    refused before anything is written."""
     if src.startswith(RG_PREFIX):
         if teacher_prompt_field or tag_fields:
             raise PromptError(f"{src}: teacher_prompt_field / tag_fields need a dataset file with those fields "
@@ -61,16 +73,23 @@ def load_prompts(
         return _reasoning_gym(src)
     rows, where = _read_dataset(src)
     columns = set(rows.column_names)
-    needed = [f for f in (messages_field or prompt_field, response_field, id_field, teacher_prompt_field, *tag_fields)
-              if f]
+    needed = [f for f in (messages_field or prompt_field, response_field, id_field, teacher_prompt_field, image_field,
+                          *tag_fields) if f]
     missing = [f for f in needed if f not in columns]
     if missing:
         raise PromptError(
             f"{where}: no field {', '.join(map(repr, missing))} (fields: {', '.join(sorted(columns))}); "
             "choose one with prompt_field= / messages_field= / response_field= / id_field= / teacher_prompt_field= / "
-            "tag_fields= (gkd generate) or --prompt-field / --messages-field / --response-field / --id-field / "
-            "--teacher-prompt-field / --tag-field (gkd import)"
+            "tag_fields= / image_field= (gkd generate) or --prompt-field / --messages-field / --response-field / "
+            "--id-field / --teacher-prompt-field / --tag-field / --image-field (gkd import)"
         )
+    if image_field:
+        import datasets
+
+        if isinstance(rows.features.get(image_field), datasets.Image):
+            rows = rows.cast_column(image_field, datasets.Image(decode=False))  # the stored bytes, not decoded
+        elif isinstance(getattr(rows.features.get(image_field), "feature", None), datasets.Image):
+            rows = rows.cast_column(image_field, datasets.Sequence(datasets.Image(decode=False)))
     data_source = Path(src).name
     prompts = []
     for i, row in enumerate(rows):
@@ -86,8 +105,62 @@ def load_prompts(
         pid = str(row[id_field]) if id_field else str(i)
         teacher = _teacher_messages(row[teacher_prompt_field]) if teacher_prompt_field else None
         tags = {"data_source": data_source, **{f: "" if row[f] is None else str(row[f]) for f in tag_fields}}
-        prompts.append(Prompt(pid, messages, response, tags, teacher))
+        images = _image_bytes(row[image_field], Path(src), pid, image_field) if image_field else ()
+        if images:
+            messages = with_images(messages, len(images))
+        prompts.append(Prompt(pid, messages, response, tags, teacher, images))
     return prompts
+
+
+def with_images(messages: list[dict], count: int) -> list[dict]:
+    """The chat with `count` image items at the start of the last turn (the content-list form chat templates of
+    vision-language models render as one placeholder each)."""
+    last = dict(messages[-1])
+    text = last.get("content")
+    items = text if isinstance(text, list) else [{"type": "text", "text": str(text or "")}]
+    last["content"] = [{"type": "image"} for _ in range(count)] + items
+    return [*messages[:-1], last]
+
+
+def _image_bytes(value, src: Path, pid: str, field: str) -> tuple[bytes, ...]:
+    """A row's image field -> the bytes of its images (paths resolved against the dataset file's folder)."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    base = src.parent if src.is_file() else src
+    out = []
+    for v in values:
+        if isinstance(v, dict) and v.get("bytes"):
+            out.append(bytes(v["bytes"]))
+            continue
+        name = v.get("path") if isinstance(v, dict) else v
+        if not isinstance(name, str) or not name:
+            raise PromptError(f"{src}: row {pid!r}: field {field!r} holds {type(v).__name__} {str(v)[:60]!r}, not an "
+                              "image path or embedded bytes ({'bytes': ...}); fix the row")
+        path = Path(name) if Path(name).is_absolute() else base / name
+        try:
+            out.append(path.read_bytes())
+        except OSError as e:
+            raise PromptError(f"{src}: row {pid!r}: image {path} (field {field!r}) cannot be read ({e.strerror}); "
+                              "paths are relative to the dataset file's folder: fix the path or add the file") from None
+    return tuple(out)
+
+
+def image_prompt_ids(processor, tokenizer, messages: Sequence[dict], images: Sequence) -> list[int]:
+    """A prompt with images as the student sees it: the chat template with one placeholder per image, each expanded
+    by the model's processor to the image's tokens. Collapsing the runs again must give the tokenizer's own prompt
+    ids (`prompt_ids`), which the completion is aligned to; a processor whose template differs is refused."""
+    from pipeline.store.images import collapse
+
+    text = processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    ids = [int(t) for t in processor(text=[text], images=list(images))["input_ids"][0]]
+    plain = prompt_ids(tokenizer, messages)
+    token = processor.image_token_id if hasattr(processor, "image_token_id") else tokenizer.convert_tokens_to_ids(
+        processor.image_token)
+    if collapse(ids, token) != collapse(plain, token):
+        raise PromptError(f"the processor's chat template renders this prompt other than the tokenizer's "
+                          f"({len(ids)} tokens with the images expanded, {len(plain)} without); give both one template")
+    return ids
 
 
 def _teacher_messages(value) -> list[dict]:

@@ -23,7 +23,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
+from pipeline.store import images as image_store
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
@@ -97,6 +98,9 @@ class ScoreConfig:
     kv_cache_gib: float = 1.0
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
+    # Image rollouts: the engine's limit_mm_per_prompt; null: the most images of a rollout this task scores (an
+    # engine handed in, e.g. the on-policy driver's, was opened with its own)
+    max_images_per_prompt: int | None = None
     batch_tokens: int = 8192  # token budget of one vLLM call
     part_rows: int = 512  # rows per output part: bounds memory, and what a killed task loses
     engine_extra: dict = field(default_factory=dict)
@@ -126,6 +130,8 @@ class ScoreConfig:
             p.append(f"codec must be one of {CODECS}, got {self.codec!r}")
         if any(not isinstance(t, str) or not t for t in self.tags):
             p.append(f"tags must be non-empty strings (--tags math,code), got {self.tags!r}")
+        if self.max_images_per_prompt is not None and self.max_images_per_prompt < 1:
+            p.append(f"max_images_per_prompt must be >= 1 (or null: from the rollouts), got {self.max_images_per_prompt}")
         if self.batch_tokens < 1 or self.part_rows < 1:
             p.append("batch_tokens and part_rows must be >= 1")
         if self.dtype not in DTYPES:
@@ -245,7 +251,8 @@ def task_done(cache_root: Path, name: str) -> bool:
 
 
 def select_rows(
-    cfg: ScoreConfig, rollouts: list[Path], teacher_fp: str, shard: int, vocab_size: int, max_len: int, counts: dict
+    cfg: ScoreConfig, rollouts: list[Path], teacher_fp: str, shard: int, vocab_size: int, max_len: int, counts: dict,
+    image_token: int | None = None,
 ) -> list[dict]:
     """This task's rows, deduplicated by content key; bad input refused (or skipped and counted) before any work.
     `max_len` is the longest sequence the engine can score.
@@ -254,7 +261,7 @@ def select_rows(
     completion from `engine_first` on) and stored as the student sees it: input_ids = prompt_ids + completion_ids,
     first_scored = len(prompt_ids), so stored row i is still the teacher's distribution of completion token i."""
     rows: dict[str, dict] = {}
-    too_big, overlong, privileged = [], [], []
+    too_big, overlong, privileged, pictured = [], [], [], []
     wanted = set(cfg.tags)
     for r in iter_rollouts(rollouts):
         if wanted and r["tags"].get(cfg.tag_key) not in wanted:
@@ -269,7 +276,13 @@ def select_rows(
         if len(r["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
             counts["empty"] = counts.get("empty", 0) + 1
             continue
-        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode, teacher_prompt=teacher_prompt)
+        if r.get("images"):
+            problem = image_row_problem(r, image_token, cfg)
+            if problem:
+                pictured.append(f"sample {r['sample_id']}: {problem}")
+                continue
+        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode, teacher_prompt=teacher_prompt,
+                          images=r.get("images"))
         if assign_shard(key, cfg.num_shards) != shard or key in rows:
             continue
         engine_ids, engine_first = ids, first
@@ -293,6 +306,9 @@ def select_rows(
             + f": {', '.join(privileged[:10])}" + (" ..." if len(privileged) > 10 else "")
             + ("; score them without score_prompt" if cfg.score_prompt else "; rebuild them with a non-empty teacher prompt")
         )
+    if pictured:
+        raise ScoreInputError(f"{cfg.rollouts}: {len(pictured)} rollout(s) with images cannot be scored: "
+                              + "; ".join(pictured[:5]) + (" ..." if len(pictured) > 5 else ""))
     if too_big:
         raise ScoreInputError(
             f"{cfg.rollouts}: {len(too_big)} rollout(s) hold token ids (prompt_ids/completion_ids) outside the "
@@ -308,6 +324,53 @@ def select_rows(
             + "; raise max_model_len or pass on_overlong=skip to skip and count them"
         )
     return list(rows.values())
+
+
+def image_row_problem(row: dict, image_token: int | None, cfg: ScoreConfig) -> str | None:
+    """Why a rollout with images cannot be scored as it is (None: it can): a text-only teacher, more images than
+    the engine's limit, placeholders that are not one run per image, an image token in the completion, score_prompt
+    (image placeholder positions carry no teacher distribution to store)."""
+    n = len(row["images"])
+    if image_token is None:
+        return (f"it has {n} image(s), and the teacher is a text-only model (its config.json has no vision_config); "
+                "score it with a vision-language teacher, or re-import the rows without --image-field")
+    if cfg.max_images_per_prompt is not None and n > cfg.max_images_per_prompt:
+        return (f"{n} images, more than max_images_per_prompt={cfg.max_images_per_prompt} (vLLM's "
+                "limit_mm_per_prompt); raise it")
+    if cfg.score_prompt:
+        return "score_prompt=true cannot score a prompt with images (its placeholder positions); score without it"
+    if image_token in row["completion_ids"]:
+        return f"its completion holds the image token {image_token}; only prompts carry images"
+    found = len(image_store.runs(row["prompt_ids"], image_token))
+    if found != n:
+        return (f"its prompt_ids hold {found} run(s) of the image token {image_token} for {n} image(s); re-import it "
+                "with the teacher's processor")
+    return None
+
+
+def check_image_alignment(rows: list[dict], teacher: Path, image_token: int, rollouts: Path) -> None:
+    """Before any engine work: every image of these rows loads, and the teacher's processor expands it to exactly
+    as many placeholder tokens as the rollout holds (the student's processor made them). A mismatch is refused
+    naming the sample, both counts and the likely cause."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(teacher)
+    placeholder = getattr(processor, "image_token", None) or processor.tokenizer.decode([image_token])
+    counts: dict[str, int] = {}
+    for r in rows:
+        images = r["images"]
+        need = [h for h in images if h not in counts]
+        for h, img in zip(need, image_store.load(rollouts, need, sample=r["sample_id"]), strict=True):
+            ids = processor(text=[placeholder], images=[img])["input_ids"][0]
+            counts[h] = int(sum(1 for t in ids if int(t) == image_token))
+        for i, ((_, length), h) in enumerate(zip(image_store.runs(r["prompt_ids"], image_token), images, strict=True)):
+            if length != counts[h]:
+                raise ScoreInputError(
+                    f"{rollouts}: sample {r['sample_id']}: image {i + 1} ({h}) has {length} placeholder tokens in the "
+                    f"rollout (the student's processor) but the teacher's processor ({teacher}) expands it to "
+                    f"{counts[h]}: another processor version, other max_pixels/min_pixels, or another template. "
+                    "Re-import the rollouts with a processor that expands images as the teacher's does; nothing "
+                    "was scored")
 
 
 def token_batches(rows: list[dict], budget: int) -> list[list[dict]]:
@@ -422,7 +485,8 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         if not (Path(cfg.teacher_adapter) / "adapter_config.json").exists():
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_config = AutoConfig.from_pretrained(teacher)
-    vocab_size = int(teacher_config.vocab_size)
+    vocab_size = int(teacher_vocab_size(teacher_config))
+    image_token = image_store.image_token_id(json.loads((teacher / "config.json").read_text()))
     engine_len = engine_length(cfg, teacher_config)
     served = probe = None
     if cfg.teacher_url:
@@ -462,9 +526,16 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         return {"done_before": True, "teacher_forwards": 0}
 
     counts: dict[str, int] = {}
-    rows = select_rows(cfg, paths, teacher_fp, shard, vocab_size, engine_len - 1, counts)
+    rows = select_rows(cfg, paths, teacher_fp, shard, vocab_size, engine_len - 1, counts, image_token)
     have = cache.keys()
     todo = [r for r in rows if r["key"] not in have]
+    pictured = [r for r in todo if r.get("images")]
+    if pictured:
+        if served is not None:
+            raise ConfigError(f"teacher_url: {len(pictured)} rollout(s) carry images, which the served teacher does "
+                              "not take yet (it would see the placeholders without the pixels); score them with an "
+                              "in-process engine (no --teacher-url)")
+        check_image_alignment(pictured, teacher, image_token, Path(cfg.rollouts))
     counts["cached"] = len(rows) - len(todo)
     prior_parts = sorted(p.name[: -len(".parquet")] for p in cache.shard_dir.glob(f"{name}-p*.parquet") if read_marker(p))
 
@@ -475,7 +546,9 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         if served is not None:
             engine = served
         else:
-            engine = stack.enter_context(_in_process_teacher(cfg, teacher, llm, engine_len))
+            engine = stack.enter_context(_in_process_teacher(
+                cfg, teacher, llm, engine_len, image_token=image_token,
+                max_images=max((len(r.get("images") or ()) for r in todo), default=0)))
         total_tokens = sum(len(r["engine_ids"]) for r in todo)
         pending: list[dict] = []
         with stack:
@@ -491,10 +564,11 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
                     summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
                 bar.update(sum(len(r["engine_ids"]) for r in batch))
                 while len(pending) >= cfg.part_rows:
-                    parts += _write_part(cache, name, len(parts), pending[: cfg.part_rows], counts)
+                    parts += _write_part(cache, name, len(parts), pending[: cfg.part_rows], counts,
+                                         Path(cfg.rollouts))
                     pending = pending[cfg.part_rows :]
             if pending:
-                parts += _write_part(cache, name, len(parts), pending, counts)
+                parts += _write_part(cache, name, len(parts), pending, counts, Path(cfg.rollouts))
             bar.close()
             summary["score_seconds"] = time.time() - t_score
         summary["scored"] = len(todo)
@@ -521,27 +595,56 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
 class InProcessTeacher:
     """The score loop's engine for a vLLM `LLM` in this process: one `generate` call per token batch."""
 
-    def __init__(self, llm, k: int) -> None:
+    def __init__(self, llm, k: int, *, image_root: Path | None = None, image_token: int | None = None) -> None:
         from vllm import SamplingParams
 
         self.llm = llm
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
+        self.image_root, self.image_token = image_root, image_token
 
     def score_batches(self, batches: Iterable[list[dict]]) -> Iterator[tuple[list[dict], list]]:
-        """Each batch with its rows' flat prompt logprobs (vLLM's FlatLogprobs), in order."""
+        """Each batch with its rows' flat prompt logprobs (vLLM's FlatLogprobs), in order. A row with images goes
+        to vLLM with one placeholder per image and the pixels (`multi_modal_data`); vLLM expands the placeholders
+        with the teacher's processor, and that expansion must be the rollout's, token for token."""
         from vllm.inputs import TokensPrompt
 
         for batch in batches:
-            prompts = [TokensPrompt(prompt_token_ids=r["engine_ids"].tolist()) for r in batch]
+            prompts = []
+            for r in batch:
+                if r.get("images"):
+                    pixels = image_store.load(self.image_root, r["images"], sample=r["sample_id"])
+                    prompts.append(TokensPrompt(prompt_token_ids=image_store.collapse(r["engine_ids"], self.image_token),
+                                                multi_modal_data={"image": pixels}))
+                else:
+                    prompts.append(TokensPrompt(prompt_token_ids=r["engine_ids"].tolist()))
             outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
+            for r, out in zip(batch, outputs, strict=True):
+                if r.get("images"):
+                    check_expansion(r, out.prompt_token_ids, self.image_token)
             yield batch, [out.prompt_logprobs for out in outputs]
 
 
+def check_expansion(row: dict, teacher_ids: Sequence[int], image_token: int) -> None:
+    """The teacher engine's sequence (its processor's expansion of the images) against the stored one."""
+    ours = np.asarray(row["engine_ids"])
+    theirs = np.asarray(list(teacher_ids))
+    if len(ours) == len(theirs) and np.array_equal(ours, theirs):
+        return
+    mine = [n for _, n in image_store.runs(ours, image_token)]
+    seen = [n for _, n in image_store.runs(theirs, image_token)]
+    raise TeacherOutputError(
+        f"sample {row['sample_id']}: the teacher engine expanded its images to {seen} placeholder tokens "
+        f"({len(theirs)} tokens in all), the rollout holds {mine} ({len(ours)}): the student's and the teacher's "
+        "processors differ (version, max_pixels/min_pixels, template); nothing of this part was written")
+
+
 @contextlib.contextmanager
-def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int) -> Iterator[InProcessTeacher]:
+def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int, *, image_token: int | None = None,
+                        max_images: int = 0) -> Iterator[InProcessTeacher]:
     """The engine handed in, or one opened on the teacher (merged with its adapter first, if any) and closed after."""
+    vision = {"image_root": Path(cfg.rollouts), "image_token": image_token}
     if llm is not None:
-        yield InProcessTeacher(llm, cfg.topk)
+        yield InProcessTeacher(llm, cfg.topk, **vision)
         return
 
     with contextlib.ExitStack() as stack:
@@ -549,20 +652,31 @@ def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int) -
         if cfg.teacher_adapter:
             model_dir = stack.enter_context(merged_teacher(teacher, cfg.teacher_adapter, dtype=DTYPES[cfg.dtype],
                                                            parent=cfg.merge_dir))
-        engine = stack.enter_context(open_teacher_engine(cfg, model_dir, engine_len))
-        yield InProcessTeacher(engine, cfg.topk)
+        engine = stack.enter_context(open_teacher_engine(cfg, model_dir, engine_len, max_images=max_images))
+        yield InProcessTeacher(engine, cfg.topk, **vision)
+
+
+def teacher_vocab_size(teacher_config: Any) -> int:
+    """The vocabulary of a teacher's config (a vision-language model keeps it in its text_config)."""
+    size = getattr(teacher_config, "vocab_size", None)
+    if size is None and hasattr(teacher_config, "get_text_config"):
+        size = teacher_config.get_text_config().vocab_size
+    return int(size)
 
 
 def engine_length(cfg: ScoreConfig, teacher_config: Any) -> int:
     """The engine's max_model_len for scoring sequences of up to `cfg.max_model_len` tokens. vLLM must fit one
     sampled token after the scored sequence, so the engine gets max_model_len + 1 where the model's positions allow
     it: a sequence of exactly max_model_len tokens is then scorable."""
-    max_pos = int(getattr(teacher_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
+    text_config = teacher_config.get_text_config() if hasattr(teacher_config, "get_text_config") else teacher_config
+    max_pos = int(getattr(text_config, "max_position_embeddings", cfg.max_model_len + 1) or cfg.max_model_len + 1)
     return min(cfg.max_model_len + 1, max_pos)
 
 
-def teacher_engine_args(cfg: ScoreConfig, model_dir: str | Path, engine_len: int) -> EngineArgs:
-    """The in-process teacher engine of a score config: the one rule `gkd score` and the on-policy driver share."""
+def teacher_engine_args(cfg: ScoreConfig, model_dir: str | Path, engine_len: int, *, max_images: int = 0) -> EngineArgs:
+    """The in-process teacher engine of a score config: the one rule `gkd score` and the on-policy driver share.
+    `max_images` > 0 (or the config's max_images_per_prompt): a vision-language teacher's `limit_mm_per_prompt`."""
+    images = cfg.max_images_per_prompt or max_images
     return EngineArgs(
         model=str(model_dir),
         tensor_parallel_size=cfg.tensor_parallel_size,
@@ -572,14 +686,14 @@ def teacher_engine_args(cfg: ScoreConfig, model_dir: str | Path, engine_len: int
         kv_cache_gib=cfg.kv_cache_gib,
         max_num_batched_tokens=cfg.max_num_batched_tokens or max(cfg.batch_tokens, engine_len),
         enforce_eager=cfg.enforce_eager,
-        extra=cfg.engine_extra,
+        extra={**cfg.engine_extra, **({"limit_mm_per_prompt": {"image": images}} if images else {})},
     )
 
 
-def open_teacher_engine(cfg: ScoreConfig, model_dir: str | Path, engine_len: int):
+def open_teacher_engine(cfg: ScoreConfig, model_dir: str | Path, engine_len: int, *, max_images: int = 0):
     """A context manager: the teacher engine of `cfg`, with the logprob settings scoring needs (max_logprobs = k)."""
-    return open_engine(teacher_engine_args(cfg, model_dir, engine_len), max_logprobs=cfg.topk,
-                       logprobs_mode=cfg.logprob_mode)
+    return open_engine(teacher_engine_args(cfg, model_dir, engine_len, max_images=max_images),
+                       max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode)
 
 
 def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int):
@@ -600,9 +714,12 @@ def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int,
             f"vllm {info['version']} (OpenAI server)")
 
 
-def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], counts: dict) -> list[str]:
+def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], counts: dict,
+                image_root: Path) -> list[str]:
     """Publish one part without the keys another writer published meanwhile; [] when nothing was left."""
     part = f"{name}-p{index:04d}"
+    for h in sorted({h for r in rows for h in (r.get("images") or ())}):  # the files before the rows that name them
+        cache.add_image(image_store.read(image_root, h))
     info, dropped = cache.add_rows(part, rows, extra={"task": name})
     if dropped:
         counts["cached_meanwhile"] = counts.get("cached_meanwhile", 0) + dropped

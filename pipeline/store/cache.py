@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.store import codec
+from pipeline.store import codec, images
 from pipeline.store.locks import FileLock
 from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import (
@@ -241,8 +241,8 @@ class TeacherCache:
 
         Each row: key, sample_id, source, policy_version, input_ids, first_scored, topk_ids [n,k],
         topk_logprobs [n,k], actual_ranks [n], actual_logprobs [n] with n = len(input_ids) - first_scored;
-        optionally tags (the rollout's, for routing) and teacher_prompt_ids (OPSD: what the teacher saw instead of
-        the prompt).
+        optionally tags (the rollout's, for routing), teacher_prompt_ids (OPSD: what the teacher saw instead of
+        the prompt) and images (content hashes; the files must be in `images/` of this cache already: `add_image`).
         """
         d = self.descriptor
         enc_rows = []
@@ -276,6 +276,7 @@ class TeacherCache:
                 "teacher_prompt_ids": pa.array([None if r.get("teacher_prompt_ids") is None
                                                 else np.asarray(r["teacher_prompt_ids"], np.int32) for r in rows],
                                                pa.list_(pa.int32())),
+                "images": pa.array([r.get("images") or None for r in rows], pa.list_(pa.string())),
             }
         )
         scored_tokens = int(sum(len(e[2]) for e in enc_rows))
@@ -284,6 +285,10 @@ class TeacherCache:
             footer=enc.footer,
             row_group_size=128,  # the trainer's loader decodes whole row groups: small ones bound its memory
         )
+
+    def add_image(self, data: bytes) -> str:
+        """Store an image's bytes in this cache (`images/<hash>`, once); returns the hash rows name it by."""
+        return images.put(self.root, data)
 
     # -- reading --------------------------------------------------------------------------------------------------
     def iter_batches(
@@ -338,6 +343,8 @@ class TeacherCache:
             tokens += int(m.get("scored_tokens", 0))
             nbytes += p.stat().st_size
         d = self.descriptor
+        stored = [p for p in images.image_dir(self.root).glob("*") if not p.name.startswith(".")]
+        image_bytes = sum(p.stat().st_size for p in stored)
         return {
             "cache": str(self.root),
             "shards": len(paths),
@@ -345,6 +352,9 @@ class TeacherCache:
             "scored_tokens": tokens,
             "bytes": nbytes,
             "bytes_per_scored_token": round(nbytes / tokens, 2) if tokens else None,
+            "images": len(stored),
+            "image_bytes": image_bytes,
+            "image_share": round(image_bytes / (image_bytes + nbytes), 4) if image_bytes else 0.0,
             "k": d.k,
             "topp": d.topp,
             "min_k": d.min_k,

@@ -75,10 +75,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_scored: int, k: int, mode: str,
-                teacher_prompt: Sequence[int] | np.ndarray | None = None) -> str:
+                teacher_prompt: Sequence[int] | np.ndarray | None = None, images: Sequence[str] | None = None) -> str:
     """Key of one scored row: the same tokens scored by the same teacher the same way always get the same key.
     `teacher_prompt` (OPSD): the teacher saw these ids instead of token_ids[:first_scored]; it is part of the key,
-    so the same completion scored with and without the privileged context are two rows (None: the plain key)."""
+    so the same completion scored with and without the privileged context are two rows (None: the plain key).
+    `images`: the content hashes of the prompt's images (pipeline/store/images.py), in placeholder order: the same
+    tokens with another image are another row (None or empty: a text-only key, unchanged)."""
     h = _digest()
     h.update(f"{teacher_fp}|{int(first_scored)}|{int(k)}|{mode}|".encode())
     h.update(np.ascontiguousarray(token_ids, dtype="<i4").tobytes())
@@ -86,6 +88,8 @@ def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_sc
         tp = np.ascontiguousarray(teacher_prompt, dtype="<i4")
         h.update(f"|teacher_prompt|{len(tp)}|".encode())
         h.update(tp.tobytes())
+    if images:
+        h.update(f"|images|{len(images)}|{','.join(images)}".encode())
     return h.hexdigest()
 
 
@@ -106,11 +110,15 @@ def adapter_fingerprint(base_fp: str, adapter_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def sample_id(prompt_id: str, prompt_ids: Sequence[int] | np.ndarray, completion_ids: Sequence[int] | np.ndarray) -> str:
-    """Stable id of a rollout: its prompt id and its tokens (the split point matters, so both parts are hashed)."""
+def sample_id(prompt_id: str, prompt_ids: Sequence[int] | np.ndarray, completion_ids: Sequence[int] | np.ndarray,
+              images: Sequence[str] | None = None) -> str:
+    """Stable id of a rollout: its prompt id and its tokens (the split point matters, so both parts are hashed),
+    and its images' hashes where it has any."""
     h = _digest()
     p = np.ascontiguousarray(prompt_ids, dtype="<i4")
     h.update(f"{prompt_id}|{len(p)}|".encode())
     h.update(p.tobytes())
     h.update(np.ascontiguousarray(completion_ids, dtype="<i4").tobytes())
+    if images:
+        h.update(f"|images|{','.join(images)}".encode())
     return h.hexdigest()

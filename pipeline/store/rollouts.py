@@ -60,7 +60,8 @@ def rollout_key(row: dict, teacher_fp: str, k: int, mode: str, *, score_prompt: 
     first = 1 if score_prompt else len(row["prompt_ids"])
     if len(row["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
         return None
-    return content_key(teacher_fp, ids, first, k, mode, teacher_prompt=row.get("teacher_prompt_ids"))
+    return content_key(teacher_fp, ids, first, k, mode, teacher_prompt=row.get("teacher_prompt_ids"),
+                       images=row.get("images"))
 
 
 def rollout_row(
@@ -74,15 +75,18 @@ def rollout_row(
     finish_reason: str | None = None,
     tags: dict[str, str] | None = None,
     teacher_prompt_ids: Sequence[int] | None = None,
+    images: Sequence[str] | None = None,
 ) -> dict:
     """Build one rollout row, computing its stable sample_id. `teacher_prompt_ids` (OPSD): the privileged prompt
-    the teacher sees before the completion instead of `prompt_ids` (the student still sees `prompt_ids`)."""
+    the teacher sees before the completion instead of `prompt_ids` (the student still sees `prompt_ids`).
+    `images`: content hashes of the prompt's images (pipeline/store/images.py `put`), in placeholder order; they
+    are part of the sample id, so the same text with another image is another sample."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if source == "student" and policy_version is None:
         raise ValueError("student rollouts need the policy_version (trainer step) of the weights that sampled them")
     return {
-        "sample_id": make_sample_id(prompt_id, prompt_ids, completion_ids),
+        "sample_id": make_sample_id(prompt_id, prompt_ids, completion_ids, images=images),
         "prompt_id": str(prompt_id),
         "source": source,
         "policy_version": policy_version,
@@ -92,6 +96,7 @@ def rollout_row(
         "finish_reason": finish_reason,
         "tags": dict(tags or {}),
         "teacher_prompt_ids": None if teacher_prompt_ids is None else [int(t) for t in teacher_prompt_ids],
+        "images": list(images) if images else None,
     }
 
 
@@ -143,4 +148,5 @@ def iter_rollouts(paths: Sequence[str | Path], *, batch_size: int = 512) -> Iter
         for row in batch.to_pylist():
             row["tags"] = dict(row["tags"] or [])
             row.setdefault("teacher_prompt_ids", None)  # shards before rollout schema 1.2
+            row.setdefault("images", None)  # shards before rollout schema 1.3
             yield row

@@ -31,6 +31,7 @@ _TYPES = {
     "int64": pa.int64(),
     "float32": pa.float32(),
     "list<int32>": pa.list_(pa.int32()),
+    "list<string>": pa.list_(pa.string()),
     "list<float32>": pa.list_(pa.float32()),
     "map<string,string>": pa.map_(pa.string(), pa.string()),
 }

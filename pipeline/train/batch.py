@@ -40,6 +40,9 @@ class MicroBatch:
     # Routing (`teachers`): index into the loader's `route_names` of the teacher each position's row came from
     # (-1 where inactive); None without routing.
     teacher_route: torch.Tensor | None = None  # int64 [B, S]
+    # Image rows (scored schema 1.2, padded rows only): each row's images as (cache root, content hash), in placeholder
+    # order; the trainer turns them into the student processor's pixel inputs (hf_model.vision_inputs). None: text.
+    images: list[list[tuple[str, str]]] | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The tensors moved to `device` (a no-op on CPU)."""
@@ -64,6 +67,8 @@ class Block:
     folded: np.ndarray | None  # bool [positions]; None: none folded
     actual: np.ndarray | None = None  # float32 [positions]: teacher logprob of the actual token; None: not read
     route: np.ndarray | None = None  # int64 [rows]: routed teacher index of each row; None: no routing
+    images: list | None = None  # per row: its images' content hashes (or None); None: no row has any
+    root: str = ""  # the cache root the block's shard belongs to (where images/ is)
 
 
 def fold_past_vocab(ids: np.ndarray, lps: np.ndarray, tail: np.ndarray, vocab_size: int) -> tuple:

@@ -452,6 +452,10 @@ class ScoredLoader:
                 offsets = ids.offsets.to_numpy().astype(np.int64)
                 first = table.column("first_scored").to_numpy().astype(np.int64)
                 is_dataset = pc.equal(table.column("source"), "dataset").to_numpy(zero_copy_only=False)
+                images = None
+                if "images" in pf.schema_arrow.names:
+                    images = pf.read_row_group(rg, columns=["images"], use_threads=False).column(0).to_pylist()
+                    images = images if any(images) else None
             except (pa.ArrowException, OSError) as e:
                 raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
             except CodecError as e:
@@ -472,6 +476,7 @@ class ScoredLoader:
                 actual=topk.actual_logprobs if self.actual else None,
                 route=None if self.route_of is None else
                 self.route_of[self._block_starts[b]: self._block_starts[b] + table.num_rows],
+                images=images, root=str(path.parent.parent),
             )
             max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
             while len(self._blocks) > max_blocks:
@@ -496,8 +501,16 @@ class ScoredLoader:
     def _assemble(self, start: int, row_of: np.ndarray, offsets: np.ndarray, round_end: int) -> MicroBatch:
         """Samples [start, start + len(row_of)) laid out at (row_of, offsets) into one micro-batch."""
         rows = self.sample_rows(start, len(row_of))
-        return assemble(self._fetch(rows), row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
-                        k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
+        fetched = self._fetch(rows)
+        mb = assemble(fetched, row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
+                      k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
+        if any(block.images is not None for block, _ in fetched):
+            if self.packing:
+                raise ShardError(f"{fetched[0][0].root}: rows with images cannot be packed (a vision-language "
+                                 "student computes its own positions per row); train with packing=false")
+            mb.images = [[(block.root, h) for h in (block.images[r] if block.images is not None else None) or ()]
+                         for block, r in fetched]
+        return mb
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:
         """This rank's micro-batches from global sample position `start` (a step boundary), forever. Padded: rounds

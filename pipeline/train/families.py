@@ -218,6 +218,12 @@ def hf_refusal(hf_dir: str | Path) -> str | None:
     model_type = cfg.model_type
     if getattr(cfg, "is_encoder_decoder", False):
         return f"model_type {model_type} is an encoder-decoder; the student must be a decoder-only causal LM"
+    if getattr(cfg, "vision_config", None) is not None:  # a vision-language model: hf_model.build's VLM path
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return None
+        return f"model_type {model_type} has no image-text-to-text class in transformers (AutoModelForImageTextToText)"
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return f"model_type {model_type} has no causal-LM class in transformers (AutoModelForCausalLM)"
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False):

@@ -33,6 +33,13 @@ What the backend does and why:
 - Gradient checkpointing: `recompute=selective|full` both checkpoint whole decoder layers (transformers has no
   finer grain).
 - Tensor parallelism: none (refused); use the Megatron backend for the families it maps.
+- Vision-language students (a config.json with `vision_config`: Qwen2-VL, Qwen2.5-VL, Qwen3.5, LLaVA-style):
+  loaded with AutoModelForImageTextToText beside their processor. A micro-batch's images (`MicroBatch.images`) go
+  through the student's processor (`vision_inputs`: pixel values and the family's grid sizes), and each image's
+  expansion must equal the placeholder run the rows hold (refused naming the sample otherwise). The model computes
+  its own positions (Qwen's 3-D M-RoPE), so rows are padded, not packed (packing is refused). The loss runs on text
+  positions only: images sit in prompts. The vision tower is frozen; LoRA adapts the language model, and the
+  connector too where `lora.targets` names `connector`.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ from pipeline.train.packing import attention_mask
 
 # Layer types (config.layer_types) that are attention and so keep packed samples apart under a block-diagonal mask.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+# Where the vision tower and the connector (projector) of vision-language students live, by module name
+VISION_MODULES = ("visual", "vision_tower", "vision_model")
+CONNECTOR_MODULES = ("merger", "multi_modal_projector", "connector")
 # Fixed seed and sizes of the probes `build` runs (packing, fused output layer): small enough to cost a few forwards.
 _PROBE_SEED, _PROBE_LENGTHS = 1234, (5, 7)
 _PROBE_RTOL = 1e-4
@@ -68,7 +78,7 @@ class HFStudent(nn.Module):
     gkd_backend = "hf"
 
     def __init__(self, lm: nn.Module, *, logits: bool = False, lora_spec: LoRASpec | None = None,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", processor=None):
         super().__init__()
         self.lm = lm  # not `module`: the trainer unwraps DDP by that name
         self.logits = logits
@@ -76,15 +86,21 @@ class HFStudent(nn.Module):
         self.lora_spec = lora_spec
         self.precision = precision
         self.hf_vocab_size = int(self.base().get_output_embeddings().weight.shape[0])
+        self.processor = processor  # a vision-language student's (None: text-only)
+        self.image_token = None if processor is None else image_token_of(self.base().config)
 
     def base(self) -> nn.Module:
         """The transformers model (inside peft's wrapper for a LoRA student; its layers carry the adapters)."""
         return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
+                **vision: Tensor) -> Tensor:
         dev = input_ids.device.type
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            if self.logits:
+            if self.processor is not None:  # the model's own positions (M-RoPE from the image grids)
+                kw = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **vision)
+                out = self.base()(**kw).logits if self.logits else self.base().model(**kw).last_hidden_state
+            elif self.logits:
                 out = self.base()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                   use_cache=False).logits
             else:
@@ -104,6 +120,53 @@ class HFStudent(nn.Module):
 
 def is_hf(model: nn.Module) -> bool:
     return getattr(model, "gkd_backend", None) == "hf"
+
+
+def image_token_of(config) -> int | None:
+    for key in ("image_token_id", "image_token_index"):
+        if getattr(config, key, None) is not None:
+            return int(getattr(config, key))
+    return None
+
+
+def vision_inputs(student: HFStudent, input_ids: Tensor, images: list[list[tuple[str, str]]] | None,
+                  keys: Sequence[str]) -> dict:
+    """The student processor's pixel inputs of a micro-batch's images (rows in order, each row's images in
+    placeholder order), after checking that the processor expands each image to exactly the placeholder run the row
+    holds (the rows were aligned to the teacher's expansion when they were scored)."""
+    if student.processor is None:
+        if images and any(images):
+            raise ConfigError(f"the cache rows of {next(iter(keys), '?')} carry images, but the student is a "
+                              "text-only model: it would see placeholders without pixels; train a vision-language "
+                              "student on this cache")
+        return {}
+    if not images or not any(images):
+        return {}
+    from pipeline.store import images as image_store
+
+    flat = [(row, root, h) for row, imgs in enumerate(images) for root, h in imgs]
+    pixels = [image_store.load(root, [h], sample=keys[row] if row < len(keys) else "")[0] for row, root, h in flat]
+    proc = student.processor
+    placeholder = getattr(proc, "image_token", None) or proc.tokenizer.decode([student.image_token])
+    out = proc(text=[placeholder] * len(pixels), images=pixels, padding=True, return_tensors="pt")
+    expanded = (out["input_ids"] == student.image_token).sum(1).tolist()
+    ids = input_ids.cpu().numpy()
+    i = 0
+    for row, imgs in enumerate(images):
+        found = [n for _, n in image_store.runs(ids[row], student.image_token)]
+        want = expanded[i: i + len(imgs)]
+        i += len(imgs)
+        if found != want:
+            raise ConfigError(
+                f"sample {keys[row] if row < len(keys) else row}: the student's processor expands its images to "
+                f"{want} placeholder tokens, the cache row holds {found}: another processor (version, "
+                "max_pixels/min_pixels) than the one that made the rollouts, or a row cut at seq_length (raise "
+                "seq_length); train with the processor the rollouts were made with")
+    dev = input_ids.device
+    kw = {k: v.to(dev) for k, v in out.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    if "mm_token_type_ids" in out:  # which tokens are image placeholders (M-RoPE), for the rows themselves
+        kw["mm_token_type_ids"] = (input_ids == student.image_token).long()
+    return kw
 
 
 # ---------------------------------------------------------------- inputs
@@ -131,10 +194,13 @@ def inputs(doc_ids: Tensor, position_ids: Tensor, packed: bool, attn_implementat
 # ---------------------------------------------------------------- build
 
 
-def lora_targets(targets: Sequence[str], lm: nn.Module) -> list[str] | str:
+def lora_targets(targets: Sequence[str], lm: nn.Module, *, vision: bool = False) -> list[str] | str:
     """peft `target_modules` for `targets`: Megatron's layer names (and their short names) become the HF modules they
     are made of, HF module names pass through, `all-linear` is peft's own. A name that matches no linear layer of
-    the model is refused, naming the ones it could match."""
+    the model is refused, naming the ones it could match. A vision-language model: the language model's layers
+    only, by full module name (the vision tower stays frozen), plus the connector's where `connector` is named."""
+    if vision:
+        return _vision_lora_targets(targets, lm)
     if "all-linear" in targets:
         return "all-linear"
     head = lm.get_output_embeddings()
@@ -151,16 +217,56 @@ def lora_targets(targets: Sequence[str], lm: nn.Module) -> list[str] | str:
     return list(dict.fromkeys(out))
 
 
+def _vision_lora_targets(targets: Sequence[str], lm: nn.Module) -> list[str]:
+    head = lm.get_output_embeddings()
+    linears = [n for n, m in lm.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    in_vision = [n for n in linears if any(f".{v}." in f".{n}" for v in VISION_MODULES + CONNECTOR_MODULES)]
+    connector = [n for n in in_vision if any(f".{c}." in f".{n}" for c in CONNECTOR_MODULES)]
+    text = [n for n in linears if n not in in_vision]
+    wanted = [t for t in targets if t != "connector"]
+    short = {n.rsplit(".", 1)[-1] for n in text}
+    if "all-linear" in wanted:
+        names = set(short)
+    else:
+        names = set()
+        for t in wanted:
+            kind = ALIASES.get(t, t)
+            names |= {m.rsplit(".", 1)[-1] for m in HF_MODULES[kind]} if kind in TARGETS else {t}
+        missing = sorted(names - short)
+        if missing:
+            raise ConfigError(f"lora_targets: {', '.join(missing)} match(es) no linear layer of this "
+                              f"{lm.config.model_type} model's language model; it has {', '.join(sorted(short))} (or "
+                              "all-linear, and connector for the vision connector)")
+    out = [n for n in text if n.rsplit(".", 1)[-1] in names]
+    if "connector" in targets:
+        if not connector:
+            raise ConfigError(f"lora_targets: connector: this {lm.config.model_type} model has no connector module "
+                              f"({', '.join(CONNECTOR_MODULES)})")
+        out += connector
+    return out
+
+
 def build(hf_dir: str | Path, *, lora: tuple[int, float, Sequence[str]] | None = None, seed: int = 0,
           fused_loss: bool = True, packing: bool = False, precision: str = "fp32", attention: str = "sdpa",
           recompute: str = "none", trainable: bool = True) -> HFStudent:
     """The student (or, with `trainable=False`, a frozen live teacher) from an HF folder, in float32 weights;
     `lora` = (rank, alpha, targets). Refuses, before training, what this backend would compute wrongly: a fused
     output layer where the logits are not `hidden · Wᵀ`, packing across layers that do not keep samples apart."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
     attn = {"sdpa": "sdpa", "local": "eager"}[attention]
-    lm = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation=attn)
+    vision = bool(json.loads((Path(hf_dir) / "config.json").read_text()).get("vision_config"))
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    lm = auto.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation=attn)
+    processor = AutoProcessor.from_pretrained(str(hf_dir)) if vision else None
+    if vision and packing:
+        raise ConfigError(f"{Path(hf_dir) / 'config.json'}: packing=true, but this is a vision-language model "
+                          f"({lm.config.model_type}), which computes its own positions per row from the image grids "
+                          "(M-RoPE); set packing=false")
+    if vision:
+        for name, p in lm.named_parameters():  # the vision tower (and connector) stay frozen in full fine-tuning
+            if any(f".{m}." in f".{name}" for m in VISION_MODULES):
+                p.requires_grad_(False)
     if packing:
         check_packing(lm, hf_dir)
     if fused_loss:
@@ -170,7 +276,7 @@ def build(hf_dir: str | Path, *, lora: tuple[int, float, Sequence[str]] | None =
         from peft import LoraConfig, get_peft_model
 
         rank, alpha, targets = lora
-        modules = lora_targets(targets, lm)
+        modules = lora_targets(targets, lm, vision=vision)
         spec = LoRASpec(rank, alpha, (modules,) if isinstance(modules, str) else tuple(modules))
         torch.manual_seed(seed)  # peft's A init (B starts at zero): the same adapter for the same seed
         lm = get_peft_model(lm, LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0,
@@ -179,11 +285,15 @@ def build(hf_dir: str | Path, *, lora: tuple[int, float, Sequence[str]] | None =
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             lm.enable_input_require_grads()  # checkpointed layers need an input that requires grad (frozen base)
-    student = HFStudent(lm, logits=not fused_loss, lora_spec=spec, precision=precision)
+    student = HFStudent(lm, logits=not fused_loss, lora_spec=spec, precision=precision, processor=processor)
     if not trainable:
         student.requires_grad_(False)
         return student.eval()
     return student.train()
+
+
+def _vocab(lm: nn.Module) -> int:
+    return int(lm.config.get_text_config().vocab_size)  # a vision-language model keeps it in its text config
 
 
 def _probe_ids(vocab: int, n: int, generator: torch.Generator) -> Tensor:
@@ -201,7 +311,7 @@ def check_packing(lm: nn.Module, hf_dir: str | Path) -> None:
             f"({sum(t in other for t in types)} of {len(types)} layers), which carries state from one sample of a "
             "packed row into the next (transformers' fallback kernel has no sequence boundaries); set packing=false")
     g = torch.Generator().manual_seed(_PROBE_SEED)
-    docs = [_probe_ids(lm.config.vocab_size, n, g) for n in _PROBE_LENGTHS]
+    docs = [_probe_ids(_vocab(lm), n, g) for n in _PROBE_LENGTHS]
     row = torch.cat(docs, dim=1)
     doc_ids = torch.cat([torch.full((1, d.shape[1]), i) for i, d in enumerate(docs)], dim=1)
     kw = inputs(doc_ids, torch.arange(row.shape[1])[None], True, lm.config._attn_implementation)
@@ -224,7 +334,7 @@ def check_fused(lm: nn.Module, hf_dir: str | Path) -> None:
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ConfigError(f"{Path(hf_dir) / 'config.json'}: fused_loss=true needs a bias-free linear output layer, "
                           f"this {lm.config.model_type} model has {type(head).__name__}; set fused_loss=false")
-    ids = _probe_ids(lm.config.vocab_size, 8, torch.Generator().manual_seed(_PROBE_SEED))
+    ids = _probe_ids(_vocab(lm), 8, torch.Generator().manual_seed(_PROBE_SEED))
     with torch.no_grad():
         logits = lm(input_ids=ids, use_cache=False).logits[0]
         hidden = lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]

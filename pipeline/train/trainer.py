@@ -423,9 +423,13 @@ def model_inputs(batch, cfg: TrainConfig, model) -> dict:
     student = _unwrap(model)
     if hf_model.is_hf(student):  # the implementation the model was built with (hf_model.build: sdpa or eager)
         impl = student.base().config._attn_implementation
-        return hf_model.inputs(batch.doc_ids, batch.position_ids, batch.packed, impl)
+        return {**hf_model.inputs(batch.doc_ids, batch.position_ids, batch.packed, impl),
+                **hf_model.vision_inputs(student, batch.input_ids, batch.images, batch.keys)}
     from pipeline.train.attention import attention_inputs
 
+    if batch.images and any(batch.images):
+        raise ConfigError(f"the cache rows of {batch.keys[0]} carry images: a vision-language student trains on the "
+                          "transformers backend (backend=hf or auto), the Megatron backend is text-only")
     return {"position_ids": batch.position_ids, **attention_inputs(batch.doc_ids, batch.packed, cfg.attention)}
 
 
