@@ -234,3 +234,97 @@ def test_every_catalogue_row_names_an_existing_test():
     here = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M))
     train = set(re.findall(r"^def (test_\w+)", (Path(__file__).parent / "train" / "test_refusals.py").read_text(), re.M))
     assert len(rows) >= 14 and named and named <= here | train, named - (here | train)
+
+
+# -- images (gkd import --image-field, gkd score with a vision-language teacher) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> dict:
+    """A tiny Qwen2-VL, image rollouts imported with its processor, and a text-only teacher of the same tokenizer."""
+    import shutil
+
+    from tiny_models import build_llama, build_qwen2_vl, draw_image
+
+    root = tmp_path_factory.mktemp("vlm")
+    model = build_qwen2_vl(root / "vlm")
+    for name in ("a", "b"):
+        draw_image(root / f"{name}.png", seed=ord(name))
+    src = root / "vqa.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"what is {i}?", "response": f"{i}", "images": ["a.png", "b.png"]})
+                           + "\n" for i in range(4)))
+    assert gkd(["import", "--dataset", str(src), "--out", str(root / "rollouts"), "--tokenizer", str(model),
+                "--image-field", "images"]) == 0
+    text = root / "text"
+    text.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model / f, text / f)
+    build_llama(text, vocab_size=384, hidden=32, max_pos=128)
+    return {"root": root, "model": model, "rollouts": root / "rollouts", "text": text}
+
+
+def _image_import(tmp: Path, vlm: dict, images: list[str]) -> list[str]:
+    src = tmp / "data.jsonl"
+    src.write_text(json.dumps({"prompt": "what is 1?", "response": "1", "images": images}) + "\n")
+    return ["import", "--dataset", str(src), "--out", str(tmp / "rollouts"), "--tokenizer", str(vlm["model"]),
+            "--image-field", "images"]
+
+
+def test_missing_image_file(tmp_path, vlm, capsys):
+    refused(tmp_path, _image_import(tmp_path, vlm, ["nope.png"]), capsys,
+            r"data\.jsonl: row '0': image .*nope\.png \(field 'images'\) cannot be read \(No such file",
+            "relative to the dataset file's folder")
+    assert not (tmp_path / "rollouts" / "images").exists()
+
+
+def test_corrupt_image(tmp_path, vlm, capsys):
+    import shutil
+
+    shutil.copy(vlm["root"] / "a.png", tmp_path / "good.png")
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    refused(tmp_path, _image_import(tmp_path, vlm, ["good.png", "bad.png"]), capsys,
+            r"data\.jsonl: row '0': image 2: not a readable image", "replace the file with a PNG or JPEG")
+    assert not (tmp_path / "rollouts" / "images").exists()  # the good image of the refused row is not stored either
+
+
+def _vlm_score(tmp: Path, rollouts: Path, teacher: Path, *extra: str) -> list[str]:
+    return ["score", "--rollouts", str(rollouts), "--cache", str(tmp / "cache"), "--teacher", str(teacher),
+            "--topk", "4", "max_model_len=128", *extra]
+
+
+def test_more_images_than_the_engine_limit(tmp_path, vlm, capsys):
+    refused(tmp_path, _vlm_score(tmp_path, vlm["rollouts"], vlm["model"], "max_images_per_prompt=1"), capsys,
+            r"4 rollout\(s\) with images cannot be scored: sample \w+: 2 images, more than max_images_per_prompt=1",
+            "raise it")
+
+
+def test_image_rollouts_for_a_text_only_teacher(tmp_path, vlm, capsys):
+    refused(tmp_path, _vlm_score(tmp_path, vlm["rollouts"], vlm["text"]), capsys,
+            r"sample \w+: it has 2 image\(s\), and the teacher is a text-only model \(its config\.json has no "
+            "vision_config\\)", "score it with a vision-language teacher")
+
+
+def test_teacher_processor_expands_images_differently(tmp_path, vlm, capsys):
+    """The student's processor made 6 + 4 placeholders; a teacher whose processor allows fewer pixels per image
+    (another max_pixels) would score other positions: refused before the engine starts, naming the sample."""
+    import shutil
+
+    other = tmp_path / "teacher"
+    shutil.copytree(vlm["model"], other)
+    config = json.loads((other / "processor_config.json").read_text())
+    config["image_processor"]["size"]["longest_edge"] = 28 * 28 * 4
+    (other / "processor_config.json").write_text(json.dumps(config))
+    refused(tmp_path, _vlm_score(tmp_path, vlm["rollouts"], other), capsys,
+            r"sample \w+: image 1 \(\w+\) has 6 placeholder tokens in the rollout \(the student's processor\) but "
+            r"the teacher's processor .* expands it to [0-5]:", "max_pixels/min_pixels", "nothing was scored")
+    assert not (tmp_path / "cache" / "shards").exists() or not list((tmp_path / "cache" / "shards").iterdir())
+
+
+def test_image_missing_from_the_rollouts_folder(tmp_path, vlm, capsys):
+    import shutil
+
+    shutil.copytree(vlm["rollouts"], tmp_path / "rollouts")
+    victim = sorted((tmp_path / "rollouts" / "images").iterdir())[0]
+    victim.unlink()
+    refused(tmp_path, _vlm_score(tmp_path, tmp_path / "rollouts", vlm["model"]), capsys,
+            rf"images/{victim.name}: image \(sample \w+\) is missing", "copy the rollouts' images/ folder")

@@ -38,7 +38,7 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
                 image_root: Path | None = None) -> tuple[list[dict], Counter]:
     """Rollout rows for prompts with a reference response; bad rows are refused or skipped and counted. Prompts
     with images need the model's `processor` (their placeholders expanded as the student sees them) and
-    `image_root`, where their bytes are stored (pipeline/store/images.py) before the rows that name them."""
+    `image_root`, where the caller stores their bytes (`store_images`) before the shard that names them."""
     rows, skipped = [], Counter()
     for p in prompts:
         reason = None
@@ -68,7 +68,7 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
                                   f" {fix}, or pass --on-bad skip to skip and count it")
             skipped[reason] += 1
             continue
-        hashes = [image_store.put(image_root, b) for b in p.images]
+        hashes = [image_store.image_hash(b) for b in p.images]  # stored by the caller once every row is good
         rows.append(rollout_row(prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=completion,
                                 source="dataset", policy_version=None, finish_reason=None, tags=p.tags,
                                 teacher_prompt_ids=teacher, images=hashes))
@@ -146,8 +146,19 @@ def _import(args: argparse.Namespace, shard: int, path: Path) -> tuple[list[dict
                                 image_root=Path(args.out))
     extra = {"tokenizer_fingerprint": fp, "dataset": args.dataset, "shard": shard, "num_shards": args.num_shards,
              "skipped": dict(skipped)}
+    store_images(Path(args.out), mine, rows)
     write_rollouts(path, rows, tokenizer_fingerprint=fp, extra=extra)
     return rows, mine, skipped
+
+
+def store_images(out: Path, prompts: list[Prompt], rows: list[dict]) -> None:
+    """The images the rows name, into OUT/images/ (each once, atomically), before the shard that names them: a
+    refused row never leaves an image behind, and a shard never names an image that is not there."""
+    named = {h for r in rows for h in (r.get("images") or ())}
+    for p in prompts:
+        for data in p.images:
+            if image_store.image_hash(data) in named:
+                image_store.put(out, data)
 
 
 def vision_processor(model_dir: str | Path) -> Any:

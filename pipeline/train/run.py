@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
 from pipeline.store import SchemaError, ShardError
+from pipeline.store.images import ImageError
 from pipeline.train.data import TokenizerMismatchError
 from pipeline.train.trainer import (  # noqa: F401 - re-exported
     TrainConfig,
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg)
     except (FileNotFoundError, ShardError, SchemaError, TokenizerMismatchError, ConfigError,
-            CheckpointMismatchError) as e:
+            CheckpointMismatchError, ImageError) as e:
         print(f"gkd train: {e}", file=sys.stderr)  # a bad cache/student/config: a message, not a traceback
         return 2
     return 0
