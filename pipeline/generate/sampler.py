@@ -26,7 +26,8 @@ from tqdm import tqdm
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, on_cpu, open_engine
-from pipeline.generate.prompts import Prompt, PromptError, load_prompts, prompt_ids
+from pipeline.generate.prompts import Prompt, PromptError, image_prompt_ids, load_prompts, prompt_ids
+from pipeline.store import images as image_store
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_path, write_rollouts
 from pipeline.store.shards import is_complete, read_marker
@@ -43,6 +44,10 @@ class GenerateConfig:
     id_field: str | None = None  # default: the row index
     teacher_prompt_field: str | None = None  # OPSD: a text/chat field the teacher sees instead of the prompt
     tag_fields: list[str] = field(default_factory=list)  # fields copied into the rollout tags (routing)
+    # the prompts' images (paths relative to the prompt file, or datasets.Image bytes): a vision-language student
+    # samples with them; stored in OUT/images/ and named by the rollouts (pipeline/store/images.py)
+    image_field: str | None = None
+    max_images_per_prompt: int = 3  # with image_field: vLLM's limit_mm_per_prompt
     student: str | None = None  # HF folder or trainer export; null = the embedded SmolLM2 student
     adapter: str | None = None  # peft LoRA folder applied to `student` through vLLM's LoRARequest
     out: str = "runs/rollouts"
@@ -98,8 +103,17 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
     limit = llm.llm_engine.model_config.max_model_len - cfg.max_tokens
     todo: list[tuple[Prompt, list[int]]] = []
     skipped: Counter[str] = Counter()
+    pixels: dict[str, list] = {}  # prompt id -> its decoded images
+    processor = vision_processor(cfg) if any(p.images for p in prompts) else None
     for p in prompts:
         ids = [] if p.empty else prompt_ids(tokenizer, p.messages)
+        if p.images and not p.empty:
+            if len(p.images) > cfg.max_images_per_prompt:
+                raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} has {len(p.images)} images, more than "
+                                  f"max_images_per_prompt={cfg.max_images_per_prompt}; raise it")
+            pixels[p.prompt_id] = [image_store.decode(b, f"{cfg.prompts}: prompt {p.prompt_id!r}: image {i + 1}")
+                                   for i, b in enumerate(p.images)]
+            ids = image_prompt_ids(processor, tokenizer, p.messages, pixels[p.prompt_id])
         reason = "empty" if p.empty else "too_long" if len(ids) > limit else None
         if reason is None and p.teacher_messages == []:
             reason = "empty_teacher_prompt"
@@ -130,9 +144,16 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
             )
             for p, _ in chunk
         ]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in chunk], params,
-                               use_tqdm=False, lora_request=lora)
+        token = processor and image_store.image_token_id(json.loads((Path(cfg.student) / "config.json").read_text()))
+        requests = [TokensPrompt(prompt_token_ids=image_store.collapse(ids, token),
+                                 multi_modal_data={"image": pixels[p.prompt_id]}) if p.prompt_id in pixels
+                    else TokensPrompt(prompt_token_ids=ids) for p, ids in chunk]
+        outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         for (p, ids), out in zip(chunk, outputs, strict=True):
+            if p.prompt_id in pixels and list(out.prompt_token_ids) != ids:
+                raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r}: the engine expanded its images to "
+                                  f"{len(out.prompt_token_ids)} prompt tokens, the student's processor to {len(ids)}; "
+                                  "the engine and the processor of the student folder differ")
             # the student sampled from its own prompt; the teacher will score its privileged one (OPSD)
             teacher = None if p.teacher_messages is None else prompt_ids(tokenizer, p.teacher_messages)
             for c in out.outputs:
@@ -143,6 +164,7 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
                     prompt_id=p.prompt_id, prompt_ids=ids, completion_ids=c.token_ids, source="student",
                     policy_version=cfg.policy_version, completion_logprobs=logprobs,
                     finish_reason=c.finish_reason, tags=p.tags, teacher_prompt_ids=teacher,
+                    images=[image_store.image_hash(b) for b in p.images] if p.prompt_id in pixels else None,
                 ))
                 texts.append(c.text)
                 finish[c.finish_reason] += 1
@@ -158,10 +180,21 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
     return Result(rows, texts, stats)
 
 
+def vision_processor(cfg: GenerateConfig) -> Any:
+    """The student's processor, for prompts with images (a text-only student is refused, naming the field)."""
+    from transformers import AutoProcessor
+
+    config = json.loads((Path(cfg.student) / "config.json").read_text())
+    if image_store.image_token_id(config) is None:
+        raise ConfigError(f"image_field={cfg.image_field}: {cfg.student} is a text-only model (its config.json has no "
+                          "vision_config); sample image prompts with a vision-language student")
+    return AutoProcessor.from_pretrained(cfg.student)
+
+
 def task_prompts(cfg: GenerateConfig, shard: int) -> list[Prompt]:
     prompts = load_prompts(cfg.prompts, prompt_field=cfg.prompt_field, messages_field=cfg.messages_field,
                            id_field=cfg.id_field, teacher_prompt_field=cfg.teacher_prompt_field,
-                           tag_fields=cfg.tag_fields)
+                           tag_fields=cfg.tag_fields, image_field=cfg.image_field)
     return [p for p in prompts if assign_shard(p.prompt_id, cfg.num_shards) == shard]
 
 
@@ -201,6 +234,11 @@ def run_task(llm: Any, tokenizer: Any, cfg: GenerateConfig, shard: int, *, lora:
         "max_tokens": cfg.max_tokens, "engine": engine_version(), **{k: result.stats[k] for k in ("skipped", "finish")},
         **(marker or {}),
     }
+    named = {h for r in result.rows for h in (r.get("images") or ())}
+    for p in (task_prompts(cfg, shard) if prompts is None else prompts):  # the images before the shard naming them
+        for data in p.images:
+            if image_store.image_hash(data) in named:
+                image_store.put(cfg.out, data)
     write_rollouts(output_path(cfg, shard), result.rows, tokenizer_fingerprint=fp, extra=extra)
     return result
 
@@ -234,6 +272,7 @@ def engine_args(cfg: GenerateConfig, *, lora_rank: int | None = None) -> EngineA
         max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
         enforce_eager=cfg.enforce_eager, tensor_parallel_size=cfg.tensor_parallel_size,
         enable_lora=lora_rank is not None, max_lora_rank=16 if lora_rank is None else lora_rank_limit(lora_rank),
+        extra={"limit_mm_per_prompt": {"image": cfg.max_images_per_prompt}} if cfg.image_field else {},
     )
 
 

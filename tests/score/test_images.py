@@ -198,3 +198,24 @@ def test_packing_a_vlm_student_is_refused(vlm, tmp_path, capsys):
               "packing=true"])
     err = capsys.readouterr().err
     assert rc == 2 and "vision-language model (qwen2_vl)" in err and "set packing=false" in err
+
+
+def test_generate_samples_with_the_images_and_the_teacher_scores_them(vlm, tmp_path):
+    """`gkd generate` from prompts that carry images: the vision-language student samples with the pixels (its
+    engine's expansion checked against its processor's), the rollouts name the images, and `gkd score` scores them
+    (a manual on-policy cycle: student samples -> teacher rows)."""
+    prompts = tmp_path / "prompts.jsonl"
+    for name in ("a.png", "c.png"):
+        (tmp_path / name).write_bytes((vlm["root"] / name).read_bytes())
+    prompts.write_text("".join(json.dumps({"prompt": q, "images": im}) + "\n"
+                               for q, im in (("What is three times four?", ["a.png"]), ("Numbers?", ["c.png", "a.png"]))))
+    out = tmp_path / "rollouts"
+    assert cli(["generate", f"prompts={prompts}", f"out={out}", f"student={vlm['teacher']}", "image_field=images",
+                "n=2", "max_tokens=6", "max_model_len=256", "kv_cache_gib=0.05", "enforce_eager=true"]) == 0
+    rows = _rows(out)
+    assert len(rows) == 4 and all(r["source"] == "student" and r["images"] for r in rows)
+    assert [len(r["images"]) for r in rows] == [1, 1, 2, 2]
+    assert {p.name for p in image_store.image_dir(out).iterdir()} == {h for r in rows for h in r["images"]}
+    assert [n for _, n in image_store.runs(rows[2]["prompt_ids"], IMAGE_TOKEN)] == [4, 6]
+    assert cli(_score_args(out, tmp_path / "cache", vlm["teacher"])) == 0
+    assert len(list(TeacherCache.open(tmp_path / "cache").iter_samples())) == len({r["sample_id"] for r in rows})
