@@ -219,3 +219,45 @@ def test_generate_samples_with_the_images_and_the_teacher_scores_them(vlm, tmp_p
     assert [n for _, n in image_store.runs(rows[2]["prompt_ids"], IMAGE_TOKEN)] == [4, 6]
     assert cli(_score_args(out, tmp_path / "cache", vlm["teacher"])) == 0
     assert len(list(TeacherCache.open(tmp_path / "cache").iter_samples())) == len({r["sample_id"] for r in rows})
+
+
+def test_sigkill_mid_run_on_image_rollouts_then_rerun_equals_uninterrupted(vlm, tmp_path):
+    """`gkd score` on image rollouts killed after its first parts landed, rerun: the cache equals an uninterrupted
+    run's by key (rows and images), no duplicate keys, no temporary files."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rows = [(f"{q} ({i})", a, im) for i in range(6) for q, a, im in ROWS]  # 48 rows, 3 images
+    src = _dataset(tmp_path, rows)
+    assert _import(src, vlm["teacher"], tmp_path / "rollouts") == 0
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "pipeline", *_score_args(tmp_path / "rollouts", tmp_path / "killed", vlm["teacher"],
+                                                          "part_rows=1", "batch_tokens=64")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shards = tmp_path / "killed" / "shards"
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(shards.glob("*.ok"))) < 2 and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(shards.glob("*.ok")))
+    assert 0 < done_before < len(rows), "the kill should land mid-run"
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert cli(_score_args(tmp_path / "rollouts", tmp_path / "clean", vlm["teacher"])) == 0
+    killed, clean = ({s.key: s for s in TeacherCache.open(tmp_path / c).iter_samples()} for c in ("killed", "clean"))
+    assert set(killed) == set(clean) and len(killed) == len(rows)
+    for key, s in clean.items():
+        assert np.array_equal(killed[key].input_ids, s.input_ids)
+        assert np.array_equal(killed[key].topk_ids, s.topk_ids)
+        assert np.allclose(killed[key].topk_logprobs, s.topk_logprobs, atol=1e-5)
+    keys = [k for p in TeacherCache.open(tmp_path / "killed").shard_paths()
+            for k in pq.read_table(p, columns=["key"])["key"].to_pylist()]
+    assert len(keys) == len(set(keys))
+    images = {c: sorted(p.name for p in image_store.image_dir(tmp_path / c).iterdir()) for c in ("killed", "clean")}
+    assert images["killed"] == images["clean"] and len(images["clean"]) == 3
+    assert not [p for d in (shards, image_store.image_dir(tmp_path / "killed")) for p in d.iterdir()
+                if p.name.startswith(".")]
