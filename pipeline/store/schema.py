@@ -33,6 +33,7 @@ _TYPES = {
     "list<int32>": pa.list_(pa.int32()),
     "list<float32>": pa.list_(pa.float32()),
     "map<string,string>": pa.map_(pa.string(), pa.string()),
+    "list<map<string,string>>": pa.list_(pa.map_(pa.string(), pa.string())),
 }
 
 
