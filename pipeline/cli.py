@@ -122,7 +122,8 @@ def _import(args: argparse.Namespace) -> int:
                         teacher=Path(args.teacher) if args.teacher else None,
                         teacher_fingerprint=args.teacher_fingerprint, vocab_size=args.vocab_size, codec=args.codec,
                         score_prompt=args.score_prompt)
-    with tqdm(unit="pos", unit_scale=True, desc=f"import {args.fmt}", file=sys.stderr) as bar:
+    # delay: the checks before writing take a moment; a refusal then prints its message and no empty bar
+    with tqdm(unit="pos", unit_scale=True, desc=f"import {args.fmt}", file=sys.stderr, delay=2.0) as bar:
         res = import_rows(req, progress=bar.update)
     print(f"gkd cache import: {res['rows']} rows ({res['positions']} positions) from {args.source}: "
           f"{res['written']} written, {res['already_cached']} already cached, {res['rollouts_without_rows']} "
