@@ -152,6 +152,31 @@ def test_json_prompt_logprobs_become_the_in_process_flat_layout():
         flat_from_json([None, out[1], {"1": e(-1.0, 1), "2": e(-2.0, 2), "3": e(-3.0, 3)}], ids, 3)
 
 
+def test_where_the_key_comes_from_and_what_a_url_may_hold(monkeypatch, tmp_path):
+    """The named variable, else OPENAI_API_KEY, else VLLM_API_KEY; a named but unset variable is refused; a URL with
+    credentials is refused without echoing them; a CA bundle path that is not a file is one clear message."""
+    from pipeline.score.served import api_key_from_env, ssl_context, url_problems
+
+    for name in ("OPENAI_API_KEY", "VLLM_API_KEY", "MY_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert api_key_from_env(None) == (None, "OPENAI_API_KEY or VLLM_API_KEY")
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert api_key_from_env(None) == ("v", "VLLM_API_KEY")
+    monkeypatch.setenv("OPENAI_API_KEY", "o")
+    assert api_key_from_env(None) == ("o", "OPENAI_API_KEY")
+    with pytest.raises(ServedTeacherError, match="the environment variable MY_KEY is not set"):
+        api_key_from_env("MY_KEY")
+    monkeypatch.setenv("MY_KEY", "m")
+    assert api_key_from_env("MY_KEY") == ("m", "MY_KEY")
+    assert url_problems("https://host:8000/v1") == [] and url_problems("http://h/v1?model=x") == []
+    for url in ("https://s3cr3t@host/v1", "https://u:s3cr3t@host/v1", "https://host/v1?token=s3cr3t"):
+        (problem,) = url_problems(url)
+        assert "holds credentials" in problem and "s3cr3t" not in problem and "***" in problem
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "nope.pem"))
+    with pytest.raises(ServedTeacherError, match="SSL_CERT_FILE=.*nope.pem: no such file"):
+        ssl_context()
+
+
 def test_a_served_teacher_is_refused_with_an_adapter_or_without_a_url(tmp_path, teacher):
     from pipeline.config import ConfigError
 
