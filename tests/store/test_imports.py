@@ -1,6 +1,6 @@
-"""`gkd cache import` (pipeline/store/imports.py): our own export re-imported equals its cache key for key; a
-DistillKit-format and a Megatron-LM-format file (written by tests/interop_files.py from those tools' layouts)
-import to the same rows, which are the source's top-k."""
+"""`gkd cache import` (pipeline/store/imports.py, its readers in import_formats.py): our own export re-imported
+equals its cache key for key; a DistillKit-format and a Megatron-LM-format file (written by tests/interop_files.py
+from those tools' layouts) import to the same rows, which are the source's top-k."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from interop_files import write_distillkit, write_megatron
 from pipeline.cli import main as gkd
 from pipeline.store import TeacherCache, read_cache
 from pipeline.store.fingerprint import teacher_fingerprint
-from pipeline.store.imports import dk_decode_logprobs
+from pipeline.store.import_formats import dk_decode_logprobs
 
 K = 8
 
