@@ -30,7 +30,8 @@ def machine() -> str:
 
 SECTIONS = {  # name -> heading, in file order
     "score": "Score stage and the cache (issues: foundation, score)",
-    "served": "Served teacher vs in-process scoring (issue #19: a served teacher)",
+    "served": "Served teacher vs in-process scoring (issues #19, #36: a served teacher, on the openai client)",
+    "interop": "Cache export and import (issue #36: a cache every tool reads)",
     "loss": "GKD loss (issue: train stage)",
     "train": "Trainer (issue: train stage)",
     "hf": "Transformers student backend vs Megatron-Core, Qwen3.5 (issue #30: any student)",

@@ -2,6 +2,8 @@
 
     gkd cache stats DIR        what a teacher cache holds (samples, tokens, bytes/token, fingerprints)
     gkd cache verify DIR       checksums, schema, descriptor; exits 1 naming every bad file
+    gkd cache export DIR --out OUT                      the cache as plain Parquet, one row per scored position
+    gkd cache import --from plain|distillkit|megatron --in SRC --rollouts R --cache C [--teacher MODEL_DIR]
     gkd score ...              rollouts -> teacher top-k rows in the cache (pipeline/score)
     gkd generate ...           prompts -> student rollouts (pipeline/generate)
     gkd import ...             dataset responses -> off-policy rollouts (pipeline/generate)
@@ -17,9 +19,13 @@ import importlib
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 from pipeline import logs
 from pipeline.store import TeacherCache
+from pipeline.store.export import export_plain
+from pipeline.store.imports import FORMATS, ImportRequest, import_rows
+from pipeline.store.shards import ShardError
 
 # command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
 STAGES: dict[str, tuple[str, str]] = {}
@@ -50,7 +56,28 @@ def cache_main(argv: list[str]) -> int:
     p_verify = sub.add_parser("verify", help="checksums, schema, descriptor, codec; non-zero exit on any problem")
     p_verify.add_argument("dir")
     p_verify.add_argument("--no-decode", action="store_true", help="skip decoding every row (faster)")
+    p_export = sub.add_parser("export", help="plain Parquet for any tool: one row per scored position")
+    p_export.add_argument("dir")
+    p_export.add_argument("--out", required=True, help="a new folder for the part-NNNNN.parquet files")
+    p_export.add_argument("--format", default="parquet", choices=["parquet"])
+    p_import = sub.add_parser("import", help="another tool's top-k teacher output into a cache (keyed by content)")
+    p_import.add_argument("--from", dest="fmt", required=True, choices=FORMATS)
+    p_import.add_argument("--in", dest="source", required=True, help="the file or folder to import")
+    p_import.add_argument("--rollouts", required=True, help="the rollouts those rows were scored on")
+    p_import.add_argument("--cache", required=True, help="the cache to create or grow")
+    p_import.add_argument("--teacher", help="the teacher's model folder (its fingerprint and vocabulary size)")
+    p_import.add_argument("--teacher-fingerprint", help="the teacher's fingerprint, without its folder")
+    p_import.add_argument("--vocab-size", type=int, help="the teacher's vocabulary size (megatron, without --teacher)")
+    p_import.add_argument("--codec", help="the cache's codec (default: the export's, else the default codec)")
+    p_import.add_argument("--score-prompt", action="store_true", help="store prompt positions too (as gkd score "
+                          "--score-prompt)")
     args = parser.parse_args(argv)
+    if args.action in ("export", "import"):
+        try:
+            return _export(args) if args.action == "export" else _import(args)
+        except (FileNotFoundError, ValueError, ShardError) as e:  # bad input: the message names the file and fix
+            print(f"gkd cache {args.action}: {e}", file=sys.stderr)
+            return 2
 
     try:
         cache = TeacherCache.open(args.dir)
@@ -74,6 +101,34 @@ def cache_main(argv: list[str]) -> int:
         print(f"gkd cache verify: {len(problems)} problem(s) in {args.dir} ({n} complete shards)", file=sys.stderr)
         return 1
     print(f"gkd cache verify: OK, {n} shards in {args.dir}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    total = TeacherCache.open(args.dir).stats()["scored_tokens"]
+    with tqdm(total=total, unit="pos", unit_scale=True, desc="export", file=sys.stderr) as bar:
+        res = export_plain(args.dir, args.out, progress=bar.update)
+    print(f"gkd cache export: {res['samples']} samples, {res['positions']} positions in {res['files']} file(s) "
+          f"-> {res['out']}")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    req = ImportRequest(fmt=args.fmt, source=Path(args.source), rollouts=Path(args.rollouts), cache=Path(args.cache),
+                        teacher=Path(args.teacher) if args.teacher else None,
+                        teacher_fingerprint=args.teacher_fingerprint, vocab_size=args.vocab_size, codec=args.codec,
+                        score_prompt=args.score_prompt)
+    # delay: the checks before writing take a moment; a refusal then prints its message and no empty bar
+    with tqdm(unit="pos", unit_scale=True, desc=f"import {args.fmt}", file=sys.stderr, delay=2.0) as bar:
+        res = import_rows(req, progress=bar.update)
+    print(f"gkd cache import: {res['rows']} rows ({res['positions']} positions) from {args.source}: "
+          f"{res['written']} written, {res['already_cached']} already cached, {res['rollouts_without_rows']} "
+          f"rollout(s) without a row, {res['actual_outside_topk_rows']} row(s) with the actual token outside the "
+          f"top-k (logprob bound) -> {res['cache']}")
     return 0
 
 

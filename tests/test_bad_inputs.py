@@ -225,6 +225,125 @@ def test_global_batch_size_not_divisible(tmp_path, capsys, monkeypatch):
             r"global_batch_size 6 is not a multiple of .* data-parallel size 2 .* = 4", "e.g. 4")
 
 
+# -- gkd score --teacher-url: the served teacher --------------------------------------------------------------
+
+
+def test_a_key_in_the_teacher_url_is_refused(tmp_path, teacher, capsys):
+    _rollouts(tmp_path, teacher, [_row(0)])
+    secret = "sk-in-the-url-1234"
+    for url in (f"https://{secret}@teacher.example:8000/v1", f"https://user:{secret}@teacher.example/v1",
+                f"https://teacher.example/v1?api_key={secret}"):
+        err = refused(tmp_path, _score(tmp_path, teacher, None, "--teacher-url", url), capsys,
+                      r"teacher_url holds credentials in its (user/password part|query)", "--teacher-api-key-env VAR",
+                      "OPENAI_API_KEY")
+        assert secret not in err
+    assert not (tmp_path / "cache").exists()
+
+
+class _NotVllm:
+    """A real HTTP server speaking the OpenAI API as a server that is not vLLM does: /v1/models and
+    /v1/completions answer, without vLLM's `prompt_logprobs` field."""
+
+    def __enter__(self) -> str:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _json(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._json({"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]})
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._json({"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [
+                    {"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}]})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_port}/v1"
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_endpoint_that_is_not_vllm_is_refused(tmp_path, teacher, capsys):
+    _rollouts(tmp_path, teacher, [_row(0)])
+    with _NotVllm() as url:
+        refused(tmp_path, _score(tmp_path, teacher, None, "served_retries=0", "--teacher-url", url), capsys,
+                r"/completions: the answer's choices\[0\] holds no 'prompt_logprobs' field", "is this a vLLM server",
+                "python -m vllm.entrypoints.openai.api_server")
+    assert not (tmp_path / "cache").exists()
+
+
+# -- gkd cache import --------------------------------------------------------------------------------------------
+
+
+def _synthetic_cache(tmp: Path, rows: list[dict], tokenizer: str, k: int = 4) -> Path:
+    """A cache of made-up top-k rows for `rows` (no model: the import checks do not look at the values)."""
+    from pipeline.store import Descriptor, TeacherCache
+    from pipeline.store.codec import params
+    from pipeline.store.rollouts import rollout_key
+
+    d = Descriptor(teacher_fingerprint="t" * 16, tokenizer_fingerprint=tokenizer, k=k, logprob_mode="raw_logprobs",
+                   vocab_size=400, codec=params("exact-f32"), numerics={"dtype": "float32"})
+    cache = TeacherCache.create_or_open(tmp / "src-cache", d)
+    out = []
+    for r in rows:
+        n = len(r["completion_ids"])
+        out.append({"key": rollout_key(r, d.teacher_fingerprint, k, d.logprob_mode), "sample_id": r["sample_id"],
+                    "source": "dataset", "policy_version": None, "input_ids": r["prompt_ids"] + r["completion_ids"],
+                    "first_scored": len(r["prompt_ids"]), "topk_ids": np.tile(np.arange(1, k + 1), (n, 1)),
+                    "topk_logprobs": np.tile(-np.arange(1.0, k + 1), (n, 1)), "actual_ranks": np.full(n, k + 1),
+                    "actual_logprobs": np.full(n, -9.0)})
+    cache.write_shard("scored-00000", out)
+    return tmp / "src-cache"
+
+
+def test_an_import_whose_tokenizer_k_or_rows_do_not_match_the_rollouts(tmp_path, capsys):
+    from interop_files import write_distillkit
+
+    rows = [_row(i) for i in range(3)]
+    write_rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint="tok-a")
+    assert gkd(["cache", "export", str(_synthetic_cache(tmp_path, rows, "tok-a")), "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    base = ["cache", "import", "--rollouts", str(tmp_path / "rollouts"), "--cache", str(tmp_path / "cache")]
+    assert gkd([*base, "--from", "plain", "--in", str(tmp_path / "plain")]) == 0  # the cache the next ones target
+    capsys.readouterr()
+
+    write_rollouts(tmp_path / "other" / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint="tok-b")
+    refused(tmp_path, ["cache", "import", "--from", "plain", "--in", str(tmp_path / "plain"), "--rollouts",
+                       str(tmp_path / "other"), "--cache", str(tmp_path / "cache2")], capsys,
+            r"plain: exported from a cache of tokenizer tok-a, the rollouts .*other were tokenized with tok-b",
+            "import against the rollouts that cache was scored on")
+
+    def dk(name: str, k: int, ids=None, cache: str = "cache") -> list[str]:
+        seqs = []
+        for r in rows:
+            x = np.asarray(ids if ids is not None else r["prompt_ids"] + r["completion_ids"])
+            seqs.append((x, np.tile(np.arange(1, k + 1), (len(x) - 1, 1)), np.tile(-np.arange(1.0, k + 1), (len(x) - 1, 1))))
+        write_distillkit(tmp_path / name, seqs, vocab=400, k=k)
+        return ["cache", "import", "--rollouts", str(tmp_path / "rollouts"), "--cache", str(tmp_path / cache),
+                "--from", "distillkit", "--in", str(tmp_path / name), "--teacher-fingerprint", "t" * 16]
+
+    refused(tmp_path, dk("dk-k8", 8), capsys, r"cache\.json: these rows cannot be mixed into this cache",
+            "k: cache has 4, this run has 8", "Import into another --cache directory")
+    refused(tmp_path, dk("dk-rows", 4, ids=list(range(3, 15)), cache="cache3"), capsys,
+            r"dk-rows/part-0\.parquet: row 0: its input_ids \(12 tokens", "equal no rollout's prompt_ids \\+ "
+            "completion_ids; the tokens must match exactly")
+    assert not (tmp_path / "cache2").exists() and not (tmp_path / "cache3").exists()
+
+
 # -- the catalogue is this file -----------------------------------------------------------------------------------
 
 

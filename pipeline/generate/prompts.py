@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs
 
+from pipeline.store.images import collapse
+
 RG_PREFIX = "reasoning-gym:"
 
 
@@ -150,8 +152,6 @@ def image_prompt_ids(processor, tokenizer, messages: Sequence[dict], images: Seq
     """A prompt with images as the student sees it: the chat template with one placeholder per image, each expanded
     by the model's processor to the image's tokens. Collapsing the runs again must give the tokenizer's own prompt
     ids (`prompt_ids`), which the completion is aligned to; a processor whose template differs is refused."""
-    from pipeline.store.images import collapse
-
     text = processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     ids = [int(t) for t in processor(text=[text], images=list(images))["input_ids"][0]]
     plain = prompt_ids(tokenizer, messages)

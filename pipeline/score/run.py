@@ -51,6 +51,8 @@ def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
                     "+ its adapter as a self-teacher)")
     ap.add_argument("--teacher-url", help="score through a running vLLM OpenAI-compatible server (http://HOST:PORT/v1) "
                     "instead of loading the teacher here; --teacher then names the folder of its tokenizer and config.json")
+    ap.add_argument("--teacher-api-key-env", help="the environment variable holding the server's API key (sent as a "
+                    "bearer token, never written anywhere); default OPENAI_API_KEY, then VLLM_API_KEY")
     ap.add_argument("--teacher-model", help="the model name the server serves (--served-model-name); default: its only one")
     ap.add_argument("--topk", type=int)
     ap.add_argument("--score-prompt", action="store_true", default=None)

@@ -36,7 +36,7 @@ from pipeline import assets
 from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, open_engine
 from pipeline.score.adapter import merged_teacher
-from pipeline.score.served import ServedTeacher, reconcile_probe
+from pipeline.score.served import ServedTeacher, reconcile_probe, url_problems
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store import images as image_store
@@ -76,8 +76,11 @@ class ScoreConfig:
     teacher_model: str | None = None  # the served model name (--served-model-name); null: the server's only model
     served_inflight_tokens: int = 16384  # tokens of requests at the server at once (keeps its scheduler fed)
     served_concurrency: int = 16  # HTTP requests at once (one rollout each)
-    served_retries: int = 8  # per request, on timeouts, connection errors, 429 and 5xx (backoff 1 s, doubling, <= 30 s)
+    served_retries: int = 12  # per request, by the openai client: timeouts, connection errors, 408/409/429/5xx
     served_timeout_s: float = 600.0  # per request
+    # The variable holding the server's API key (sent as a bearer token; the key is never a config value, so it is
+    # never written with one); null: OPENAI_API_KEY, then VLLM_API_KEY (score/served.py `api_key_from_env`).
+    teacher_api_key_env: str | None = None
     topk: int = 64  # k; with topp the cap of the kept entries; 0: only the actual token's logprob and rank
     topp: float | None = None  # variable k: keep the fewest top entries with teacher mass >= topp (None: fixed k)
     min_k: int | None = None  # with topp: at least this many per position (default 1)
@@ -138,8 +141,7 @@ class ScoreConfig:
             p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}: the scoring dtype is part of the "
                      "cache's identity, so name it ('auto' resolves differently per machine and model)")
         if self.teacher_url is not None:
-            if not str(self.teacher_url).startswith(("http://", "https://")):
-                p.append(f"teacher_url must be an http(s) URL like http://HOST:PORT/v1, got {self.teacher_url!r}")
+            p += url_problems(self.teacher_url)
             if self.teacher_adapter:
                 p.append("teacher_adapter cannot be applied to a served teacher: serve the merged model instead")
             if min(self.served_inflight_tokens, self.served_concurrency) < 1 or self.served_retries < 0 \
@@ -701,7 +703,7 @@ def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int,
     existing cache before the cache is touched: (engine, fingerprint, probe, descriptor teacher, engine name)."""
     served = ServedTeacher(cfg.teacher_url, cfg.teacher_model, cfg.topk, inflight_tokens=cfg.served_inflight_tokens,
                            concurrency=cfg.served_concurrency, retries=cfg.served_retries,
-                           timeout_s=cfg.served_timeout_s)
+                           timeout_s=cfg.served_timeout_s, api_key_env=cfg.teacher_api_key_env)
     info = served.describe(vocab_size, tokenizer)
     served_len = info["max_model_len"]
     if served_len is not None and int(served_len) < engine_len:

@@ -9,9 +9,15 @@ object keyed by token-id strings: the actual token with its true rank plus ranks
 token is itself in the top K) is turned into the flat layout of an in-process engine (`flat_from_json`) and goes
 through the same `extract` (docs/dependencies.md, "OpenAI-compatible server").
 
-Requests run on a thread pool (standard library only: urllib), bounded by the tokens in flight, and are answered
-to the loop in rollout order. Timeouts, refused/reset connections, 429 and 5xx are retried with exponential
-backoff (a restarting server is waited for); any other 4xx stops the run with the server's message and the fix.
+Requests go through the `openai` client (what vLLM's own examples, TRL's and verl's server clients use): vLLM's
+`prompt_logprobs` rides in `extra_body` and comes back among the answer's extra fields. The client sends the API
+key as a bearer token (read from the variable --teacher-api-key-env names, else OPENAI_API_KEY, else VLLM_API_KEY:
+`api_key_from_env`; never from the URL, which is refused when it holds one: `url_problems`), pools connections,
+times out (`served_timeout_s`) and retries 408/409/429/5xx and connection errors with its backoff (0.5 s doubling
+to 8 s, jittered; `served_retries` times: the default 12 waits ~70 s, a restarting vLLM server). https:// works
+with the system's CAs or the bundle SSL_CERT_FILE names. What the client does not do is kept here: requests run on
+a thread pool bounded by the tokens in flight and are answered to the loop in rollout order; a 4xx stops the run
+with the server's message and the server flag or variable that fixes it (`_explain`).
 
 Identity: a remote teacher's weights cannot be hashed. Its fingerprint is the served model name plus the teacher's
 logprobs of a fixed probe sequence (`probe_ids`), each rounded to PROBE_QUANTUM nat, so a different model behind
@@ -26,9 +32,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
+import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -37,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import openai
 
 from pipeline.engine import on_cpu
 from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
@@ -50,7 +60,14 @@ PROBE_QUANTUM = 0.1
 # A cache's recorded probe and the server's agree when every value is within this (half a rounding step): the
 # same server restarted, or another replica, passes; another model does not (its values move by O(1) nat).
 PROBE_TOLERANCE = 0.05
-RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# What the openai client retries itself (408, 409, 429, >= 500); still failing after its retries: "no answer".
+RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+# Where the bearer key is read from when --teacher-api-key-env is not given: the openai client's variable, then
+# vLLM's own (the server reads VLLM_API_KEY as its --api-key).
+API_KEY_ENVS = ("OPENAI_API_KEY", "VLLM_API_KEY")
+NO_KEY = "EMPTY"  # sent when no key is set (what vLLM's examples pass); a server without --api-key ignores it
+CA_BUNDLE_ENV = "SSL_CERT_FILE"
+SECRET_WORDS = ("key", "token", "secret", "password", "auth", "sig")  # query parameters refused in a teacher_url
 # vLLM writes -inf logprobs as -9999.0 in JSON (clamp_prompt_logprobs); mapped back so check_finite sees them.
 CLAMPED_LOGPROB = -9999.0
 
@@ -149,58 +166,132 @@ def reconcile_probe(cache_root: str | Path, fingerprint: str, probe: dict) -> st
         "the cache's teacher again, or score this one into another --cache")
 
 
+def api_key_from_env(env: str | None) -> tuple[str | None, str]:
+    """The bearer key for the server and the name of the variable it came from (the key itself is never in a
+    config, a command line, a file or a message: only its variable's name is). `env` names the variable
+    (--teacher-api-key-env); without it OPENAI_API_KEY, then VLLM_API_KEY, as the openai client and vLLM read
+    them. A named variable that is unset or empty is refused: the user meant to send a key."""
+    for name in [env] if env else API_KEY_ENVS:
+        value = os.environ.get(name, "")
+        if value:
+            return value, name
+    if env:
+        raise ServedTeacherError(f"--teacher-api-key-env {env}: the environment variable {env} is not set (or is "
+                                 f"empty); export {env} with the key the server was started with (--api-key)")
+    return None, " or ".join(API_KEY_ENVS)
+
+
+def url_problems(url: str) -> list[str]:
+    """What is wrong with a --teacher-url, as config problems. A key inside the URL (https://KEY@host,
+    https://user:KEY@host, ?api_key=KEY) would be written wherever the URL is (cache.json, logs, sbatch scripts):
+    refused, and the message shows the URL with that part replaced, never the part itself."""
+    if not str(url).startswith(("http://", "https://")):
+        return [f"teacher_url must be an http(s) URL like http://HOST:PORT/v1, got {_redacted(url)!r}"]
+    parts = urllib.parse.urlsplit(str(url))
+    secret_query = [k for k, _ in urllib.parse.parse_qsl(parts.query) if any(w in k.lower() for w in SECRET_WORDS)]
+    if parts.username is not None or parts.password is not None or secret_query:
+        where = "user/password part (KEY@)" if parts.username is not None else f"query ({', '.join(secret_query)})"
+        return [f"teacher_url holds credentials in its {where}: {_redacted(url)!r}. The URL is written into "
+                "cache.json, logs and Slurm scripts, so a key must not be in it: put the key in an environment "
+                "variable and pass its name, --teacher-api-key-env VAR (default: OPENAI_API_KEY, then "
+                "VLLM_API_KEY); it is sent as a bearer token"]
+    return []
+
+
+def _redacted(url: str) -> str:
+    """`url` with any user/password part and query string replaced by '***' (safe to print)."""
+    parts = urllib.parse.urlsplit(str(url))
+    netloc = parts.netloc.rpartition("@")[2]
+    netloc = ("***@" if "@" in parts.netloc else "") + netloc
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+
+
+def ssl_context() -> ssl.SSLContext | bool:
+    """Certificate checks for https:// URLs: the system's CAs, or the bundle SSL_CERT_FILE names (the variable
+    OpenSSL, httpx and the openai client read), checked here so a wrong path is one clear message."""
+    bundle = os.environ.get(CA_BUNDLE_ENV)
+    if not bundle:
+        return True
+    if not Path(bundle).is_file():
+        raise ServedTeacherError(f"{CA_BUNDLE_ENV}={bundle}: no such file; point {CA_BUNDLE_ENV} at the PEM bundle of "
+                                 "the CA that signed the server's certificate, or unset it to use the system's CAs")
+    try:
+        return ssl.create_default_context(cafile=bundle)
+    except ssl.SSLError as e:
+        raise ServedTeacherError(f"{CA_BUNDLE_ENV}={bundle}: not a PEM certificate bundle ({e})") from None
+
+
 class ServedTeacher:
     """The score loop's engine for a vLLM OpenAI-compatible server (`score_batches`), plus the checks done once
-    before any scoring (`describe`: model, max_model_len, tokenizer and the probe)."""
+    before any scoring (`describe`: model, max_model_len, the prompt_logprobs answer, tokenizer and the probe).
+    Requests go through the `openai` client: it sends the key as a bearer token, pools connections, times out
+    and retries (408/409/429/5xx and connection errors, backoff 0.5 s doubling to 8 s with jitter)."""
 
     def __init__(self, url: str, model: str | None, k: int, *, inflight_tokens: int = 16384, concurrency: int = 16,
-                 retries: int = 8, timeout_s: float = 600.0, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 retries: int = 12, timeout_s: float = 600.0, api_key_env: str | None = None,
                  logprob_mode: str = "raw_logprobs") -> None:
+        problems = url_problems(url)
+        if problems:
+            raise ServedTeacherError(problems[0])
         self.url = url.rstrip("/")
         self.model = model
         self.k = k
         self.inflight_tokens = inflight_tokens
         self.concurrency = concurrency
         self.retries = retries
-        self.timeout_s = timeout_s
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
         self.logprob_mode = logprob_mode
-        self._stop = threading.Event()  # set when the run fails: queued retries give up at once
+        key, self.key_source = api_key_from_env(api_key_env)
+        self.key_sent = key is not None
+        self.key_env = api_key_env
+        # the client's default pool (up to 1000 connections, 100 kept alive) holds every request in flight
+        http = openai.DefaultHttpxClient(verify=ssl_context())
+        # vLLM's convention for "no key" (its examples): the client insists on one, a server without --api-key
+        # ignores it, and one with --api-key answers 401, which _explain turns into which variable to set.
+        self.client = openai.OpenAI(base_url=self.url, api_key=key or NO_KEY, max_retries=retries,
+                                    timeout=timeout_s, http_client=http)
 
     # -- HTTP ---------------------------------------------------------------------------------------------------
     def _root(self) -> str:
         """The server's root (where /version and /tokenize live): the URL without its trailing /v1."""
         return self.url[: -len("/v1")] if self.url.endswith("/v1") else self.url
 
-    def _request(self, path: str, body: dict | None = None, *, root: bool = False) -> dict:
-        """One JSON request with retries on transient failures; a 4xx raises ServedTeacherError at once."""
-        url = (self._root() if root else self.url) + path
-        data = None if body is None else json.dumps(body).encode()
-        delay, last = self.backoff_s, ""
-        for attempt in range(self.retries + 1):
-            if self._stop.is_set():
-                raise ServedTeacherError(f"{url}: stopped (another request of this run failed)")
-            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    return json.loads(resp.read())
-            except urllib.error.HTTPError as e:
-                message = _server_message(e)
-                if e.code not in RETRY_STATUS:
-                    raise ServedTeacherError(self._explain(url, e.code, message)) from None
-                last = f"HTTP {e.code}: {message}"
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
-                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-            if attempt < self.retries:
-                self._stop.wait(delay)  # a restarting server (~30 s for vLLM) is waited for; a failed run wakes it
-                delay = min(2 * delay, self.max_backoff_s)
-        raise ServedTeacherError(f"{url}: no answer after {self.retries + 1} attempts (last: {last}); is the server "
+    def _call(self, where: str, fn):
+        """fn() through the client; its errors (after its own retries) as one ServedTeacherError naming the URL,
+        the server's words and the fix. `from None`: the client's exception carries the request, headers included."""
+        try:
+            return fn()
+        except openai.APIStatusError as e:
+            message = _server_message(e)
+            if e.status_code not in RETRY_STATUS:
+                raise ServedTeacherError(self._explain(where, e.status_code, message)) from None
+            last = f"HTTP {e.status_code}: {message}"
+        except openai.APIConnectionError as e:  # refused, reset, TLS, timeouts (APITimeoutError)
+            cause = e.__cause__ or e
+            if "CERTIFICATE_VERIFY_FAILED" in str(cause):
+                raise ServedTeacherError(
+                    f"{where}: the server's TLS certificate is not trusted ({cause}); export {CA_BUNDLE_ENV} naming "
+                    "the PEM bundle of the CA that signed it") from None
+            last = f"{type(e).__name__}: {cause}"
+        raise ServedTeacherError(f"{where}: no answer after {self.retries + 1} attempts (last: {last}); is the server "
                                  "up? Rerun when it is: scored parts are kept and the rerun continues after them")
+
+    def _get(self, path: str, *, root: bool = False) -> dict:
+        url = (self._root() if root else self.url) + path
+        return self._call(url, lambda: self.client.get(url, cast_to=object)) or {}
+
+    def _post(self, path: str, body: dict, *, root: bool = False) -> dict:
+        url = (self._root() if root else self.url) + path
+        return self._call(url, lambda: self.client.post(url, body=body, cast_to=object)) or {}
 
     def _explain(self, url: str, code: int, message: str) -> str:
         fix = "check the request settings against the server's flags (docs/dependencies.md, 'OpenAI-compatible server')"
-        if "greater than max allowed" in message or "logprobs" in message.lower() and code == 400:
+        if code in (401, 403):
+            var = self.key_env or "OPENAI_API_KEY (or VLLM_API_KEY)"
+            sent = (f"the key in {self.key_source} is not one it accepts" if self.key_sent else
+                    f"no key was sent: {self.key_source} is not set")
+            fix = (f"the server wants an API key and {sent}; export {var} with the key the server was started with "
+                   "(its --api-key / VLLM_API_KEY), or pass --teacher-api-key-env VAR naming the variable that holds it")
+        elif "greater than max allowed" in message or "logprobs" in message.lower() and code == 400:
             fix = f"restart the server with --max-logprobs >= {self.k} (this run asks for --topk {self.k})"
         elif code == 404 or "does not exist" in message:
             fix = f"pass --teacher-model one of the names the server serves (GET {self.url}/models)"
@@ -213,29 +304,30 @@ class ServedTeacher:
     # -- checks before scoring -------------------------------------------------------------------------------------
     def describe(self, vocab_size: int, tokenizer) -> dict:
         """Everything about the server the stage checks before it touches the cache: the model is served, its
-        max_model_len, its tokenizer agrees with the local one on a sample text, a K-logprob request passes
-        (a server started with a smaller --max-logprobs refuses it here), and the probe (fingerprint)."""
-        models = self._request("/models").get("data", [])
+        max_model_len, a K-prompt-logprob request passes and its answer holds prompt_logprobs (a server started
+        with a smaller --max-logprobs refuses it here; an endpoint that is not vLLM lacks the field), its
+        tokenizer agrees with the local one on a sample text, and the probe (fingerprint)."""
+        models = self._get("/models").get("data", [])
         served = {m.get("id"): m for m in models}
         if self.model is None and len(served) == 1:
             self.model = next(iter(served))  # the fingerprint holds the name, so a renamed model is another teacher
         if self.model not in served:
             raise ServedTeacherError(f"{self.url}: serves {sorted(served)}, not {self.model!r}; pass --teacher-model "
                                      f"one of them (or start the server with --served-model-name {self.model})")
-        text = "The quick brown fox: 12 + 7 = 19."
-        local = tokenizer(text, add_special_tokens=False)["input_ids"]
-        remote = self._request("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False},
-                               root=True).get("tokens")
-        if list(remote or []) != list(local):
-            raise ServedTeacherError(f"{self.url}: the server tokenizes {text!r} as {remote}, the local teacher "
-                                     f"tokenizer as {local}: the served model's tokenizer is another one; pass "
-                                     "--teacher the folder of the served model's tokenizer")
         ids = probe_ids(vocab_size)
         out = self._complete(ids)
         flat = flat_from_json(out, np.asarray(ids), self.k)
         logprobs = [float(v) for v in flat.logprobs[flat.start_indices[1:]]]  # the actual tokens' (entry 0)
+        text = "The quick brown fox: 12 + 7 = 19."
+        local = tokenizer(text, add_special_tokens=False)["input_ids"]
+        remote = self._post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False},
+                            root=True).get("tokens")
+        if list(remote or []) != list(local):
+            raise ServedTeacherError(f"{self.url}: the server tokenizes {text!r} as {remote}, the local teacher "
+                                     f"tokenizer as {local}: the served model's tokenizer is another one; pass "
+                                     "--teacher the folder of the served model's tokenizer")
         try:
-            version = self._request("/version", root=True).get("version", "?")
+            version = self._get("/version", root=True).get("version", "?")
         except ServedTeacherError:
             version = "?"
         probe = {"model": self.model, "ids": json.dumps(ids), "logprobs": json.dumps(logprobs),
@@ -244,11 +336,17 @@ class ServedTeacher:
                 "fingerprint": probe_fingerprint(self.model, ids, logprobs)}
 
     def _complete(self, ids: list[int]) -> list:
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": self.k, "temperature": 0.0}
-        choices = self._request("/completions", body).get("choices") or [{}]
-        out = choices[0].get("prompt_logprobs")
+        """One rollout's prompt logprobs: a completion of max_tokens 1 with vLLM's `prompt_logprobs` request field
+        (not in the OpenAI API: `extra_body`) and read back from the answer's extra fields (`model_extra`)."""
+        answer = self._call(f"{self.url}/completions", lambda: self.client.completions.create(
+            model=self.model, prompt=ids, max_tokens=1, temperature=0.0, extra_body={"prompt_logprobs": self.k}))
+        choice = answer.choices[0] if answer.choices else None
+        out = None if choice is None else (choice.model_extra or {}).get("prompt_logprobs")
         if out is None:
-            raise ServedTeacherError(f"{self.url}/completions: the answer holds no prompt_logprobs (not a vLLM server?)")
+            raise ServedTeacherError(
+                f"{self.url}/completions: the answer's choices[0] holds no 'prompt_logprobs' field, which scoring "
+                "needs (vLLM's extension of the completions API): is this a vLLM server? Serve the teacher with "
+                "`python -m vllm.entrypoints.openai.api_server` (README, 'A served teacher')")
         return out
 
     # -- the engine the score loop drives --------------------------------------------------------------------------
@@ -286,21 +384,25 @@ class ServedTeacher:
                 done, fs = queue.popleft()
                 yield done, [f.result() for f in fs]
         finally:
-            self._stop.set()  # a failed or abandoned run: pending retries stop waiting
+            # a failed or abandoned run: requests not started are dropped; those at the server end after at most
+            # the client's own retries (served_retries)
             pool.shutdown(wait=True, cancel_futures=True)
-            self._stop.clear()
+
+    def close(self) -> None:
+        self.client.close()
 
 
-def _server_message(e: urllib.error.HTTPError) -> str:
-    """The `error.message` of a vLLM error answer, else its body."""
+def _server_message(e: openai.APIStatusError) -> str:
+    """The `error.message` of a vLLM error answer (the client has already unwrapped `error`), else its body."""
+    body = e.body
+    if isinstance(body, dict):
+        return str(body.get("message", body))
+    if body:
+        return str(body)[:500]
     try:
-        body = e.read().decode(errors="replace")
-    except OSError:
-        return str(e.reason)
-    try:
-        return str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return body.strip()[:500] or str(e.reason)
+        return e.response.text.strip()[:500] or e.message
+    except Exception:  # noqa: BLE001 - a body that cannot be read: the client's own message
+        return e.message
 
 
 # -- a local server of a teacher folder (tests, benchmarks; the flags the stage needs, in one place) -------------
@@ -338,38 +440,43 @@ class LocalServer:
     same port; `with LocalServer(...) as server:` stops it however the block ends."""
 
     def __init__(self, model_dir: str | Path, log: str | Path, *, name: str, max_logprobs: int, max_model_len: int,
-                 port: int | None = None, ready_s: float = 300.0, env: dict | None = None, **kw) -> None:
+                 port: int | None = None, ready_s: float = 300.0, env: dict | None = None,
+                 tls: tuple[str | Path, str | Path] | None = None, **kw) -> None:
         self.model_dir, self.log, self.name = Path(model_dir), Path(log), name
         self.max_logprobs, self.max_model_len, self.kw = max_logprobs, max_model_len, kw
         self.port = port or free_port()
         self.ready_s = ready_s
-        self.env = env or {}
+        self.env = env or {}  # e.g. VLLM_API_KEY: the server's key by environment, not on its (visible) command line
+        self.tls = None if tls is None else (Path(tls[0]), Path(tls[1]))  # (certificate, key) PEM files: https
         self.proc = None
         self.starts = 0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/v1"
 
     def start(self) -> LocalServer:
         import os
         import subprocess
 
+        tls = ["--ssl-certfile", str(self.tls[0]), "--ssl-keyfile", str(self.tls[1])] if self.tls else []
+        kw = {**self.kw, "extra": list(self.kw.get("extra") or []) + tls}
         cmd = server_command(self.model_dir, name=self.name, max_logprobs=self.max_logprobs,
-                             max_model_len=self.max_model_len, port=self.port, **self.kw)
+                             max_model_len=self.max_model_len, port=self.port, **kw)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**os.environ, **self.env})
         self.starts += 1
+        context = ssl.create_default_context(cafile=str(self.tls[0])) if self.tls else None  # self-signed: its own CA
         deadline = time.monotonic() + self.ready_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 tail = self.log.read_text(errors="replace")[-3000:]
                 self.proc = None
                 raise RuntimeError(f"the vLLM server exited at start (log {self.log}):\n{tail}")
-            try:
-                with urllib.request.urlopen(self.url + "/models", timeout=2) as r:
+            try:  # /health: outside /v1, so a server with --api-key answers it without the key
+                with urllib.request.urlopen(self.url[: -len("/v1")] + "/health", timeout=2, context=context) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError):

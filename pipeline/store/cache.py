@@ -67,6 +67,9 @@ class Descriptor:
     # against this cache compares with its server's (within a tolerance: float noise must not refuse the same
     # server); informational for the identity check itself, whose teacher_fingerprint hashes them rounded.
     teacher_probe: dict | None = None
+    # Rows brought in by `gkd cache import` (store/imports.py): one record per import (format, source, layout
+    # version read, rows, when); informational, not identity.
+    imports: list | None = None
 
     # What must agree for two producers to share one cache (the rest is informational).
     IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")

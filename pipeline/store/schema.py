@@ -34,6 +34,7 @@ _TYPES = {
     "list<string>": pa.list_(pa.string()),
     "list<float32>": pa.list_(pa.float32()),
     "map<string,string>": pa.map_(pa.string(), pa.string()),
+    "list<map<string,string>>": pa.list_(pa.map_(pa.string(), pa.string())),
 }
 
 

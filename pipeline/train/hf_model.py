@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeline.config import ConfigError
+from pipeline.store import images as image_store
 from pipeline.store.shards import staged_dir
 from pipeline.train.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
 from pipeline.train.packing import attention_mask
@@ -142,8 +143,6 @@ def vision_inputs(student: HFStudent, input_ids: Tensor, images: list[list[tuple
         return {}
     if not images or not any(images):
         return {}
-    from pipeline.store import images as image_store
-
     flat = [(row, root, h) for row, imgs in enumerate(images) for root, h in imgs]
     pixels = [image_store.load(root, [h], sample=keys[row] if row < len(keys) else "")[0] for row, root, h in flat]
     proc = student.processor

@@ -1,9 +1,16 @@
 """Scoring through a real vLLM OpenAI-compatible server of the tiny teacher (pipeline/score/served.py).
 
 One server process serves the module (`server`, restarted only when a test needs another model or flags: three
-starts of ~30-50 s in all); it runs in its own process group and is killed with it however a test ends.
+starts of ~30-50 s in all); it runs in its own process group and is killed with it however a test ends. It is
+started as a server off localhost would be: with an API key (VLLM_API_KEY, a fresh random one per run, so a scan
+for it cannot match by chance) and over https with a self-signed certificate (SSL_CERT_FILE names it here, as a
+user names a private CA's bundle); every test scores with the key, read from KEY_ENV.
 """
 
+import logging
+import secrets
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +30,25 @@ NAME = "tiny"
 # vLLM engine code, the same fp32 weights; they differ only by batch composition (the server batches the queued
 # requests as it likes). Measured 0.0 on 2 CPU cores (bit-identical); the bound leaves room for other batchings.
 TOLERANCE = 1e-4
+KEY_ENV = "GKD_TEST_TEACHER_KEY"
+KEY = "sk-gkd-" + secrets.token_hex(16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def served_env(tmp_path_factory):
+    """The module's key (in KEY_ENV only: the defaults OPENAI_API_KEY / VLLM_API_KEY unset) and the server's
+    certificate trusted through SSL_CERT_FILE; the environment is restored afterwards."""
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, KEY)
+        mp.setenv("SSL_CERT_FILE", str(cert))
+        mp.delenv("OPENAI_API_KEY", raising=False)
+        mp.delenv("VLLM_API_KEY", raising=False)
+        yield {"cert": cert, "key": key}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +69,8 @@ def other_teacher(tmp_path_factory):
 class Server:
     """The module's one server: `use(model, max_logprobs)` restarts it only when those change."""
 
-    def __init__(self, log: Path) -> None:
-        self.log = log
+    def __init__(self, log: Path, tls: tuple[Path, Path]) -> None:
+        self.log, self.tls = log, tls
         self.current: LocalServer | None = None
         self.port = None
         self.starts = 0
@@ -55,7 +81,8 @@ class Server:
             self.stop()
             self.current = LocalServer(model, self.log, name=NAME, max_logprobs=max_logprobs,
                                        max_model_len=MAX_LEN + 1, kv_cache_gib=0.05, port=self.port,
-                                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # one process: ~35% faster start
+                                       tls=self.tls,  # one process (~35% faster start); the key by environment
+                                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_API_KEY": KEY})
             self.port = self.current.port  # the same URL throughout: test 3 swaps the model behind it
             self.current.start()
             self.starts += 1
@@ -67,8 +94,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("server") / "server.log")
+def server(tmp_path_factory, served_env):
+    s = Server(tmp_path_factory.mktemp("server") / "server.log", (served_env["cert"], served_env["key"]))
     try:
         yield s
     finally:
@@ -94,7 +121,7 @@ def _cfg(tmp: Path, teacher: Path, **kw) -> ScoreConfig:
 
 
 def _served(server_: LocalServer, **kw) -> dict:
-    return {"teacher_url": server_.url, "teacher_model": NAME, **kw}
+    return {"teacher_url": server_.url, "teacher_model": NAME, "teacher_api_key_env": KEY_ENV, **kw}
 
 
 def _snapshot(root: Path) -> dict:
@@ -125,6 +152,31 @@ def test_json_prompt_logprobs_become_the_in_process_flat_layout():
         flat_from_json([None, out[1], {"1": e(-1.0, 1), "2": e(-2.0, 2), "3": e(-3.0, 3)}], ids, 3)
 
 
+def test_where_the_key_comes_from_and_what_a_url_may_hold(monkeypatch, tmp_path):
+    """The named variable, else OPENAI_API_KEY, else VLLM_API_KEY; a named but unset variable is refused; a URL with
+    credentials is refused without echoing them; a CA bundle path that is not a file is one clear message."""
+    from pipeline.score.served import api_key_from_env, ssl_context, url_problems
+
+    for name in ("OPENAI_API_KEY", "VLLM_API_KEY", "MY_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert api_key_from_env(None) == (None, "OPENAI_API_KEY or VLLM_API_KEY")
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert api_key_from_env(None) == ("v", "VLLM_API_KEY")
+    monkeypatch.setenv("OPENAI_API_KEY", "o")
+    assert api_key_from_env(None) == ("o", "OPENAI_API_KEY")
+    with pytest.raises(ServedTeacherError, match="the environment variable MY_KEY is not set"):
+        api_key_from_env("MY_KEY")
+    monkeypatch.setenv("MY_KEY", "m")
+    assert api_key_from_env("MY_KEY") == ("m", "MY_KEY")
+    assert url_problems("https://host:8000/v1") == [] and url_problems("http://h/v1?model=x") == []
+    for url in ("https://s3cr3t@host/v1", "https://u:s3cr3t@host/v1", "https://host/v1?token=s3cr3t"):
+        (problem,) = url_problems(url)
+        assert "holds credentials" in problem and "s3cr3t" not in problem and "***" in problem
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "nope.pem"))
+    with pytest.raises(ServedTeacherError, match="SSL_CERT_FILE=.*nope.pem: no such file"):
+        ssl_context()
+
+
 def test_a_served_teacher_is_refused_with_an_adapter_or_without_a_url(tmp_path, teacher):
     from pipeline.config import ConfigError
 
@@ -149,7 +201,8 @@ def scored(tmp_path_factory, teacher, server):
     srv = server.use(teacher)
     t = time.perf_counter()
     assert main(["--rollouts", str(tmp / "rollouts"), "--cache", str(tmp / "served"), "--teacher", str(teacher),
-                 "--teacher-url", srv.url, "--teacher-model", NAME, "--topk", str(K), f"max_model_len={MAX_LEN}",
+                 "--teacher-url", srv.url, "--teacher-model", NAME, "--teacher-api-key-env", KEY_ENV,
+                 "--topk", str(K), f"max_model_len={MAX_LEN}",
                  "part_rows=4", "batch_tokens=256", "codec=exact-f32"]) == 0
     return {"tmp": tmp, "rows": rows, "seconds": time.perf_counter() - t}
 
@@ -172,9 +225,71 @@ def test_served_cache_equals_in_process_scoring(scored, teacher):
     print(f"\n[served] max |served - in-process| logprob {worst:.3g} nat; served scoring {scored['seconds']:.1f} s")
     assert worst <= TOLERANCE
     d = TeacherCache.open(tmp / "served").descriptor
-    assert d.teacher.startswith(f"served {NAME} at http://127.0.0.1:") and d.teacher_probe["model"] == NAME
+    assert d.teacher.startswith(f"served {NAME} at https://127.0.0.1:") and d.teacher_probe["model"] == NAME
     assert d.teacher_fingerprint != TeacherCache.open(tmp / "local").descriptor.teacher_fingerprint
     assert TeacherCache.open(tmp / "served").verify() == []
+
+
+def _traces_of_the_key(root: Path, *texts: str) -> list[str]:
+    """Every file under `root` and every text that holds KEY (raw bytes: Parquet, JSON, logs, scripts alike)."""
+    hits = [str(p) for p in sorted(root.rglob("*")) if p.is_file() and KEY.encode() in p.read_bytes()]
+    return hits + [f"output {i}" for i, t in enumerate(texts) if KEY in t]
+
+
+def test_the_key_is_sent_as_a_bearer_token_and_never_written_or_printed(tmp_path, teacher, server, capfd, monkeypatch):
+    """401s name the variable to set; a run with the key from the default variable (OPENAI_API_KEY), with every
+    log on (GKD_LOG_LEVEL=debug, the openai client's and its HTTP library's loggers at DEBUG, as OPENAI_LOG=debug
+    sets them), and a `gkd slurm score --dry-run` script of the same command leave no trace of the key in any file
+    or in anything printed."""
+    from pipeline.cli import main as gkd
+
+    srv = server.use(teacher)
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", teacher, [(5, 9)] * 3, seed=5)
+    args = ["--rollouts", str(tmp_path / "rollouts"), "--teacher", str(teacher), "--teacher-url", srv.url,
+            "--teacher-model", NAME, "--topk", str(K), f"max_model_len={MAX_LEN}", "codec=exact-f32"]
+    outputs = []
+
+    monkeypatch.setenv("WRONG_KEY", "sk-not-the-key")
+    assert gkd(["score", *args, "--cache", str(tmp_path / "c-wrong"), "--teacher-api-key-env", "WRONG_KEY"]) == 2
+    out = capfd.readouterr()
+    outputs += [out.out, out.err]
+    assert "HTTP 401" in out.err and "the key in WRONG_KEY is not one it accepts" in out.err, out.err
+    assert "export WRONG_KEY with the key the server was started with" in out.err
+    monkeypatch.delenv(KEY_ENV)
+    assert gkd(["score", *args, "--cache", str(tmp_path / "c-none")]) == 2
+    out = capfd.readouterr()
+    outputs += [out.out, out.err]
+    assert "no key was sent: OPENAI_API_KEY or VLLM_API_KEY is not set" in out.err, out.err
+    assert "export OPENAI_API_KEY (or VLLM_API_KEY)" in out.err and "Traceback" not in out.err
+    assert gkd(["score", *args, "--cache", str(tmp_path / "c-unset"), "--teacher-api-key-env", KEY_ENV]) == 2
+    out = capfd.readouterr()
+    outputs += [out.out, out.err]
+    assert f"the environment variable {KEY_ENV} is not set" in out.err, out.err
+    assert not any((tmp_path / c).exists() for c in ("c-wrong", "c-none", "c-unset"))  # refused before the cache
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("GKD_LOG_LEVEL", "debug")
+    handler = logging.StreamHandler(sys.stderr)
+    loggers = [logging.getLogger(n) for n in ("openai", "httpx2", "httpcore2", "httpx", "httpcore")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.DEBUG)
+        lg.addHandler(handler)
+    try:
+        assert gkd(["score", *args, "--cache", str(tmp_path / "cache")]) == 0
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+            lg.removeHandler(handler)
+    assert gkd(["slurm", "score", "--num-shards", "2", "--dry-run", "--log-dir", str(tmp_path / "slurm"), "--",
+                *args, "--cache", str(tmp_path / "cache")]) == 0
+    out = capfd.readouterr()
+    outputs += [out.out, out.err]
+    assert "HTTP Request: POST" in out.err or "Request options" in out.err, "the debug logs did not run"
+    assert len(list(read_cache(tmp_path / "cache"))) == 3 and list((tmp_path / "slurm").glob("*.sbatch"))
+    assert _traces_of_the_key(tmp_path, *outputs) == []
+    (tmp_path / "planted.txt").write_text(f"x{KEY}y")  # the scan itself finds a key where there is one
+    assert _traces_of_the_key(tmp_path) == [str(tmp_path / "planted.txt")]
 
 
 def test_server_killed_mid_run_then_restarted_rerun_completes_without_duplicates(tmp_path, teacher, server):
@@ -244,4 +359,5 @@ def test_a_4xx_names_the_servers_message_and_the_fix(tmp_path, teacher, other_te
     from pipeline.score.run import main
 
     assert main(["--rollouts", str(tmp_path / "rollouts"), "--cache", str(tmp_path / "cache"), "--teacher",
-                 str(teacher), "--teacher-url", srv.url, "--topk", "8", f"max_model_len={MAX_LEN}"]) == 2
+                 str(teacher), "--teacher-url", srv.url, "--teacher-api-key-env", KEY_ENV, "--topk", "8",
+                 f"max_model_len={MAX_LEN}"]) == 2
