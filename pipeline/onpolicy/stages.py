@@ -134,7 +134,8 @@ class Workspace:
         """Prompts [c*ppc, (c+1)*ppc) of the source, wrapping around."""
 
         if self._prompts is None:
-            self._prompts = load_prompts(self.cfg.prompts, teacher_prompt_field=self.cfg.teacher_prompt_field)
+            self._prompts = load_prompts(self.cfg.prompts, teacher_prompt_field=self.cfg.teacher_prompt_field,
+                                         image_field=self.cfg.generate_settings.image_field)
         ppc, n = self.cfg.prompts_per_cycle, len(self._prompts)
         if ppc > n:
             raise ConfigError(f"prompts_per_cycle={ppc} but {self.cfg.prompts} has only {n} prompts")

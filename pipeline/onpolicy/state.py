@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.store import TeacherCache
+from pipeline.store import images as image_store
 from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.codec import concat_encoded
 from pipeline.store.rollouts import iter_rollouts, rollout_key, rollout_shards
@@ -118,6 +119,9 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
         table, footer = concat_encoded(parts, where=str(view))
         rank = {k: i for i, k in enumerate(keys)}
         table = table.take(np.argsort([rank[k] for k in table.column("key").to_pylist()], kind="stable"))
+        if "images" in table.column_names:  # the images the rows name, before the shard (the trainer reads them here)
+            for h in sorted({h for im in table.column("images").to_pylist() if im for h in im}):
+                image_store.put(view, image_store.read(cache.root, h))
         write_shard(dest, table, "scored", extra={"view_of": sources}, footer=footer)
     out = [str(dest)] if parts else []
     if not (view / DESCRIPTOR).exists():
