@@ -91,12 +91,67 @@ def set_rng_state(state: dict[str, Any]) -> None:
     mpu_random.get_cuda_rng_tracker().set_states({k: _decode(v) for k, v in state["tracker"].items()})
 
 
+# The distributed optimizer's checkpoint format. megatron-core 0.16.1's default, 'fully_sharded_model_space'
+# (deprecated there), describes each rank's slice of a parameter's state as a ShardedTensor with `flattened_range`,
+# which 0.16.1's own dist_checkpointing refuses ("ShardedTensor.flattened_range is not supported", mapping.py L134):
+# that, not the CPU, is why its state did not save or load. 'dp_reshardable' (Megatron-LM's default) saves each
+# rank's bucket shard as it is, with no gather, in buffer order minus the padding that depends on the DP size: it
+# loads at another data-parallel size, not at another TP/PP split (distrib_optimizer.py L1539-L1572).
+DIST_OPT_FORMAT = "dp_reshardable"
+
+
+def uses_distributed_optimizer(optimizer) -> bool:
+    """True when `optimizer` (Megatron's, possibly chained) shards its state over data-parallel ranks."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _prime_distributed_state(optimizer) -> None:
+    """Give every shard of a distributed optimizer its state, with a `step`. Without apex or Transformer Engine
+    (CPU, a plain GPU install) its torch optimizer keeps the step per parameter, and DistributedOptimizer.state_dict
+    (distrib_optimizer.py L640) asserts that one exists for every parameter: it fails on a fresh optimizer (which
+    loading a checkpoint builds the state dict of first) and always for SGD (torch's SGD keeps no step). An SGD
+    step stays 0: SGD does not read it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        inner = opt.optimizer
+        if any(not inner.state[p] for group in inner.param_groups for p in group["params"]):
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def _restore_distributed_steps(optimizer) -> None:
+    """Put the checkpoint's step back into every shard's state after a distributed-optimizer load. Megatron's
+    load_state_dict sets it from the saved param groups, then the dp_reshardable parameter-state load copies over it
+    the step the state had before loading (a `LocalNonpersistentObject`, distrib_optimizer.py L1660): 0 on a fresh
+    optimizer, which would restart Adam's bias correction. The saved param groups keep the right one."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for group in opt.optimizer.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
 def _sharded(model, optimizer, *, is_loading: bool) -> dict:
     # A LoRA run saves the adapter only: the frozen base comes from the student folder (recorded in trainer.json).
     model_sd = lora_sharded_state_dict(model) if is_lora(model) else model.sharded_state_dict()
     out = {"model": model_sd}
     if optimizer is not None:
-        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        metadata = None
+        if uses_distributed_optimizer(optimizer):
+            _prime_distributed_state(optimizer)
+            metadata = {"distrib_optim_sharding_type": DIST_OPT_FORMAT}
+        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return out
 
 
@@ -191,7 +246,11 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
     else:
         model.load_state_dict(state["model"], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        # no_grad: the distributed optimizer's dp_reshardable load copies into its fp32 main-parameter shards, which
+        # are views of the (grad-requiring) model parameters, outside a no_grad of its own (distrib_optimizer.py L940)
+        with torch.no_grad():
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_distributed_steps(optimizer)
     _restore_rng(meta, optimizer)
     return meta
 

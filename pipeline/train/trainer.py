@@ -184,8 +184,6 @@ class TrainConfig:
             p.append("exit_after must be >= 1")
         if self.data_position is not None and self.data_position < 0:
             p.append("data_position must be >= 0")
-        if self.use_distributed_optimizer and not torch.cuda.is_available():
-            p.append("use_distributed_optimizer needs CUDA (its checkpoint state does not load on CPU); set it false")
         if self.lora_rank < 0:
             p.append("lora_rank must be >= 0 (0: train all weights)")
         if self.backend not in BACKENDS:
