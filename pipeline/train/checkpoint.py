@@ -8,7 +8,9 @@ A LoRA run (trainer.json has "lora") saves only the adapter and its optimizer st
 from the student folder and then the adapter, so the two must be the same run's.
 
 dist_checkpointing stores tensors with their global shapes, so a checkpoint saved at TP=2 loads at TP=1 (export
-does that). A checkpoint is written under a temporary name and renamed once complete, then `latest` is updated:
+does that). With `use_distributed_optimizer` each rank writes its own shard of the optimizer state (DIST_OPT_FORMAT
+below): the run resumes at another data-parallel size, not at another TP size, and not with the plain optimizer
+(both refused by `check_optimizer_layout`, trainer.json `optimizer_sharding` says which layout was saved). A checkpoint is written under a temporary name and renamed once complete, then `latest` is updated:
 a job killed mid-save resumes from the previous checkpoint. A save that fails (a full disk) removes its temporary
 folder and raises `WriteError` naming the checkpoint; the run resumes from `latest` once space is freed.
 
@@ -107,6 +109,34 @@ def uses_distributed_optimizer(optimizer) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def optimizer_sharding(optimizer) -> str | None:
+    """How a checkpoint of `optimizer` lays out its state: DIST_OPT_FORMAT (sharded over data-parallel ranks) or
+    None (the plain optimizer, or none)."""
+    return DIST_OPT_FORMAT if optimizer is not None and uses_distributed_optimizer(optimizer) else None
+
+
+def check_optimizer_layout(ckpt: Path, meta: dict, distributed: bool, tp: int) -> None:
+    """Refuse a resume (use_distributed_optimizer=`distributed` at tensor_model_parallel_size=`tp`) whose optimizer
+    state the checkpoint cannot give in that layout: saved sharded and loaded plain or the reverse (bucket shards
+    vs per-parameter tensors), or sharded at another TP size (the dp_reshardable buckets follow the TP split;
+    another DP size is fine). Config only: the trainer calls it before any process group or model exists."""
+    saved, own = meta.get("optimizer_sharding"), DIST_OPT_FORMAT if distributed else None
+    if saved != own:
+        how = {None: "unsharded (use_distributed_optimizer=false)",
+               DIST_OPT_FORMAT: f"sharded over data-parallel ranks (use_distributed_optimizer=true, {DIST_OPT_FORMAT})"}
+        raise CheckpointMismatchError(
+            f"{ckpt}: optimizer state saved {how.get(saved, saved)}, this run has "
+            f"use_distributed_optimizer={str(distributed).lower()}; the two layouts do not load into each other. "
+            f"Resume with use_distributed_optimizer={str(saved is not None).lower()}, or start a new save_dir")
+    saved_tp = meta.get("config", {}).get("tensor_model_parallel_size", 1)
+    if own is not None and saved_tp != tp:
+        raise CheckpointMismatchError(
+            f"{ckpt}: distributed-optimizer state saved at tensor_model_parallel_size={saved_tp}, this run has {tp}; "
+            f"its {DIST_OPT_FORMAT} shards follow the TP split of the gradient buffers (they reshard over "
+            f"data-parallel ranks only). Resume with tensor_model_parallel_size={saved_tp} (any number of "
+            "data-parallel ranks), or start a new save_dir")
+
+
 def _prime_distributed_state(optimizer) -> None:
     """Give every shard of a distributed optimizer its state, with a `step`. Without apex or Transformer Engine
     (CPU, a plain GPU install) its torch optimizer keeps the step per parameter, and DistributedOptimizer.state_dict
@@ -175,7 +205,7 @@ def precision_of(model) -> str:
 def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) and `lora` added."""
     meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None, "precision": precision_of(model),
-            "student_arch": arch_of(model)}
+            "student_arch": arch_of(model), "optimizer_sharding": optimizer_sharding(optimizer)}
     final = step_dir(save_dir, step)
     tmp = final.with_name(f".{final.name}.partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
