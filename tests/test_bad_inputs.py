@@ -225,6 +225,14 @@ def test_global_batch_size_not_divisible(tmp_path, capsys, monkeypatch):
             r"global_batch_size 6 is not a multiple of .* data-parallel size 2 .* = 4", "e.g. 4")
 
 
+def test_distributed_optimizer_settings(tmp_path, capsys):
+    refused(tmp_path, ["train", "use_distributed_optimizer=true", "optimizer=sgd"], capsys,
+            r"use_distributed_optimizer=true needs optimizer=adam, got optimizer=sgd", r"set optimizer=adam, or")
+    refused(tmp_path, ["train", "use_distributed_optimizer=true", "backend=hf", f"save_dir={tmp_path / 'run'}"],
+            capsys, r"use_distributed_optimizer=true shards Megatron-Core's optimizer; .* hf backend",
+            r"use fsdp=true there")
+
+
 # -- the catalogue is this file -----------------------------------------------------------------------------------
 
 

@@ -138,11 +138,10 @@ def check_optimizer_layout(ckpt: Path, meta: dict, distributed: bool, tp: int) -
 
 
 def _prime_distributed_state(optimizer) -> None:
-    """Give every shard of a distributed optimizer its state, with a `step`. Without apex or Transformer Engine
-    (CPU, a plain GPU install) its torch optimizer keeps the step per parameter, and DistributedOptimizer.state_dict
-    (distrib_optimizer.py L640) asserts that one exists for every parameter: it fails on a fresh optimizer (which
-    loading a checkpoint builds the state dict of first) and always for SGD (torch's SGD keeps no step). An SGD
-    step stays 0: SGD does not read it."""
+    """Give every shard of a distributed optimizer its state before a save or load. Without apex or Transformer
+    Engine (CPU, a plain GPU install) its torch Adam keeps the step per parameter, and DistributedOptimizer.state_dict
+    (distrib_optimizer.py L640) asserts that one exists: it fails on a fresh optimizer, whose state dict loading a
+    checkpoint builds first. Zeros and step 0 are what torch's Adam starts from; the load overwrites them."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):

@@ -185,6 +185,10 @@ class TrainConfig:
             p.append("exit_after must be >= 1")
         if self.data_position is not None and self.data_position < 0:
             p.append("data_position must be >= 0")
+        if self.use_distributed_optimizer and self.optimizer != "adam":
+            p.append(f"use_distributed_optimizer=true needs optimizer=adam, got optimizer={self.optimizer} "
+                     "(Megatron-Core's DistributedOptimizer takes Adam only); set optimizer=adam, or "
+                     "use_distributed_optimizer=false")
         if self.lora_rank < 0:
             p.append("lora_rank must be >= 0 (0: train all weights)")
         if self.backend not in BACKENDS:
@@ -568,6 +572,10 @@ def train(cfg: TrainConfig) -> dict:
     if backend == "megatron" and cfg.fsdp:
         raise ConfigError(f"fsdp=true shards a transformers student; this one trains on Megatron-Core ({why}): use "
                           "use_distributed_optimizer=true there, or backend=hf")
+    if backend == "hf" and cfg.use_distributed_optimizer:
+        raise ConfigError(f"use_distributed_optimizer=true shards Megatron-Core's optimizer; this student trains on "
+                          f"the hf backend ({why}): use fsdp=true there (weights, gradients and optimizer state "
+                          "sharded), or backend=megatron")
     if backend == "hf" and cfg.tensor_model_parallel_size > 1:
         raise ConfigError(f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: the hf backend ({why}) has "
                           "no tensor parallelism; train it data-parallel (torchrun) or on the Megatron backend")
