@@ -41,6 +41,7 @@ SECTIONS = {  # name -> heading, in file order
     "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
     "ray": "Ray executor: on-policy wall time vs local, score workers killed (issue #32: Ray)",
+    "distopt": "Distributed optimizer: state per rank at DP=2 (issue #33: scale)",
 }
 @dataclass(frozen=True)
 class Stamp:

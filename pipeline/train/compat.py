@@ -15,9 +15,10 @@ Every patched call would have raised on this machine, so no working behaviour ch
 
 Four spots are not module-level `torch` lookups and get function-level patches instead: the RNG tracker's
 state helpers, grad clipping's `param.grad.type() == 'torch.cuda.FloatTensor'` assert, the `.cuda()` in the
-tied-embedding setup under pipeline parallelism, and the bf16 optimizer's `param.type()` sort of its parameters. One patch is for speed, not for CUDA: the frozen-weight linear's
-backward (LoRA students) as a 2-D GEMM, see `_patch_frozen_linear`. Known limits: DistributedOptimizer state does not load on CPU
-(use the plain optimizer) and sequence parallelism needs Transformer Engine (docs/dependencies.md). On CPU the tracker's
+tied-embedding setup under pipeline parallelism, and the `param.type()` sort of their parameters in the bf16 optimizer and the
+distributed optimizer. One patch is for speed, not for CUDA: the frozen-weight linear's backward (LoRA students) as a 2-D GEMM,
+see `_patch_frozen_linear`. Known limit: sequence parallelism needs Transformer Engine (docs/dependencies.md); the distributed
+optimizer's checkpoint needs the format and state handling of pipeline/train/checkpoint.py (not a CUDA matter). On CPU the tracker's
 "default" stream is the global CPU generator, so `model_parallel_cuda_manual_seed(seed)` reseeds torch itself.
 
 Usage (pipeline/train/parallel.py does this before building a model)::
