@@ -43,6 +43,7 @@ SECTIONS = {  # name -> heading, in file order
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
     "ray": "Ray executor: on-policy wall time vs local, score workers killed (issue #32: Ray)",
     "images": "Image prompts: a vision-language teacher with and without the images (issue #31: images)",
+    "distopt": "Distributed optimizer: state per rank at DP=2 (issue #33: scale)",
 }
 @dataclass(frozen=True)
 class Stamp:

@@ -342,6 +342,12 @@ def test_an_import_whose_tokenizer_k_or_rows_do_not_match_the_rollouts(tmp_path,
             r"dk-rows/part-0\.parquet: row 0: its input_ids \(12 tokens", "equal no rollout's prompt_ids \\+ "
             "completion_ids; the tokens must match exactly")
     assert not (tmp_path / "cache2").exists() and not (tmp_path / "cache3").exists()
+def test_distributed_optimizer_settings(tmp_path, capsys):
+    refused(tmp_path, ["train", "use_distributed_optimizer=true", "optimizer=sgd"], capsys,
+            r"use_distributed_optimizer=true needs optimizer=adam, got optimizer=sgd", r"set optimizer=adam, or")
+    refused(tmp_path, ["train", "use_distributed_optimizer=true", "backend=hf", f"save_dir={tmp_path / 'run'}"],
+            capsys, r"use_distributed_optimizer=true shards Megatron-Core's optimizer; .* hf backend",
+            r"use fsdp=true there")
 
 
 # -- the catalogue is this file -----------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ A LoRA run (trainer.json has "lora") saves only the adapter and its optimizer st
 from the student folder and then the adapter, so the two must be the same run's.
 
 dist_checkpointing stores tensors with their global shapes, so a checkpoint saved at TP=2 loads at TP=1 (export
-does that). A checkpoint is written under a temporary name and renamed once complete, then `latest` is updated:
+does that). With `use_distributed_optimizer` each rank writes its own shard of the optimizer state (DIST_OPT_FORMAT
+below): the run resumes at another data-parallel size, not at another TP size, and not with the plain optimizer
+(both refused by `check_optimizer_layout`, trainer.json `optimizer_sharding` says which layout was saved). A checkpoint is written under a temporary name and renamed once complete, then `latest` is updated:
 a job killed mid-save resumes from the previous checkpoint. A save that fails (a full disk) removes its temporary
 folder and raises `WriteError` naming the checkpoint; the run resumes from `latest` once space is freed.
 
@@ -91,12 +93,94 @@ def set_rng_state(state: dict[str, Any]) -> None:
     mpu_random.get_cuda_rng_tracker().set_states({k: _decode(v) for k, v in state["tracker"].items()})
 
 
+# The distributed optimizer's checkpoint format. megatron-core 0.16.1's default, 'fully_sharded_model_space'
+# (deprecated there), describes each rank's slice of a parameter's state as a ShardedTensor with `flattened_range`,
+# which 0.16.1's own dist_checkpointing refuses ("ShardedTensor.flattened_range is not supported", mapping.py L134):
+# that, not the CPU, is why its state did not save or load. 'dp_reshardable' (Megatron-LM's default) saves each
+# rank's bucket shard as it is, with no gather, in buffer order minus the padding that depends on the DP size: it
+# loads at another data-parallel size, not at another TP/PP split (distrib_optimizer.py L1539-L1572).
+DIST_OPT_FORMAT = "dp_reshardable"
+
+
+def uses_distributed_optimizer(optimizer) -> bool:
+    """True when `optimizer` (Megatron's, possibly chained) shards its state over data-parallel ranks."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_sharding(optimizer) -> str | None:
+    """How a checkpoint of `optimizer` lays out its state: DIST_OPT_FORMAT (sharded over data-parallel ranks) or
+    None (the plain optimizer, or none)."""
+    return DIST_OPT_FORMAT if optimizer is not None and uses_distributed_optimizer(optimizer) else None
+
+
+def check_optimizer_layout(ckpt: Path, meta: dict, distributed: bool, tp: int) -> None:
+    """Refuse a resume (use_distributed_optimizer=`distributed` at tensor_model_parallel_size=`tp`) whose optimizer
+    state the checkpoint cannot give in that layout: saved sharded and loaded plain or the reverse (bucket shards
+    vs per-parameter tensors), or sharded at another TP size (the dp_reshardable buckets follow the TP split;
+    another DP size is fine). Config only: the trainer calls it before any process group or model exists."""
+    saved, own = meta.get("optimizer_sharding"), DIST_OPT_FORMAT if distributed else None
+    if saved != own:
+        how = {None: "unsharded (use_distributed_optimizer=false)",
+               DIST_OPT_FORMAT: f"sharded over data-parallel ranks (use_distributed_optimizer=true, {DIST_OPT_FORMAT})"}
+        raise CheckpointMismatchError(
+            f"{ckpt}: optimizer state saved {how.get(saved, saved)}, this run has "
+            f"use_distributed_optimizer={str(distributed).lower()}; the two layouts do not load into each other. "
+            f"Resume with use_distributed_optimizer={str(saved is not None).lower()}, or start a new save_dir")
+    saved_tp = meta.get("config", {}).get("tensor_model_parallel_size", 1)
+    if own is not None and saved_tp != tp:
+        raise CheckpointMismatchError(
+            f"{ckpt}: distributed-optimizer state saved at tensor_model_parallel_size={saved_tp}, this run has {tp}; "
+            f"its {DIST_OPT_FORMAT} shards follow the TP split of the gradient buffers (they reshard over "
+            f"data-parallel ranks only). Resume with tensor_model_parallel_size={saved_tp} (any number of "
+            "data-parallel ranks), or start a new save_dir")
+
+
+def _prime_distributed_state(optimizer) -> None:
+    """Give every shard of a distributed optimizer its state before a save or load. Without apex or Transformer
+    Engine (CPU, a plain GPU install) its torch Adam keeps the step per parameter, and DistributedOptimizer.state_dict
+    (distrib_optimizer.py L640) asserts that one exists: it fails on a fresh optimizer, whose state dict loading a
+    checkpoint builds first. Zeros and step 0 are what torch's Adam starts from; the load overwrites them."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        inner = opt.optimizer
+        if any(not inner.state[p] for group in inner.param_groups for p in group["params"]):
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def _restore_distributed_steps(optimizer) -> None:
+    """Put the checkpoint's step back into every shard's state after a distributed-optimizer load. Megatron's
+    load_state_dict sets it from the saved param groups, then the dp_reshardable parameter-state load copies over it
+    the step the state had before loading (a `LocalNonpersistentObject`, distrib_optimizer.py L1660): 0 on a fresh
+    optimizer, which would restart Adam's bias correction. The saved param groups keep the right one."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for group in opt.optimizer.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
 def _sharded(model, optimizer, *, is_loading: bool) -> dict:
     # A LoRA run saves the adapter only: the frozen base comes from the student folder (recorded in trainer.json).
     model_sd = lora_sharded_state_dict(model) if is_lora(model) else model.sharded_state_dict()
     out = {"model": model_sd}
     if optimizer is not None:
-        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        metadata = None
+        if uses_distributed_optimizer(optimizer):
+            _prime_distributed_state(optimizer)
+            metadata = {"distrib_optim_sharding_type": DIST_OPT_FORMAT}
+        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return out
 
 
@@ -120,7 +204,7 @@ def precision_of(model) -> str:
 def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
     """Collective: every rank calls it. `meta` (JSON-able) gets `rng` (all ranks' states) and `lora` added."""
     meta = {**meta, "lora": model.lora_spec.to_json() if is_lora(model) else None, "precision": precision_of(model),
-            "student_arch": arch_of(model)}
+            "student_arch": arch_of(model), "optimizer_sharding": optimizer_sharding(optimizer)}
     final = step_dir(save_dir, step)
     tmp = final.with_name(f".{final.name}.partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -191,7 +275,11 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
     else:
         model.load_state_dict(state["model"], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        # no_grad: the distributed optimizer's dp_reshardable load copies into its fp32 main-parameter shards, which
+        # are views of the (grad-requiring) model parameters, outside a no_grad of its own (distrib_optimizer.py L940)
+        with torch.no_grad():
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_distributed_steps(optimizer)
     _restore_rng(meta, optimizer)
     return meta
 

@@ -15,9 +15,10 @@ Every patched call would have raised on this machine, so no working behaviour ch
 
 Four spots are not module-level `torch` lookups and get function-level patches instead: the RNG tracker's
 state helpers, grad clipping's `param.grad.type() == 'torch.cuda.FloatTensor'` assert, the `.cuda()` in the
-tied-embedding setup under pipeline parallelism, and the bf16 optimizer's `param.type()` sort of its parameters. One patch is for speed, not for CUDA: the frozen-weight linear's
-backward (LoRA students) as a 2-D GEMM, see `_patch_frozen_linear`. Known limits: DistributedOptimizer state does not load on CPU
-(use the plain optimizer) and sequence parallelism needs Transformer Engine (docs/dependencies.md). On CPU the tracker's
+tied-embedding setup under pipeline parallelism, and the `param.type()` sort of their parameters in the bf16 optimizer and the
+distributed optimizer. One patch is for speed, not for CUDA: the frozen-weight linear's backward (LoRA students) as a 2-D GEMM,
+see `_patch_frozen_linear`. Known limit: sequence parallelism needs Transformer Engine (docs/dependencies.md); the distributed
+optimizer's checkpoint needs the format and state handling of pipeline/train/checkpoint.py (not a CUDA matter). On CPU the tracker's
 "default" stream is the global CPU generator, so `model_parallel_cuda_manual_seed(seed)` reseeds torch itself.
 
 Usage (pipeline/train/parallel.py does this before building a model)::
@@ -62,6 +63,9 @@ _CPU_MODULES: dict[str, str] = {
     "megatron.core.pipeline_parallel.p2p_communication": "pp p2p",
     # found_inf / _scale_one / _dummy_overflow_buf literals on "cuda" (L473-485, L907, L1141).
     "megatron.core.optimizer.optimizer": "optimizer",
+    # DistributedOptimizer: the dummy optimizer-state shards it allocates to load a checkpoint into, on
+    # torch.cuda.current_device() (L791), and the gathers of its non-gloo parameter-state paths (L1077).
+    "megatron.core.optimizer.distrib_optimizer": "distributed optimizer",
     # total_norm_cuda, grad_norm, dummy_overflow_buf on "cuda" (L90, L103, L115, L174, L207).
     "megatron.core.optimizer.clip_grads": "grad clipping",
     # local_multi_tensor_l2_norm (the no-apex path of clip_grads) returns a "cuda" tensor (L1207);
@@ -197,12 +201,10 @@ def _patch_frozen_linear(layers: types.ModuleType) -> None:
     layers.LinearWithFrozenWeight.backward = staticmethod(backward)
 
 
-def _patch_float16_optimizer(optimizer_mod: types.ModuleType) -> None:
-    """Float16OptimizerWithFloat16Params.__init__ (optimizer.py L671-L700, bf16 mixed precision) sorts parameters by
-    `param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']` and raises TypeError for anything else,
-    so CPU bf16 parameters ('torch.BFloat16Tensor') are refused. For the length of that call only, `Tensor.type()`
-    (no arguments) answers with the CUDA name of the same dtype; the fp32 main copies it makes are ordinary tensors."""
-    cls = optimizer_mod.Float16OptimizerWithFloat16Params
+def _with_cuda_type_names(cls: type, why: str) -> None:
+    """Run `cls.__init__` with `Tensor.type()` (no arguments) answering the CUDA name of the same dtype
+    ('torch.FloatTensor' -> 'torch.cuda.FloatTensor'), for the length of that call only. `why`: where the class
+    sorts its parameters by those names (and raises TypeError for any other)."""
     original = cls.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -220,7 +222,18 @@ def _patch_float16_optimizer(optimizer_mod: types.ModuleType) -> None:
         finally:
             torch.Tensor.type = saved
 
+    __init__.__doc__ = f"CPU-compat wrapper (pipeline/train/compat.py): {why}"
     cls.__init__ = __init__
+
+
+def _patch_param_type_checks(optimizer_mod: types.ModuleType, distrib_mod: types.ModuleType) -> None:
+    """Two optimizers sort their parameters by `param.type()` against CUDA type names only, so CPU parameters are
+    refused: Float16OptimizerWithFloat16Params.__init__ (optimizer.py L671-L700, bf16 mixed precision) and
+    DistributedOptimizer.__init__ with its _build_model_and_main_param_groups (distrib_optimizer.py L361, L420,
+    L582: 'Wrapped parameters must be one of torch.cuda.FloatTensor, ...'). The fp32 main copies and optimizer
+    shards they make are ordinary tensors; nothing after __init__ asks for the type names."""
+    _with_cuda_type_names(optimizer_mod.Float16OptimizerWithFloat16Params, "param.type() sort, optimizer.py L671")
+    _with_cuda_type_names(distrib_mod.DistributedOptimizer, "param.type() sort, distrib_optimizer.py L361-L582")
 
 
 def apply_cpu_compat() -> bool:
@@ -242,7 +255,8 @@ def apply_cpu_compat() -> bool:
     _patch_rng_tracker(importlib.import_module("megatron.core.tensor_parallel.random"))
     _patch_tied_embedding_setup(importlib.import_module("megatron.core.models.common.language_module.language_module"))
     _patch_frozen_linear(importlib.import_module("megatron.core.tensor_parallel.layers"))
-    _patch_float16_optimizer(importlib.import_module("megatron.core.optimizer.optimizer"))
+    _patch_param_type_checks(importlib.import_module("megatron.core.optimizer.optimizer"),
+                             importlib.import_module("megatron.core.optimizer.distrib_optimizer"))
     # optimizer.py imports the clip function by name (L50), so rebind it there as well as at its source.
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32

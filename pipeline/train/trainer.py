@@ -89,8 +89,9 @@ class TrainConfig:
     # bf16 mixed precision (Megatron's Float16Module; fp32 main weights and grads in the optimizer; the loss in fp32
     # within each chunk). null: on where CUDA is available, off on CPU (where it works, for tests and laptops).
     bf16: bool | None = None
-    # Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks): CUDA only, since its
-    # checkpoint state does not load on CPU (docs/architecture.md).
+    # Megatron's distributed optimizer: optimizer state (Adam's moments, SGD's momentum, bf16's fp32 main weights)
+    # sharded over the data-parallel ranks, ~1/DP of it per rank (metric optimizer_state_bytes); CPU and GPU.
+    # Checkpoints keep it sharded and resume at another DP size, not at another TP (docs/architecture.md).
     use_distributed_optimizer: bool = False
     # backend=hf under torchrun: FSDP2 (fully_shard per decoder layer) shards weights, gradients and optimizer state
     # over the data-parallel ranks instead of replicating them (DDP), for students that do not fit one device.
@@ -184,8 +185,10 @@ class TrainConfig:
             p.append("exit_after must be >= 1")
         if self.data_position is not None and self.data_position < 0:
             p.append("data_position must be >= 0")
-        if self.use_distributed_optimizer and not torch.cuda.is_available():
-            p.append("use_distributed_optimizer needs CUDA (its checkpoint state does not load on CPU); set it false")
+        if self.use_distributed_optimizer and self.optimizer != "adam":
+            p.append(f"use_distributed_optimizer=true needs optimizer=adam, got optimizer={self.optimizer} "
+                     "(Megatron-Core's DistributedOptimizer takes Adam only); set optimizer=adam, or "
+                     "use_distributed_optimizer=false")
         if self.lora_rank < 0:
             p.append("lora_rank must be >= 0 (0: train all weights)")
         if self.backend not in BACKENDS:
@@ -236,6 +239,23 @@ def _init_sgd_state(opt: torch.optim.Optimizer, config=None) -> None:
         for p in group["params"]:
             if group.get("momentum", 0):
                 opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
+def optimizer_state_bytes(optimizer, model) -> int:
+    """Bytes of optimizer state this rank holds: the state tensors (Adam's two moments, SGD's momentum) and the
+    main weights that are copies rather than the model's own parameters (bf16's fp32 masters). Step counters are
+    not counted. With the distributed optimizer each rank holds its 1/DP shard of each."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", opt)  # Megatron's wrappers hold the torch optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.untyped_storage().data_ptr() not in own:
+                    total += p.numel() * p.element_size()
+                total += sum(v.numel() * v.element_size() for v in inner.state[p].values()
+                             if torch.is_tensor(v) and v.dim() > 0)
+    return total
 
 
 def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | None = None):
@@ -548,13 +568,18 @@ _DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
 
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the last step's metrics. Every rank calls it."""
+    from pipeline.train import checkpoint
     from pipeline.train.parallel import destroy_distributed, init_distributed
 
     hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
     backend, why = resolve_backend(hf_dir, cfg.backend, cfg.seq_length)
     if backend == "megatron" and cfg.fsdp:
         raise ConfigError(f"fsdp=true shards a transformers student; this one trains on Megatron-Core ({why}): use "
-                          "use_distributed_optimizer=true there (CUDA), or backend=hf")
+                          "use_distributed_optimizer=true there, or backend=hf")
+    if backend == "hf" and cfg.use_distributed_optimizer:
+        raise ConfigError(f"use_distributed_optimizer=true shards Megatron-Core's optimizer; this student trains on "
+                          f"the hf backend ({why}): use fsdp=true there (weights, gradients and optimizer state "
+                          "sharded), or backend=megatron")
     if backend == "hf" and cfg.tensor_model_parallel_size > 1:
         raise ConfigError(f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: the hf backend ({why}) has "
                           "no tensor parallelism; train it data-parallel (torchrun) or on the Megatron backend")
@@ -565,6 +590,10 @@ def train(cfg: TrainConfig) -> dict:
             resolve_targets(cfg.lora_targets)
         except ValueError as e:
             raise ConfigError(f"{e} (backend=hf takes any linear layer's name)") from e
+    resume = checkpoint.latest(cfg.save_dir)
+    if resume is not None and backend == "megatron":  # before any process group: a layout it cannot load into
+        checkpoint.check_optimizer_layout(resume, checkpoint.read_meta(resume), cfg.use_distributed_optimizer,
+                                          cfg.tensor_model_parallel_size)
     init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed)
     try:
         return _train(cfg, backend, why)
@@ -635,6 +664,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
     dp_group = parallel_state.get_data_parallel_group()
     last: dict = {}
     steps_this_run = 0
+    state_bytes = 0
     try:
         while step < cfg.train_steps:
             t0 = time.perf_counter()
@@ -643,6 +673,10 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
                                                         teacher)
             step += 1
             steps_this_run += 1
+            if steps_this_run == 1 and backend == "megatron":  # torch creates the state on the first step
+                most = torch.tensor([optimizer_state_bytes(optimizer, model)], dtype=torch.float64, device=_device())
+                dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the most any rank holds
+                state_bytes = int(most.item())
             position = micro[-1].end
 
             sums = torch.stack([r["sums"] for r in reports]).sum(0)
@@ -661,7 +695,8 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
                     "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
                     "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
                     "samples": samples, "truncated": truncated, "folded_positions": folded,
-                    "data_position": position}
+                    "data_position": position,
+                    **({"optimizer_state_bytes": state_bytes} if backend == "megatron" else {})}
             if cfg.teachers:  # per teacher: its mean divergence and its active positions (a sum over ranks)
                 names = sorted(cfg.teachers)
                 for i, name in enumerate(names):

@@ -90,3 +90,32 @@ def test_cache_growing_under_a_run(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "(2 shards then, 3 now: 1 added" in err and late.name in err and "new save_dir" in err, err
     assert "data_position=N" in err and _snapshot(run) == before
+
+
+def test_checkpoint_of_another_optimizer_layout(tiny, run, capsys, monkeypatch):
+    """The optimizer-state layout of a resume (pipeline/train/checkpoint.py `check_optimizer_layout`), refused from
+    trainer.json before any process group or model: the plain optimizer's checkpoint resumed with the distributed
+    one; a distributed-optimizer checkpoint (its trainer.json, in a copy of the run) resumed at another TP size
+    (torchrun's WORLD_SIZE 2 at tensor_model_parallel_size 2: the check is before the process group)."""
+    import json
+    import shutil
+
+    before = _snapshot(run)
+    assert gkd(["train", *_overrides(tiny, run, use_distributed_optimizer="true", train_steps=4)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run}/step_0000002: optimizer state saved unsharded (use_distributed_optimizer=false)" in err, err
+    assert "Resume with use_distributed_optimizer=false, or start a new save_dir" in err, err
+    assert _snapshot(run) == before
+    sharded = run.parent / "sharded"
+    shutil.copytree(run, sharded)
+    meta_path = sharded / "step_0000002" / "trainer.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "optimizer_sharding": "dp_reshardable"}))
+    before = _snapshot(sharded)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert gkd(["train", *_overrides(tiny, sharded, use_distributed_optimizer="true", tensor_model_parallel_size=2,
+                                     train_steps=4)]) == 2
+    err = capsys.readouterr().err
+    assert "distributed-optimizer state saved at tensor_model_parallel_size=1, this run has 2" in err, err
+    assert "Resume with tensor_model_parallel_size=1 (any number of data-parallel ranks)" in err, err
+    assert _snapshot(sharded) == before
