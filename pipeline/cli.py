@@ -2,6 +2,7 @@
 
     gkd cache stats DIR        what a teacher cache holds (samples, tokens, bytes/token, fingerprints)
     gkd cache verify DIR       checksums, schema, descriptor; exits 1 naming every bad file
+    gkd cache index DIR        rewrite the cache's shard index from the shards (pipeline/store/index.py)
     gkd score ...              rollouts -> teacher top-k rows in the cache (pipeline/score)
     gkd generate ...           prompts -> student rollouts (pipeline/generate)
     gkd import ...             dataset responses -> off-policy rollouts (pipeline/generate)
@@ -19,7 +20,7 @@ import json
 import sys
 
 from pipeline import logs
-from pipeline.store import TeacherCache
+from pipeline.store import ShardError, TeacherCache
 
 # command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
 STAGES: dict[str, tuple[str, str]] = {}
@@ -50,6 +51,8 @@ def cache_main(argv: list[str]) -> int:
     p_verify = sub.add_parser("verify", help="checksums, schema, descriptor, codec; non-zero exit on any problem")
     p_verify.add_argument("dir")
     p_verify.add_argument("--no-decode", action="store_true", help="skip decoding every row (faster)")
+    p_index = sub.add_parser("index", help="rewrite the shard index (index.jsonl) from the shards' footers")
+    p_index.add_argument("dir")
     args = parser.parse_args(argv)
 
     try:
@@ -57,8 +60,20 @@ def cache_main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"gkd cache {args.action}: {e}", file=sys.stderr)
         return 2
+    if args.action == "index":
+        try:
+            idx = cache.rebuild_index()
+        except ShardError as e:
+            print(f"gkd cache index: {e}", file=sys.stderr)
+            return 2
+        print(f"gkd cache index: {len(idx.names)} shards, {len(idx.keys)} rows indexed in {idx.path}")
+        return 0
     if args.action == "stats":
-        stats = cache.stats()
+        try:
+            stats = cache.stats()
+        except ShardError as e:
+            print(f"gkd cache stats: {e}", file=sys.stderr)
+            return 2
         if args.json:
             print(json.dumps(stats, indent=1))
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import glob
 import hashlib
 import json
@@ -298,9 +299,15 @@ def open_shard(path: str | Path, kind: str, *, checksum: bool = True) -> pq.Parq
 
 
 def complete_shards(directory: str | Path, pattern: str = "*.parquet") -> list[Path]:
-    """Sorted shards in `directory` that have a completion marker (not yet verified)."""
+    """Sorted shards in `directory` that have a completion marker (not yet verified): one directory listing, no
+    stat per file (a cache of 10^5 shards on a network filesystem would otherwise pay 10^5 metadata calls)."""
     directory = Path(directory)
-    return sorted(p for p in directory.glob(pattern) if marker_path(p).exists())
+    try:
+        names = {e.name for e in os.scandir(directory)}
+    except FileNotFoundError:
+        return []
+    return [directory / n for n in sorted(names) if fnmatch.fnmatchcase(n, pattern) and not n.startswith(".")
+            and n + MARKER_SUFFIX in names]
 
 
 def iter_batches(
