@@ -42,6 +42,7 @@ DESCRIPTOR = "cache.json"
 SHARDS = "shards"
 COMMIT_LOCK = ".commit.lock"  # held around cache.json creation and each add_rows (pipeline/store/locks.py)
 COMMIT_WAIT_S = 600.0  # a commit takes milliseconds; this long means a holder hangs (e.g. a stalled filesystem)
+ROW_GROUP_ROWS = 128  # the trainer's loader decodes whole row groups: small ones bound its memory
 META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
 
 
@@ -265,8 +266,16 @@ class TeacherCache:
         """Shard, marker, then its index line (the caller holds the commit lock): a crash between the marker and
         the line leaves a complete shard that the next open finds in the listing and reads from its footer."""
         info = self._write_shard(name, rows, extra=extra)
-        line = shard_index.entry_line(info.path, info.rows, info.bytes, info.sha256, info.extra["scored_tokens"])
-        self._writer.append(line, (r["key"] for r in rows))
+        # the line from the rows in hand (reading the file back would cost a footer read per commit); pyarrow
+        # cuts row groups of exactly ROW_GROUP_ROWS (tests/store/test_index.py compares with the footers)
+        n = len(rows)
+        groups = [min(ROW_GROUP_ROWS, n - i) for i in range(0, n, ROW_GROUP_ROWS)]
+        keys = [r["key"] for r in rows]
+        first = [int(r["first_scored"]) for r in rows]
+        num = [len(r["input_ids"]) - f for r, f in zip(rows, first, strict=True)]
+        line = shard_index.line(name, info.bytes, info.sha256, info.rows, groups, info.extra["scored_tokens"],
+                                keys, first, num)
+        self._writer.append(line, keys)
         return info
 
     def _write_shard(self, name: str, rows: Sequence[dict], *, extra: dict | None = None) -> ShardInfo:
@@ -309,7 +318,8 @@ class TeacherCache:
         return write_shard(
             self.shard_dir / f"{name}.parquet", table, "scored", extra={"scored_tokens": scored_tokens, **(extra or {})},
             footer=enc.footer,
-            row_group_size=128,  # the trainer's loader decodes whole row groups: small ones bound its memory
+            row_group_size=ROW_GROUP_ROWS,
+            clean_stale=False,  # the index writer's first sync did, under the commit lock (one listing per writer)
         )
 
     # -- reading --------------------------------------------------------------------------------------------------

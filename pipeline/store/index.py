@@ -35,7 +35,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.store.shards import MARKER_SUFFIX, ShardError, WriteError, atomic_write_bytes, read_marker
+from pipeline.store.shards import (
+    MARKER_SUFFIX,
+    ShardError,
+    WriteError,
+    atomic_write_bytes,
+    read_marker,
+    remove_stale_temporaries_in,
+)
 
 INDEX = "index.jsonl"
 VERSION = 1
@@ -63,13 +70,18 @@ def entry_line(path: Path, rows: int, nbytes: int, sha256: str, scored_tokens: i
         table = pf.read(columns=["key", "first_scored", "num_scored"])
     except (pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: cannot read its key and length columns ({e}); run `gkd cache verify`") from e
-    line = {
-        "shard": path.name[: -len(".parquet")], "bytes": int(nbytes), "sha256": sha256, "rows": int(rows),
-        "row_groups": [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)],
-        "scored_tokens": int(scored_tokens), "keys": table.column("key").to_pylist(),
-        "first_scored": table.column("first_scored").to_pylist(), "num_scored": table.column("num_scored").to_pylist(),
-    }
-    return (json.dumps(line, separators=(",", ":")) + "\n").encode()
+    return line(path.name[: -len(".parquet")], nbytes, sha256, rows,
+                [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)], scored_tokens,
+                table.column("key").to_pylist(), table.column("first_scored").to_pylist(),
+                table.column("num_scored").to_pylist())
+
+
+def line(name: str, nbytes: int, sha256: str, rows: int, row_groups: list[int], scored_tokens: int,
+         keys: list[str], first_scored: list[int], num_scored: list[int]) -> bytes:
+    """One shard's index line."""
+    e = {"shard": name, "bytes": int(nbytes), "sha256": sha256, "rows": int(rows), "row_groups": row_groups,
+         "scored_tokens": int(scored_tokens), "keys": keys, "first_scored": first_scored, "num_scored": num_scored}
+    return (json.dumps(e, separators=(",", ":")) + "\n").encode()
 
 
 def listing(shard_dir: Path) -> list[str]:
@@ -233,6 +245,7 @@ class IndexAppender:
             if index.changes:  # make the file agree with the disk before adding to it
                 index = rebuild(self.root, self.descriptor)
             self.keys = set(index.keys.astype(str).tolist())
+            remove_stale_temporaries_in(self.root / "shards")  # under the commit lock: every one is a killed writer's
             self._offset = _cut_torn_tail(self.path)
             self._inode = self.path.stat().st_ino
             return
