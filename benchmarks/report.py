@@ -41,6 +41,7 @@ SECTIONS = {  # name -> heading, in file order
     "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
     "ray": "Ray executor: on-policy wall time vs local, score workers killed (issue #32: Ray)",
+    "index": "Cache index: start-up, memory and commit cost at 10^3-10^4 shards (issue #33: scale)",
 }
 @dataclass(frozen=True)
 class Stamp:

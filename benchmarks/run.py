@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,served,loss,train,hf,lora,baselines,onpolicy,faults] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,served,loss,train,hf,lora,baselines,onpolicy,faults,index] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -20,6 +20,7 @@ from benchmarks import (
     baseline_bench,
     faults,
     hf_bench,
+    index_bench,
     lora_bench,
     loss_bench,
     onpolicy_bench,
@@ -33,7 +34,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, write_benc
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,served,loss,train,hf,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
+DEFAULT = "score,served,loss,train,hf,lora,baselines,topp,index"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -84,6 +85,7 @@ SIMPLE = {
     "topp": (topp_bench.run, topp_bench.markdown),
     "faults": (faults.run, faults.markdown),
     "ray": (ray_bench.run, ray_bench.markdown),  # the on-policy run twice + 10 killed `gkd ray score` runs: ask for it
+    "index": (index_bench.run, index_bench.markdown),
 }
 
 
