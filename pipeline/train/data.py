@@ -30,6 +30,12 @@ rows, and rows are shuffled within each window, so a reader holds about two wind
 never the cache (the shuffle of mosaicml streaming's py1b, simplified). Blocks are decoded whole: decoding the few
 rows of one micro-batch at a time measured ~5x slower (per-call overhead).
 
+Index: a cache directory's shards, keys, lengths and row groups come from its index (pipeline/store/index.py: one file
+and one directory listing, whatever the number of shards); no shard is opened until its rows are read, when its size
+is checked against the index's. `verify_checksums` checksums shard i on data-parallel rank i mod dp only.
+`use_index=False` (and routing, which reads each row's tags) reads every shard's footer and columns instead: the
+reference tests/store/test_index.py compares the index loader with, micro-batch for micro-batch.
+
 Data parallelism and resume: padded, micro-batch m goes to data-parallel rank m % dp and a step is dp * grad_accum
 consecutive micro-batches. Packed, the plan is made per optimizer step: the longest run of samples from the step's
 start that fits into `global_batch_size` rows (`rows_per_step`), cut into micro-batches of `micro_batch_size` rows,
