@@ -32,7 +32,8 @@ rows of one micro-batch at a time measured ~5x slower (per-call overhead).
 
 Index: a cache directory's shards, keys, lengths and row groups come from its index (pipeline/store/index.py: one file
 and one directory listing, whatever the number of shards); no shard is opened until its rows are read, when its size
-is checked against the index's. `verify_checksums` checksums shard i on data-parallel rank i mod dp only.
+is checked against the index's, and with `verify_checksums` its sha256 too, once, by each rank that reads it (not
+every shard on every rank at start).
 `use_index=False` (and routing, which reads each row's tags) reads every shard's footer and columns instead: the
 reference tests/store/test_index.py compares the index loader with, micro-batch for micro-batch.
 
@@ -72,7 +73,7 @@ import pyarrow.parquet as pq
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
-from pipeline.store.shards import ShardError, verify_shard
+from pipeline.store.shards import ShardError, file_sha256, verify_shard
 from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
 from pipeline.train.packing import pack, row_offsets
 
@@ -93,6 +94,7 @@ class _Shard:
     rg_starts: np.ndarray  # first global row of each row group, plus the end
     fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
     nbytes: int | None = None  # the cache index's size of the file (checked when it is opened), None: footer-read
+    sha256: str | None = None  # the cache index's checksum (verify_checksums: checked when this rank first reads it)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class _Indexed:
     first_scored: np.ndarray
     row_groups: list[int]
     nbytes: int
+    sha256: str
 
 
 def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
@@ -125,7 +128,7 @@ def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
                     idx.keys[idx.row_starts[s]: idx.row_starts[s + 1]],
                     idx.num_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
                     idx.first_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
-                    idx.row_groups[s], int(idx.nbytes[s]))) for s, n in enumerate(idx.names)]
+                    idx.row_groups[s], int(idx.nbytes[s]), idx.sha256[s])) for s, n in enumerate(idx.names)]
                 if not idx.names:
                     raise ShardError(f"{src}: teacher cache has no complete shards")
                 continue
@@ -210,7 +213,6 @@ class ScoredLoader:
             sources = sorted({str(v) for v in self._routes.values()})
         if self.live:
             resolved = [(p, d, None) for p, d in _resolve_rollouts(sources, tokenizer_fingerprint)]
-            self.verify_rank, self.verify_world = 0, 1
             self.k = int(live_k)
             self.topp = self.min_k = None
             self._build_index(resolved, verify_checksums)
@@ -222,7 +224,6 @@ class ScoredLoader:
         resolved = resolve_sources(sources, indexed=indexed)
         if not indexed:
             resolved = [(p, d, None) for p, d in resolved]
-        self.verify_rank, self.verify_world = dp_rank, dp_size
         for where, desc in {r[0].parent.parent: r[1] for r in resolved}.items():
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise TokenizerMismatchError(
@@ -260,24 +261,23 @@ class ScoredLoader:
     def _build_index(self, resolved: list[tuple[Path, Descriptor | None, _Indexed | None]], verify_checksums: bool
                      ) -> None:
         """Keys, lengths and row groups of every shard: from the cache index where `resolved` carries it (no file is
-        opened; with `verify_checksums` each data-parallel rank verifies its 1/dp of the shards, not all of them),
-        else from each shard's footer and cheap columns (verified on every rank)."""
+        opened here; with `verify_checksums` a shard's sha256 is checked against the index's where this rank first
+        reads it, `_file`, so start-up does not grow with the cache and each rank checks only what it trains on),
+        else from each shard's footer and cheap columns (verified on every rank, here)."""
         self.shards: list[_Shard] = []
         keys, nums, firsts, starts = [], [], [], [0]
         route_rows: list[np.ndarray] = []  # routing: per row, the teacher index it is kept for (-1 drop, -2 no route)
         self._route_ids: list[np.ndarray] = []  # routing: sample ids and tags of every row, for the checks
         self._route_tags: list[str | None] = []
         h = hashlib.blake2b(digest_size=16)
-        for i, (path, desc, ix) in enumerate(resolved):
+        self._verified: set[int] = set()  # shards whose checksum this process has checked (index mode)
+        for path, desc, ix in resolved:
             if ix is not None:
-                if verify_checksums and i % self.verify_world == self.verify_rank:
-                    problems = verify_shard(path, "scored")
-                    if problems:
-                        raise ShardError("; ".join(problems))
                 key, num, first, rg, nrows = ix.keys, ix.num_scored, ix.first_scored, ix.row_groups, len(ix.keys)
                 self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]),
                                           desc is not None and self.vocab_size is not None
-                                          and desc.vocab_size > self.vocab_size, ix.nbytes))
+                                          and desc.vocab_size > self.vocab_size, ix.nbytes,
+                                          ix.sha256 if verify_checksums else None))
                 keys.append(key)
                 nums.append(np.asarray(num, dtype=np.int64))
                 firsts.append(np.asarray(first, dtype=np.int64))
@@ -459,10 +459,16 @@ class ScoredLoader:
             path = self.shards[s].path
             expected = self.shards[s].nbytes
             try:
+                fix = (f"restore it, or delete it and its .ok marker, run `gkd cache index {path.parent.parent}` and "
+                       "rescore")
                 if expected is not None and path.stat().st_size != expected:
                     raise ShardError(f"{path}: size {path.stat().st_size} bytes, the cache index says {expected} "
-                                     f"(truncated or replaced behind the index); restore it, or delete it and its "
-                                     f".ok marker, run `gkd cache index {path.parent.parent}` and rescore")
+                                     f"(truncated or replaced behind the index); {fix}")
+                if self.shards[s].sha256 is not None and s not in self._verified:
+                    if file_sha256(path) != self.shards[s].sha256:  # the file's bytes, once per process
+                        raise ShardError(f"{path}: sha256 differs from the cache index (corrupted on disk, or "
+                                         f"replaced behind the index); {fix}")
+                    self._verified.add(s)
                 pf = pq.ParquetFile(path, page_checksum_verification=True)
                 self._files[s] = (pf, open_decoder(pf.schema_arrow.metadata or {}, where=str(path)))
             except (pa.ArrowException, OSError, CodecError) as e:

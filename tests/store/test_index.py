@@ -108,16 +108,16 @@ def test_shards_removed_added_or_truncated_behind_the_index_are_named(big, capsy
         behind.with_name(behind.name + ".ok").unlink()
     bad = big.shard_dir / "scored-00007.parquet"
     data = bad.read_bytes()
-    bad.write_bytes(data[:-100])
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
     try:
-        # verified at start, by the one data-parallel rank whose share it is (shard 7: rank 1 of 2)
-        with pytest.raises(ShardError, match=f"{bad}: size .* marker says .*truncated"):
-            _loader(big, dp_rank=1, dp_size=2)
-        _loader(big, dp_rank=0, dp_size=2)
-        # without checksums: where its row group is first read, against the index's size
-        loader = _loader(big, verify_checksums=False)
-        with pytest.raises(ShardError, match=f"{bad}: size .* the cache index says .*truncated"):
-            _epoch(loader)
+        # start-up reads no shard; the loader refuses one where it first reads it (before decoding a byte of it)
+        for content, verify, message in ((data[:-100], False, "size .* the cache index says .*truncated"),
+                                         (bytes(flipped), True, "sha256 differs from the cache index")):
+            bad.write_bytes(content)
+            loader = _loader(big, verify_checksums=verify)
+            with pytest.raises(ShardError, match=f"{bad}: {message}"):
+                _epoch(loader)
     finally:
         bad.write_bytes(data)
     assert _loader(big).num_samples == n and not capsys.readouterr().err
