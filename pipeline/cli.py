@@ -4,6 +4,7 @@
     gkd cache verify DIR       checksums, schema, descriptor; exits 1 naming every bad file
     gkd cache export DIR --out OUT                      the cache as plain Parquet, one row per scored position
     gkd cache import --from plain|distillkit|megatron --in SRC --rollouts R --cache C [--teacher MODEL_DIR]
+    gkd cache index DIR        rewrite the cache's shard index from the shards (pipeline/store/index.py)
     gkd score ...              rollouts -> teacher top-k rows in the cache (pipeline/score)
     gkd generate ...           prompts -> student rollouts (pipeline/generate)
     gkd import ...             dataset responses -> off-policy rollouts (pipeline/generate)
@@ -22,10 +23,9 @@ import sys
 from pathlib import Path
 
 from pipeline import logs
-from pipeline.store import TeacherCache
+from pipeline.store import ShardError, TeacherCache
 from pipeline.store.export import export_plain
 from pipeline.store.imports import FORMATS, ImportRequest, import_rows
-from pipeline.store.shards import ShardError
 
 # command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
 STAGES: dict[str, tuple[str, str]] = {}
@@ -71,6 +71,8 @@ def cache_main(argv: list[str]) -> int:
     p_import.add_argument("--codec", help="the cache's codec (default: the export's, else the default codec)")
     p_import.add_argument("--score-prompt", action="store_true", help="store prompt positions too (as gkd score "
                           "--score-prompt)")
+    p_index = sub.add_parser("index", help="rewrite the shard index (index.jsonl) from the shards' footers")
+    p_index.add_argument("dir")
     args = parser.parse_args(argv)
     if args.action in ("export", "import"):
         try:
@@ -84,8 +86,20 @@ def cache_main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"gkd cache {args.action}: {e}", file=sys.stderr)
         return 2
+    if args.action == "index":
+        try:
+            idx = cache.rebuild_index()
+        except ShardError as e:
+            print(f"gkd cache index: {e}", file=sys.stderr)
+            return 2
+        print(f"gkd cache index: {len(idx.names)} shards, {len(idx.keys)} rows indexed in {idx.path}")
+        return 0
     if args.action == "stats":
-        stats = cache.stats()
+        try:
+            stats = cache.stats()
+        except ShardError as e:
+            print(f"gkd cache stats: {e}", file=sys.stderr)
+            return 2
         if args.json:
             print(json.dumps(stats, indent=1))
         else:

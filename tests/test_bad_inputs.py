@@ -154,6 +154,23 @@ def test_cache_path_is_a_file(tmp_path, teacher, capsys):
             "pass --cache a directory")
 
 
+def test_cache_index_of_another_cache(tmp_path, capsys):
+    """An index.jsonl copied in from another cache (or a cache.json edited under it) would hand the trainer another
+    cache's keys and lengths: refused, naming the file and both identities, before anything is read."""
+    from scored_rows import make_descriptor, make_row
+
+    from pipeline.store import TeacherCache
+
+    rng = np.random.default_rng(0)
+    for name, teacher_fp in (("ours", "t" * 32), ("theirs", "u" * 32)):
+        d = make_descriptor(k=4, vocab=64, teacher=teacher_fp)
+        TeacherCache.create_or_open(tmp_path / name, d).write_shard("s-00000", [make_row(rng, d, 8, 2)])
+    (tmp_path / "ours" / "index.jsonl").write_bytes((tmp_path / "theirs" / "index.jsonl").read_bytes())
+    refused(tmp_path, ["cache", "stats", str(tmp_path / "ours")], capsys,
+            rf"{tmp_path}/ours/index.jsonl: index of another cache \(identity \w+, this cache's .*cache.json gives \w+\)",
+            rf"gkd cache index {tmp_path}/ours")
+
+
 def test_read_only_cache_directory(tmp_path, teacher, capsys):
     """On a read-only mount (root: a tmpfs remounted ro), where permission bits would not stop root."""
     if os.geteuid() != 0:

@@ -26,6 +26,7 @@ from pipeline.store import TeacherCache
 from pipeline.store import images as image_store
 from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.codec import concat_encoded
+from pipeline.store.index import INDEX, rebuild
 from pipeline.store.rollouts import iter_rollouts, rollout_key, rollout_shards
 from pipeline.store.shards import atomic_write_bytes, is_complete, write_shard
 
@@ -101,7 +102,11 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
     wanted = pa.array(keys, pa.string())
     found: set[str] = set()
     parts, sources = [], []
-    for src in cache.shard_paths():
+    # only the shards the cache index says hold one of the keys are opened (not every shard's key column)
+    idx = cache.index()
+    hit = np.isin(idx.keys, np.asarray(keys, dtype="S32"))
+    holders = sorted({int(s) for s in np.searchsorted(idx.row_starts, np.flatnonzero(hit), side="right") - 1})
+    for src in [cache.shard_dir / f"{idx.names[s]}.parquet" for s in holders]:
         keys_col = pq.read_table(src, columns=["key"]).column("key")
         mask = pc.is_in(keys_col, value_set=wanted)
         if not pc.any(mask).as_py():
@@ -126,6 +131,8 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
     out = [str(dest)] if parts else []
     if not (view / DESCRIPTOR).exists():
         cache.descriptor.write(view / DESCRIPTOR)
+    if not (view / INDEX).exists():  # the trainer reads the view through its index
+        rebuild(view, cache.descriptor)
     missing = len(set(keys) - found)
     atomic_write_bytes(view / "complete", str(missing).encode())  # written last: the view is final
     return out, missing

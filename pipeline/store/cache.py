@@ -2,6 +2,7 @@
 
     CACHE/cache.json                                   descriptor (schemas/descriptor.json), written once, atomically
     CACHE/shards/<name>.parquet + <name>.parquet.ok    scored shards (schemas/scored.json) and completion markers
+    CACHE/index.jsonl                                  every committed shard's keys and lengths (store/index.py)
 
 Rows are keyed by content (`fingerprint.content_key`), so a cache grows incrementally (score only the keys it lacks),
 is shared read-only by any number of trainers, and refuses rows of another teacher, tokenizer, k, top-p setting
@@ -22,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store import codec, images
+from pipeline.store import index as shard_index
 from pipeline.store.locks import FileLock
 from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import (
@@ -40,6 +42,7 @@ DESCRIPTOR = "cache.json"
 SHARDS = "shards"
 COMMIT_LOCK = ".commit.lock"  # held around cache.json creation and each add_rows (pipeline/store/locks.py)
 COMMIT_WAIT_S = 600.0  # a commit takes milliseconds; this long means a holder hangs (e.g. a stalled filesystem)
+ROW_GROUP_ROWS = 128  # the trainer's loader decodes whole row groups: small ones bound its memory
 META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
 
 
@@ -159,8 +162,7 @@ class TeacherCache:
     def __init__(self, root: str | Path, descriptor: Descriptor) -> None:
         self.root = Path(root)
         self.descriptor = descriptor
-        self._known_shards: set[Path] = set()  # what add_rows has read the keys of
-        self._known_keys: set[str] = set()
+        self._writer: shard_index.IndexAppender | None = None  # the committed keys, kept up to date under the lock
 
     # -- opening --------------------------------------------------------------------------------------------------
     @classmethod
@@ -185,6 +187,7 @@ class TeacherCache:
                 raise WriteError(root, e, "cannot create the cache directory") from e
             with FileLock(root / COMMIT_LOCK, "a writer of this cache", wait_s=COMMIT_WAIT_S):
                 if not path.exists():
+                    atomic_write_bytes(root / shard_index.INDEX, shard_index.header(descriptor))
                     descriptor.write(path)
                     return cls(root, descriptor)
         existing = Descriptor.read(path)
@@ -206,10 +209,21 @@ class TeacherCache:
         """Complete shards (those with a completion marker), sorted by name."""
         return complete_shards(self.shard_dir)
 
+    def index(self) -> shard_index.CacheIndex:
+        """Every complete shard with its keys and lengths, from the index file and one listing (store/index.py)."""
+        return shard_index.load(self.root, self.descriptor)
+
+    def rebuild_index(self) -> shard_index.CacheIndex:
+        """`gkd cache index`: rewrite the index from the shards' footers, under the commit lock (writers wait)."""
+        with self._commit_lock():
+            return shard_index.rebuild(self.root, self.descriptor)
+
     def keys(self, paths: Sequence[Path] | None = None) -> set[str]:
-        """All content keys in the cache, reading only the `key` column (no top-k data is touched)."""
+        """Content keys: of the whole cache from its index; of the given shards from their `key` columns."""
+        if paths is None:
+            return set(self.index().keys.astype(str).tolist())
         out: set[str] = set()
-        for p in paths if paths is not None else self.shard_paths():
+        for p in paths:
             try:
                 out.update(pq.read_table(p, columns=["key"]).column("key").to_pylist())
             except (pa.ArrowException, OSError) as e:
@@ -225,28 +239,51 @@ class TeacherCache:
         """Publish `rows` as shard `name`, leaving out keys the cache already holds, under the cache's commit lock:
         writers of overlapping rows (score tasks of two rollout sets, or of two splits) each write a key once
         however their runs interleave. Returns (the shard, or None when every row was already there; rows left
-        out). The keys of shards published since the last call are read (key column only) under the lock."""
-        with FileLock(self.root / COMMIT_LOCK, "a writer of this cache", wait_s=COMMIT_WAIT_S):
-            for p in self.shard_paths():
-                if p not in self._known_shards:
-                    self._known_keys |= self.keys([p])
-                    self._known_shards.add(p)
-            fresh = [r for r in rows if r["key"] not in self._known_keys]
+        out). Which keys are there comes from the index: only the lines other writers appended since this writer's
+        last commit are read, so a commit costs the same in an empty cache and in one of 10^5 shards."""
+        with self._commit_lock():
+            self._writer.sync()
+            fresh = [r for r in rows if r["key"] not in self._writer.keys]
             if not fresh:
                 return None, len(rows)
-            info = self.write_shard(name, fresh, extra=extra)
-            self._known_shards.add(info.path)
-            self._known_keys.update(r["key"] for r in fresh)
-            return info, len(rows) - len(fresh)
+            return self._publish(name, fresh, extra), len(rows) - len(fresh)
 
     def write_shard(self, name: str, rows: Sequence[dict], *, extra: dict | None = None) -> ShardInfo:
-        """Encode and atomically write scored rows as shard `name` (e.g. "scored-00003-of-00008").
+        """Encode and atomically write scored rows as shard `name` (e.g. "scored-00003-of-00008"), and index it.
 
         Each row: key, sample_id, source, policy_version, input_ids, first_scored, topk_ids [n,k],
         topk_logprobs [n,k], actual_ranks [n], actual_logprobs [n] with n = len(input_ids) - first_scored;
         optionally tags (the rollout's, for routing), teacher_prompt_ids (OPSD: what the teacher saw instead of
         the prompt) and images (content hashes; the files must be in `images/` of this cache already: `add_image`).
+        Unlike add_rows, keys already in the cache are written again.
         """
+        with self._commit_lock():
+            self._writer.sync()
+            return self._publish(name, rows, extra)
+
+    def _commit_lock(self) -> FileLock:
+        if self._writer is None:
+            self._writer = shard_index.IndexAppender(self.root, self.descriptor)
+        return FileLock(self.root / COMMIT_LOCK, "a writer of this cache", wait_s=COMMIT_WAIT_S)
+
+    def _publish(self, name: str, rows: Sequence[dict], extra: dict | None) -> ShardInfo:
+        """Shard, marker, then its index line (the caller holds the commit lock): a crash between the marker and
+        the line leaves a complete shard that the next open finds in the listing and reads from its footer."""
+        info = self._write_shard(name, rows, extra=extra)
+        # the line from the rows in hand (reading the file back would cost a footer read per commit); pyarrow
+        # cuts row groups of exactly ROW_GROUP_ROWS (tests/store/test_index.py compares with the footers)
+        n = len(rows)
+        groups = [min(ROW_GROUP_ROWS, n - i) for i in range(0, n, ROW_GROUP_ROWS)]
+        keys = [r["key"] for r in rows]
+        first = [int(r["first_scored"]) for r in rows]
+        num = [len(r["input_ids"]) - f for r, f in zip(rows, first, strict=True)]
+        line = shard_index.line(name, info.bytes, info.sha256, info.rows, groups, info.extra["scored_tokens"],
+                                keys, first, num)
+        self._writer.append(line, keys)
+        return info
+
+    def _write_shard(self, name: str, rows: Sequence[dict], *, extra: dict | None = None) -> ShardInfo:
+        """Encode and atomically write the shard (no index line: `_publish`)."""
         d = self.descriptor
         enc_rows = []
         for r in rows:
@@ -286,7 +323,8 @@ class TeacherCache:
         return write_shard(
             self.shard_dir / f"{name}.parquet", table, "scored", extra={"scored_tokens": scored_tokens, **(extra or {})},
             footer=enc.footer,
-            row_group_size=128,  # the trainer's loader decodes whole row groups: small ones bound its memory
+            row_group_size=ROW_GROUP_ROWS,
+            clean_stale=False,  # the index writer's first sync did, under the commit lock (one listing per writer)
         )
 
     def add_image(self, data: bytes) -> str:
@@ -337,14 +375,10 @@ class TeacherCache:
 
     # -- inspection -----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counts from the markers and footers (cheap: no top-k data is decoded)."""
-        paths = self.shard_paths()
-        samples = tokens = nbytes = 0
-        for p in paths:
-            m = read_marker(p) or {}
-            samples += int(m.get("rows", 0))
-            tokens += int(m.get("scored_tokens", 0))
-            nbytes += p.stat().st_size
+        """Counts from the index (cheap: one file and one listing; no footer, marker or top-k data is read)."""
+        idx = self.index()
+        samples, tokens, nbytes = len(idx.keys), int(idx.scored_tokens.sum()), int(idx.nbytes.sum())
+        paths = idx.names
         d = self.descriptor
         stored = [p for p in images.image_dir(self.root).glob("*") if not p.name.startswith(".")]
         image_bytes = sum(p.stat().st_size for p in stored)
@@ -378,6 +412,17 @@ class TeacherCache:
             codec.params(d.codec.get("name", ""))
         except codec.CodecError as e:
             problems.append(f"{self.root / DESCRIPTOR}: {e}")
+        try:
+            idx = shard_index.load(self.root, d, say=lambda _: None)
+            problems += [f"{self.root / shard_index.INDEX}: {c}; run `gkd cache index {self.root}`" for c in idx.changes]
+            for name, size, sha in zip(idx.names, idx.nbytes.tolist(), idx.sha256, strict=True):
+                p = self.shard_dir / f"{name}.parquet"
+                if p.exists() and (p.stat().st_size != size or (read_marker(p) or {}).get("sha256") != sha):
+                    problems.append(f"{p}: size or sha256 differs from the cache index (replaced or truncated "
+                                    f"behind it); run `gkd cache verify` after restoring it, or `gkd cache index "
+                                    f"{self.root}`")
+        except ShardError as e:
+            problems.append(str(e))
         for orphan in sorted(self.shard_dir.glob("*.parquet")):
             if read_marker(orphan) is None:
                 problems.append(f"{orphan}: no completion marker (an interrupted write); delete it or rerun its task")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import glob
 import hashlib
 import json
@@ -78,12 +79,15 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, *, clean_stale: bool = True) -> None:
     """Replace `path` by `data` atomically. Temporaries of `path` left by a killed writer are removed first: every
-    file written so has one writer at a time (a task lock, the cache's commit lock, rank 0 of a trainer)."""
+    file written so has one writer at a time (a task lock, the cache's commit lock, rank 0 of a trainer).
+    `clean_stale=False`: the caller cleans them (finding them lists the whole folder: a cache's shard folder is
+    cleaned once per writer instead, `remove_stale_temporaries_in`)."""
     path = Path(path)
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
-        stale.unlink(missing_ok=True)
+    if clean_stale:
+        for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+            stale.unlink(missing_ok=True)
     tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as f:
@@ -152,6 +156,14 @@ def remove_stale_temporaries(path: Path) -> int:
     return len(stale)
 
 
+def remove_stale_temporaries_in(directory: Path) -> int:
+    """Remove every writer's temporary in `directory` (the caller holds the lock all its writers write under)."""
+    stale = [Path(p) for p in glob.glob(str(Path(directory) / ".*.tmp-*"))]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return len(stale)
+
+
 def write_shard(
     path: str | Path,
     table: pa.Table,
@@ -161,12 +173,14 @@ def write_shard(
     footer: dict[bytes, bytes] | None = None,
     row_group_size: int = 1024,
     zstd_level: int = ZSTD_LEVEL,
+    clean_stale: bool = True,
 ) -> ShardInfo:
     """Write `table` as the complete shard `path` atomically (data, then marker). Refuses to replace a complete one.
 
     `table` is cast to the `kind` schema (column order and types from schemas/<kind>.json). `extra` is stored in
     the marker (e.g. the shard index, counts by skip reason); `footer` entries go into the Parquet key-value
-    metadata (e.g. the codec's tables).
+    metadata (e.g. the codec's tables). `clean_stale=False`: the caller removed killed writers' temporaries
+    (`remove_stale_temporaries_in`), so no listing of the folder is made here.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +194,8 @@ def write_shard(
         raise SchemaError(f"{path}: rows do not match schemas/{kind}.json: {e}") from e
     if marker_path(path).exists():
         raise ShardError(f"{path}: already complete; delete it and {marker_path(path).name} to rewrite it")
-    remove_stale_temporaries(path)
+    if clean_stale:
+        remove_stale_temporaries(path)
 
     tmp = _tmp_name(path)
     try:
@@ -214,7 +229,8 @@ def write_shard(
         raise WriteError(path, e) from e
     marker = {"sha256": info.sha256, "bytes": info.bytes, "rows": info.rows, "schema": info.schema, **info.extra}
     try:
-        atomic_write_bytes(marker_path(path), json.dumps(marker, indent=1, sort_keys=True).encode())
+        atomic_write_bytes(marker_path(path), json.dumps(marker, indent=1, sort_keys=True).encode(),
+                           clean_stale=clean_stale)
     except WriteError:
         path.unlink(missing_ok=True)  # no marker, no shard: leave nothing a verify would call an orphan
         raise
@@ -298,9 +314,15 @@ def open_shard(path: str | Path, kind: str, *, checksum: bool = True) -> pq.Parq
 
 
 def complete_shards(directory: str | Path, pattern: str = "*.parquet") -> list[Path]:
-    """Sorted shards in `directory` that have a completion marker (not yet verified)."""
+    """Sorted shards in `directory` that have a completion marker (not yet verified): one directory listing, no
+    stat per file (a cache of 10^5 shards on a network filesystem would otherwise pay 10^5 metadata calls)."""
     directory = Path(directory)
-    return sorted(p for p in directory.glob(pattern) if marker_path(p).exists())
+    try:
+        names = {e.name for e in os.scandir(directory)}
+    except FileNotFoundError:
+        return []
+    return [directory / n for n in sorted(names) if fnmatch.fnmatchcase(n, pattern) and not n.startswith(".")
+            and n + MARKER_SUFFIX in names]
 
 
 def iter_batches(

@@ -30,6 +30,13 @@ rows, and rows are shuffled within each window, so a reader holds about two wind
 never the cache (the shuffle of mosaicml streaming's py1b, simplified). Blocks are decoded whole: decoding the few
 rows of one micro-batch at a time measured ~5x slower (per-call overhead).
 
+Index: a cache directory's shards, keys, lengths and row groups come from its index (pipeline/store/index.py: one file
+and one directory listing, whatever the number of shards); no shard is opened until its rows are read, when its size
+is checked against the index's, and with `verify_checksums` its sha256 too, once, by each rank that reads it (not
+every shard on every rank at start).
+`use_index=False` (and routing, which reads each row's tags) reads every shard's footer and columns instead: the
+reference tests/store/test_index.py compares the index loader with, micro-batch for micro-batch.
+
 Data parallelism and resume: padded, micro-batch m goes to data-parallel rank m % dp and a step is dp * grad_accum
 consecutive micro-batches. Packed, the plan is made per optimizer step: the longest run of samples from the step's
 start that fits into `global_batch_size` rows (`rows_per_step`), cut into micro-batches of `micro_batch_size` rows,
@@ -66,7 +73,7 @@ import pyarrow.parquet as pq
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
-from pipeline.store.shards import ShardError, verify_shard
+from pipeline.store.shards import ShardError, file_sha256, verify_shard
 from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
 from pipeline.train.packing import pack, row_offsets
 
@@ -86,17 +93,45 @@ class _Shard:
     descriptor: Descriptor | None  # None: a rollout shard (live teacher)
     rg_starts: np.ndarray  # first global row of each row group, plus the end
     fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
+    nbytes: int | None = None  # the cache index's size of the file (checked when it is opened), None: footer-read
+    sha256: str | None = None  # the cache index's checksum (verify_checksums: checked when this rank first reads it)
 
 
-def resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descriptor]]:
-    """Cache directories (all complete shards) or explicit shard files (descriptor from their cache root)."""
-    out: list[tuple[Path, Descriptor]] = []
+@dataclass(frozen=True)
+class _Indexed:
+    """What the cache index says of one shard (pipeline/store/index.py): the columns _build_index reads."""
+
+    keys: np.ndarray  # S32
+    num_scored: np.ndarray
+    first_scored: np.ndarray
+    row_groups: list[int]
+    nbytes: int
+    sha256: str
+
+
+def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
+                    ) -> list[tuple[Path, Descriptor]] | list[tuple[Path, Descriptor, _Indexed | None]]:
+    """Cache directories (all complete shards) or explicit shard files (descriptor from their cache root).
+    `indexed`: a directory's shards come from its index (store/index.py: one file and one listing instead of every
+    footer), each with a third element, its `_Indexed` columns (None for an explicit shard file)."""
+    out: list = []
     for src in sources:
         src = Path(src)
         if not src.exists() and src.suffix != ".parquet":
             raise FileNotFoundError(f"{src}: no such teacher cache (`gkd score` writes it)")
         if src.is_dir():
             cache = TeacherCache.open(src)
+            if indexed:
+                idx = cache.index()
+                shard_dir = src.resolve() / "shards"  # once, not a realpath per shard
+                out += [(shard_dir / f"{n}.parquet", cache.descriptor, _Indexed(
+                    idx.keys[idx.row_starts[s]: idx.row_starts[s + 1]],
+                    idx.num_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
+                    idx.first_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
+                    idx.row_groups[s], int(idx.nbytes[s]), idx.sha256[s])) for s, n in enumerate(idx.names)]
+                if not idx.names:
+                    raise ShardError(f"{src}: teacher cache has no complete shards")
+                continue
             shards = cache.shard_paths()
             if not shards:
                 raise ShardError(f"{src}: teacher cache has no complete shards")
@@ -104,7 +139,7 @@ def resolve_sources(sources: Sequence[str | Path]) -> list[tuple[Path, Descripto
         elif src.suffix == ".parquet":
             if not src.exists():
                 raise ShardError(f"{src}: shard file is missing")
-            out.append((src, Descriptor.read(src.parent.parent / DESCRIPTOR)))
+            out.append((src, Descriptor.read(src.parent.parent / DESCRIPTOR)) + ((None,) if indexed else ()))
         else:
             raise FileNotFoundError(f"{src}: neither a teacher cache directory nor a .parquet shard")
     return out
@@ -154,6 +189,7 @@ class ScoredLoader:
         routes: dict[str, str | Path] | None = None,
         route_key: str = "data_source",
         on_unrouted: str = "error",
+        use_index: bool = True,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
@@ -176,14 +212,19 @@ class ScoredLoader:
         if routes:
             sources = sorted({str(v) for v in self._routes.values()})
         if self.live:
-            resolved = _resolve_rollouts(sources, tokenizer_fingerprint)
+            resolved = [(p, d, None) for p, d in _resolve_rollouts(sources, tokenizer_fingerprint)]
             self.k = int(live_k)
             self.topp = self.min_k = None
             self._build_index(resolved, verify_checksums)
             self._init_state()
             return
-        resolved = resolve_sources(sources)
-        for where, desc in {p.parent.parent: d for p, d in resolved}.items():
+        # The cache index (store/index.py) instead of every shard's footer and columns; routing reads each row's
+        # tags, which the index does not hold, so it stays on the footers.
+        indexed = use_index and not self.route_names
+        resolved = resolve_sources(sources, indexed=indexed)
+        if not indexed:
+            resolved = [(p, d, None) for p, d in resolved]
+        for where, desc in {r[0].parent.parent: r[1] for r in resolved}.items():
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise TokenizerMismatchError(
                     f"{where}: cache scored with tokenizer {desc.tokenizer_fingerprint}, the student's is "
@@ -195,13 +236,13 @@ class ScoredLoader:
                     f"{where}: cache vocab {desc.vocab_size} exceeds the student's {vocab_size} and no tokenizer "
                     "fingerprint was given to show they share a tokenizer"
                 )
-        ks = {d.k for _, d in resolved}
+        ks = {r[1].k for r in resolved}
         if len(ks) != 1:
             raise ValueError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch")
         self.k = ks.pop()
         # (rows of one content key are the same sequence in every cache: which top-p setting a row comes from
         # would then depend on which cache is listed first)
-        tops = {(d.topp, d.min_k) for _, d in resolved}
+        tops = {(r[1].topp, r[1].min_k) for r in resolved}
         if len(tops) != 1:
             raise ValueError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
                              "read together; train from one of them")
@@ -217,14 +258,32 @@ class ScoredLoader:
         self._bounds = [0]  # packed: start positions of steps 0, 1, ... counted from position 0 (for micro_batch(m))
 
     # -- index: cheap columns only ----------------------------------------------------------------------------
-    def _build_index(self, resolved: list[tuple[Path, Descriptor]], verify_checksums: bool) -> None:
+    def _build_index(self, resolved: list[tuple[Path, Descriptor | None, _Indexed | None]], verify_checksums: bool
+                     ) -> None:
+        """Keys, lengths and row groups of every shard: from the cache index where `resolved` carries it (no file is
+        opened here; with `verify_checksums` a shard's sha256 is checked against the index's where this rank first
+        reads it, `_file`, so start-up does not grow with the cache and each rank checks only what it trains on),
+        else from each shard's footer and cheap columns (verified on every rank, here)."""
         self.shards: list[_Shard] = []
         keys, nums, firsts, starts = [], [], [], [0]
         route_rows: list[np.ndarray] = []  # routing: per row, the teacher index it is kept for (-1 drop, -2 no route)
         self._route_ids: list[np.ndarray] = []  # routing: sample ids and tags of every row, for the checks
         self._route_tags: list[str | None] = []
         h = hashlib.blake2b(digest_size=16)
-        for path, desc in resolved:
+        self._verified: set[int] = set()  # shards whose checksum this process has checked (index mode)
+        for path, desc, ix in resolved:
+            if ix is not None:
+                key, num, first, rg, nrows = ix.keys, ix.num_scored, ix.first_scored, ix.row_groups, len(ix.keys)
+                self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]),
+                                          desc is not None and self.vocab_size is not None
+                                          and desc.vocab_size > self.vocab_size, ix.nbytes,
+                                          ix.sha256 if verify_checksums else None))
+                keys.append(key)
+                nums.append(np.asarray(num, dtype=np.int64))
+                firsts.append(np.asarray(first, dtype=np.int64))
+                starts.append(starts[-1] + nrows)
+                h.update(f"{path}|{nrows}|".encode())  # resolve_sources resolved the cache root once
+                continue
             problems = verify_shard(path, "rollout" if self.live else "scored", checksum=verify_checksums)
             if problems:
                 raise ShardError("; ".join(problems))
@@ -398,7 +457,18 @@ class ScoredLoader:
     def _file(self, s: int) -> tuple[pq.ParquetFile, Decoder]:
         if s not in self._files:
             path = self.shards[s].path
+            expected = self.shards[s].nbytes
             try:
+                fix = (f"restore it, or delete it and its .ok marker, run `gkd cache index {path.parent.parent}` and "
+                       "rescore")
+                if expected is not None and path.stat().st_size != expected:
+                    raise ShardError(f"{path}: size {path.stat().st_size} bytes, the cache index says {expected} "
+                                     f"(truncated or replaced behind the index); {fix}")
+                if self.shards[s].sha256 is not None and s not in self._verified:
+                    if file_sha256(path) != self.shards[s].sha256:  # the file's bytes, once per process
+                        raise ShardError(f"{path}: sha256 differs from the cache index (corrupted on disk, or "
+                                         f"replaced behind the index); {fix}")
+                    self._verified.add(s)
                 pf = pq.ParquetFile(path, page_checksum_verification=True)
                 self._files[s] = (pf, open_decoder(pf.schema_arrow.metadata or {}, where=str(path)))
             except (pa.ArrowException, OSError, CodecError) as e:

@@ -131,8 +131,12 @@ def test_refuses_corrupt_or_missing_shard_naming_it(tmp_path):
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF
     bad.write_bytes(bytes(data))
-    with pytest.raises(ShardError, match=bad.name):
-        _loader(tmp_path)
+    with pytest.raises(ShardError, match=bad.name):  # from the footers: at start
+        _loader(tmp_path, use_index=False)
+    loader = _loader(tmp_path)  # through the cache index: where the shard is first read, before it is decoded
+    with pytest.raises(ShardError, match=f"{bad.name}: sha256 differs from the cache index"):
+        for m in range(3 * 6 // 4 + 1):
+            loader.micro_batch(m)
     missing = tmp_path / "shards" / "scored-00009.parquet"
     with pytest.raises(ShardError, match=missing.name):
         ScoredLoader([cache.shard_paths()[0], missing], micro_batch_size=2, seq_length=8, seed=0)
