@@ -41,7 +41,14 @@ from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
-from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
+from pipeline.store.cache import DESCRIPTOR
+from pipeline.store.fingerprint import (
+    FINGERPRINT_SCHEME,
+    adapter_fingerprint,
+    content_key,
+    teacher_fingerprint,
+    tokenizer_fingerprint,
+)
 from pipeline.store.locks import FileLock
 from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards, rollout_tokenizer
 from pipeline.store.schema import check_arrow_schema
@@ -365,6 +372,15 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
 # -- the stage ---------------------------------------------------------------------------------------------------
 
 
+def cache_fingerprint_scheme(cache: str | Path) -> int:
+    """How the teacher fingerprint of the cache at `cache` was computed (a new cache: the current scheme), so a run
+    adding rows to an old cache computes the fingerprint its keys were made with."""
+    path = Path(cache) / DESCRIPTOR
+    if not path.is_file():
+        return FINGERPRINT_SCHEME
+    return Descriptor.read(path).fingerprint_scheme or 1
+
+
 def resolve_teacher(name: str | Path | None) -> Path:
     """The score stage's teacher folder (`default` / null: the embedded one, pipeline.assets), checked to be one."""
     path = assets.resolve_teacher(name)
@@ -424,14 +440,15 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = int(teacher_config.vocab_size)
     engine_len = engine_length(cfg, teacher_config)
-    served = probe = None
+    served = probe = scheme = None
     if cfg.teacher_url:
         if llm is not None:
             raise ConfigError("teacher_url: a served teacher scores through its server, not an engine passed to score()")
         served, teacher_fp, probe, teacher_name, engine_name = _served_teacher(cfg, teacher, tokenizer, vocab_size,
                                                                               engine_len)
     else:
-        teacher_fp = teacher_fingerprint(teacher)
+        scheme = cache_fingerprint_scheme(cfg.cache)
+        teacher_fp = teacher_fingerprint(teacher, scheme)  # from the fingerprint record when the files are unchanged
         if cfg.teacher_adapter:
             teacher_fp = adapter_fingerprint(teacher_fp, cfg.teacher_adapter)  # base weights + adapter config/weights
 
@@ -451,6 +468,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         topp=None if cfg.topp is None else float(cfg.topp),
         min_k=cfg.resolved_min_k,
         teacher_probe=probe,
+        fingerprint_scheme=scheme,
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
 

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store import codec
+from pipeline.store.fingerprint import FINGERPRINT_SCHEME
 from pipeline.store.locks import FileLock
 from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import (
@@ -67,6 +68,10 @@ class Descriptor:
     # against this cache compares with its server's (within a tolerance: float noise must not refuse the same
     # server); informational for the identity check itself, whose teacher_fingerprint hashes them rounded.
     teacher_probe: dict | None = None
+    # How teacher_fingerprint was computed (fingerprint.FINGERPRINT_SCHEMES); None: scheme 1 (a cache before
+    # descriptor 1.4) or a served teacher (fingerprinted by its probe). A run computes its teacher's fingerprint the
+    # way the cache it writes to did, so an old cache keeps its keys.
+    fingerprint_scheme: int | None = FINGERPRINT_SCHEME
 
     # What must agree for two producers to share one cache (the rest is informational).
     IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")
