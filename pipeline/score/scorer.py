@@ -39,9 +39,9 @@ from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
+from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
-from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.fingerprint import (
     FINGERPRINT_SCHEME,
     adapter_fingerprint,
