@@ -103,10 +103,11 @@ def hash_file(path: Path, new: Callable[[], object]) -> tuple[str, dict]:
             with open(path, "rb") as f:
                 before = _state(os.fstat(f.fileno()))
                 h = new()
-                buf = bytearray(_CHUNK)
-                view = memoryview(buf)
-                while n := f.readinto(buf):
+                view = memoryview(bytearray(_CHUNK))
+                left = before["size"]  # no further: a file still growing (a download) must not keep this loop going
+                while left > 0 and (n := f.readinto(view[: min(_CHUNK, left)])):
                     h.update(view[:n])  # hashlib drops the GIL on large updates: files hash in parallel threads
+                    left -= n
             after = _state(os.stat(path))
         except OSError as e:
             raise unreadable(path, e) from e
