@@ -37,6 +37,7 @@ from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, open_engine
 from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe
+from pipeline.score.writer import BatchWriter
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store.cache import DESCRIPTOR
@@ -106,6 +107,9 @@ class ScoreConfig:
     enforce_eager: bool = False
     batch_tokens: int = 8192  # token budget of one vLLM call
     part_rows: int = 512  # rows per output part: bounds memory, and what a killed task loses
+    # engine batches waiting for the writer thread (score/writer.py), which extracts, encodes and writes them while
+    # the engine scores the next; 0: all of that in the engine's thread, between its calls (same shards, slower)
+    write_queue: int = 2
     engine_extra: dict = field(default_factory=dict)
 
     @property
@@ -135,6 +139,8 @@ class ScoreConfig:
             p.append(f"tags must be non-empty strings (--tags math,code), got {self.tags!r}")
         if self.batch_tokens < 1 or self.part_rows < 1:
             p.append("batch_tokens and part_rows must be >= 1")
+        if self.write_queue < 0:
+            p.append(f"write_queue must be >= 0 (0: no writer thread), got {self.write_queue}")
         if self.dtype not in DTYPES:
             p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}: the scoring dtype is part of the "
                      "cache's identity, so name it ('auto' resolves differently per machine and model)")
@@ -495,24 +501,18 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         else:
             engine = stack.enter_context(_in_process_teacher(cfg, teacher, llm, engine_len))
         total_tokens = sum(len(r["engine_ids"]) for r in todo)
-        pending: list[dict] = []
+        out = _Parts(cache, name, parts, counts, cfg, teacher if served is None else cfg.teacher_url)
+        writer = BatchWriter(out.add, cfg.write_queue)
         with stack:
             bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
             t_score = time.time()
-            for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
-                summary["teacher_forwards"] += len(batch)
-                for r, flat in zip(batch, flats, strict=True):
-                    # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
-                    got = extract(flat, r["engine_ids"], r["engine_first"], cfg.topk)
-                    check_finite(got, r, teacher if served is None else cfg.teacher_url, cfg)
-                    pending.append({**r, **got})
-                    summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
-                bar.update(sum(len(r["engine_ids"]) for r in batch))
-                while len(pending) >= cfg.part_rows:
-                    parts += _write_part(cache, name, len(parts), pending[: cfg.part_rows], counts)
-                    pending = pending[cfg.part_rows :]
-            if pending:
-                parts += _write_part(cache, name, len(parts), pending, counts)
+            with writer.running():  # batch i is extracted and written while the engine scores batch i + 1
+                for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
+                    summary["teacher_forwards"] += len(batch)
+                    summary["tokens"] += sum(len(r["input_ids"]) - r["first_scored"] for r in batch)
+                    writer.put((batch, flats))
+                    bar.update(sum(len(r["engine_ids"]) for r in batch))
+            out.flush()  # the last, partial part: only when every batch was scored and handled
             bar.close()
             summary["score_seconds"] = time.time() - t_score
         summary["scored"] = len(todo)
@@ -616,6 +616,33 @@ def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int,
     fingerprint = reconcile_probe(cfg.cache, info["fingerprint"], info["probe"])
     return (served, fingerprint, info["probe"], f"served {served.model} at {cfg.teacher_url} (tokenizer {teacher})",
             f"vllm {info['version']} (OpenAI server)")
+
+
+class _Parts:
+    """The writer's side of the score loop: engine outputs -> checked rows -> parts of `part_rows` rows. `parts`
+    (the task's part names, prior ones first) and `counts` are the caller's, updated in place."""
+
+    def __init__(self, cache: TeacherCache, name: str, parts: list[str], counts: dict, cfg: ScoreConfig,
+                 teacher: Path | str) -> None:
+        self.cache, self.name, self.parts, self.counts, self.cfg, self.teacher = cache, name, parts, counts, cfg, teacher
+        self.pending: list[dict] = []
+
+    def add(self, item: tuple[list[dict], list]) -> None:
+        batch, flats = item
+        for r, flat in zip(batch, flats, strict=True):
+            # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
+            got = extract(flat, r["engine_ids"], r["engine_first"], self.cfg.topk)
+            check_finite(got, r, self.teacher, self.cfg)
+            self.pending.append({**r, **got})
+        while len(self.pending) >= self.cfg.part_rows:
+            self.parts += _write_part(self.cache, self.name, len(self.parts), self.pending[: self.cfg.part_rows],
+                                      self.counts)
+            self.pending = self.pending[self.cfg.part_rows :]
+
+    def flush(self) -> None:
+        if self.pending:
+            self.parts += _write_part(self.cache, self.name, len(self.parts), self.pending, self.counts)
+            self.pending = []
 
 
 def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], counts: dict) -> list[str]:

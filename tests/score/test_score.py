@@ -109,6 +109,21 @@ def test_matches_transformers_and_alignment(tmp_path, teacher, llm):
             assert np.abs(np.array(off) - s.actual_logprobs[: len(off)]).max() > 0.1
 
 
+def test_writer_thread_writes_the_serial_paths_shards_byte_for_byte(tmp_path, teacher, llm):
+    """The overlapped loop (a writer thread behind a bounded queue) against the serial one (write_queue=0): the same
+    parts, each byte-identical, so the same rows in the same order and the same markers' checksums."""
+    rng = np.random.default_rng(3)
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet",
+              [(int(rng.integers(2, 20)), int(rng.integers(1, 60))) for _ in range(23)], teacher)
+    for depth in (0, 1, 2):
+        s = score(_cfg(tmp_path, teacher, cache=str(tmp_path / f"cache-{depth}"), write_queue=depth), llm=llm)
+        assert s["scored"] == 23 and len(s["parts"]) == 6  # 23 rows, 4 per part: parts written along the run
+    def shards(depth):
+        d = tmp_path / f"cache-{depth}" / "shards"
+        return {p.name: p.read_bytes() for p in sorted(d.glob("*.parquet"))}
+    assert shards(1) == shards(0) and shards(2) == shards(0) and len(shards(0)) == 6
+
+
 def test_incremental_second_run_scores_nothing_then_only_misses(tmp_path, teacher, llm, capsys):
     _rollouts(tmp_path / "rollouts" / "a-00000-of-00001.parquet", [(4, 6)] * 5, teacher)
     first = score(_cfg(tmp_path, teacher), llm=llm)
