@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,served,loss,train,hf,lora,baselines,onpolicy,faults] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,scorework,served,loss,train,hf,lora,baselines,onpolicy,faults] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -25,6 +25,7 @@ from benchmarks import (
     onpolicy_bench,
     ray_bench,
     score_bench,
+    scorework_bench,
     topp_bench,
     train_bench,
 )
@@ -33,7 +34,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, write_benc
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,served,loss,train,hf,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
+DEFAULT = "score,scorework,served,loss,train,hf,lora,baselines,topp"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -77,6 +78,7 @@ def main() -> int:
 # Sections that run in a folder of their own: name -> (run(work), markdown(results)).
 SIMPLE = {
     "served": (score_bench.served_run, score_bench.served_markdown),
+    "scorework": (scorework_bench.run, scorework_bench.markdown),
     "hf": (lambda work: hf_bench.run(), lambda res: "\n".join(["| measure | value | goal |", "|---|---|---|",
                                                                 *hf_bench.markdown(res)])),
     "lora": (lora_bench.run, lora_bench.markdown),

@@ -26,6 +26,7 @@ from pipeline.store.fingerprint import FINGERPRINT_SCHEME
 from pipeline.store.locks import FileLock
 from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import (
+    SCORED_ZSTD_LEVEL,
     ShardError,
     ShardInfo,
     WriteError,
@@ -288,6 +289,7 @@ class TeacherCache:
             self.shard_dir / f"{name}.parquet", table, "scored", extra={"scored_tokens": scored_tokens, **(extra or {})},
             footer=enc.footer,
             row_group_size=128,  # the trainer's loader decodes whole row groups: small ones bound its memory
+            zstd_level=SCORED_ZSTD_LEVEL,
         )
 
     # -- reading --------------------------------------------------------------------------------------------------
