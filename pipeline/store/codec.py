@@ -291,8 +291,9 @@ def _normalise(checked: list[tuple], k: int, topp: float | None, min_k: int | No
             _quantise(c[1], f"row {r}")
             _quantise(c[4], f"row {r} actual")
         raise
-    order = np.argsort(-lps, axis=1, kind="stable")
-    ids, lps, q = (np.take_along_axis(a, order, 1) for a in (ids, lps, q))
+    if not np.all(lps[:, :-1] >= lps[:, 1:]):  # vLLM gives rank order already: then the stable sort is the identity
+        order = np.argsort(-lps, axis=1, kind="stable")
+        ids, lps, q = (np.take_along_axis(a, order, 1) for a in (ids, lps, q))
     counts = top_p_counts(lps, topp, min_k) if topp is not None else np.full(ids.shape[0], k, np.int64)
     kept = np.arange(k) < counts[:, None]
     tail = tail_logprob(np.where(kept, lps, -np.inf))  # the mass outside the kept entries, unquantised
