@@ -70,7 +70,7 @@ class Descriptor:
     # server); informational for the identity check itself, whose teacher_fingerprint hashes them rounded.
     teacher_probe: dict | None = None
     # How teacher_fingerprint was computed (fingerprint.FINGERPRINT_SCHEMES); None: scheme 1 (a cache before
-    # descriptor 1.4) or a served teacher (fingerprinted by its probe). A run computes its teacher's fingerprint the
+    # descriptor 1.5) or a served teacher (fingerprinted by its probe). A run computes its teacher's fingerprint the
     # way the cache it writes to did, so an old cache keeps its keys.
     fingerprint_scheme: int | None = FINGERPRINT_SCHEME
 

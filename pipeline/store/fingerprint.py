@@ -23,7 +23,7 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 _CHUNK = 1 << 22
 # How teacher_fingerprint is computed (the descriptor's `fingerprint_scheme`; a cache records the one it was made with):
 #   1: one blake2b-128 stream over the canonical config, then each weight file's name, a NUL and its bytes (caches
-#      of descriptor < 1.4; a stream cannot be split, so one thread reads every byte)
+#      of descriptor < 1.5; a stream cannot be split, so one thread reads every byte)
 #   2: blake2b-128 over a scheme tag, the canonical config, then per weight file its name, a NUL and the sha256 of
 #      its bytes: files hash in parallel, each digest is kept per file state, and sha256 runs 2.3x faster than
 #      blake2b here (1.65 vs 0.73 GB/s on one core of this Xeon: OpenSSL's SHA extensions)

@@ -157,7 +157,7 @@ def digests(model_dir: str | Path, paths: list[Path], algo: str, *, rehash: bool
 
 
 def stream_digest(model_dir: str | Path, paths: list[Path], prefix: bytes, *, rehash: bool = False) -> tuple[str, dict]:
-    """The fingerprint of scheme 1 (caches of descriptor < 1.4): one blake2b-128 stream over `prefix` (the canonical
+    """The fingerprint of scheme 1 (caches of descriptor < 1.5): one blake2b-128 stream over `prefix` (the canonical
     config) and each file's name, a NUL and its bytes, in order. It cannot be split over files, so it is hashed in
     one thread; the record keeps the result under the states of all files and the prefix, reused only if all agree."""
     folder = os.path.realpath(model_dir)

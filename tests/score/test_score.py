@@ -125,7 +125,7 @@ def test_writer_thread_writes_the_serial_paths_shards_byte_for_byte(tmp_path, te
 
 
 def test_a_cache_of_the_old_fingerprint_scheme_keeps_its_keys(tmp_path, teacher, llm):
-    """A cache made before descriptor 1.4 (one blake2b stream over the weights, no fingerprint_scheme) still takes
+    """A cache made before descriptor 1.5 (one blake2b stream over the weights, no fingerprint_scheme) still takes
     rows: the run computes the fingerprint the old way, and its keys are those main wrote."""
     from pipeline.store.fingerprint import content_key, teacher_fingerprint
 

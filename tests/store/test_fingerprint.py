@@ -188,7 +188,7 @@ def test_record_of_another_version_or_garbage_is_rehashed_cleanly(tmp_path):
 
 def test_scheme_1_is_the_old_stream_and_is_recorded_too(tmp_path):
     root = _model(tmp_path / "m")
-    h = hashlib.blake2b(digest_size=16)  # scheme 1 as descriptor < 1.4 caches computed it
+    h = hashlib.blake2b(digest_size=16)  # scheme 1 as descriptor < 1.5 caches computed it
     h.update(json.dumps(json.loads((root / "config.json").read_text()), sort_keys=True).encode())
     for p in sorted(root.glob("*.safetensors")):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
