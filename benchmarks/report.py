@@ -30,6 +30,7 @@ def machine() -> str:
 
 SECTIONS = {  # name -> heading, in file order
     "score": "Score stage and the cache (issues: foundation, score)",
+    "scorework": "The score stage at GPU speed: fingerprint record, the stage's own work, a replayed fast teacher (issue #34)",
     "served": "Served teacher vs in-process scoring (issues #19, #36: a served teacher, on the openai client)",
     "interop": "Cache export and import (issue #36: a cache every tool reads)",
     "loss": "GKD loss (issue: train stage)",

@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,served,interop,loss,train,hf,lora,baselines,onpolicy,faults,images,distopt,index] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,faults,images,distopt,index] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -29,6 +29,7 @@ from benchmarks import (
     onpolicy_bench,
     ray_bench,
     score_bench,
+    scorework_bench,
     topp_bench,
     train_bench,
 )
@@ -37,7 +38,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, write_benc
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
+DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -82,6 +83,7 @@ def main() -> int:
 SIMPLE = {
     "served": (score_bench.served_run, score_bench.served_markdown),
     "interop": (interop_bench.run, interop_bench.markdown),
+    "scorework": (scorework_bench.run, scorework_bench.markdown),
     "hf": (lambda work: hf_bench.run(), lambda res: "\n".join(["| measure | value | goal |", "|---|---|---|",
                                                                 *hf_bench.markdown(res)])),
     "lora": (lora_bench.run, lora_bench.markdown),

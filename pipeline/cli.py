@@ -5,6 +5,7 @@
     gkd cache export DIR --out OUT                      the cache as plain Parquet, one row per scored position
     gkd cache import --from plain|distillkit|megatron --in SRC --rollouts R --cache C [--teacher MODEL_DIR]
     gkd cache index DIR        rewrite the cache's shard index from the shards (pipeline/store/index.py)
+    gkd fingerprint MODEL      a teacher's fingerprint; warms the fingerprint record (pipeline/store/weights.py)
     gkd score ...              rollouts -> teacher top-k rows in the cache (pipeline/score)
     gkd generate ...           prompts -> student rollouts (pipeline/generate)
     gkd import ...             dataset responses -> off-policy rollouts (pipeline/generate)
@@ -20,12 +21,15 @@ import importlib
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 from pipeline import logs
 from pipeline.store import ShardError, TeacherCache
 from pipeline.store.export import export_plain
+from pipeline.store.fingerprint import FINGERPRINT_SCHEME, teacher_fingerprint_info
 from pipeline.store.imports import FORMATS, ImportRequest, import_rows
+from pipeline.store.weights import RECORD_ENV
 
 # command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
 STAGES: dict[str, tuple[str, str]] = {}
@@ -143,6 +147,34 @@ def _import(args: argparse.Namespace) -> int:
           f"{res['written']} written, {res['already_cached']} already cached, {res['rollouts_without_rows']} "
           f"rollout(s) without a row, {res['actual_outside_topk_rows']} row(s) with the actual token outside the "
           f"top-k (logprob bound) -> {res['cache']}")
+def fingerprint_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gkd fingerprint",
+        description="Print a teacher model folder's fingerprint (what `gkd score` writes to cache.json), hashing only "
+        "the weight files the fingerprint record has not seen in their current state. Run it once before a Slurm or "
+        "Ray array of score tasks: every task then reads the record instead of the weights.")
+    parser.add_argument("model", help="a Hugging Face model folder (config.json + weight files)")
+    parser.add_argument("--cache", help="compute it the way this existing cache's fingerprint was (its scheme)")
+    parser.add_argument("--rehash", action="store_true", help="ignore the record and read every byte again")
+    parser.add_argument("--json", action="store_true", help="print JSON: fingerprint, scheme, files hashed/reused")
+    args = parser.parse_args(argv)
+    try:
+        scheme = FINGERPRINT_SCHEME
+        if args.cache:
+            scheme = TeacherCache.open(args.cache).descriptor.fingerprint_scheme or 1
+        t0 = time.perf_counter()
+        fp, info = teacher_fingerprint_info(args.model, scheme, rehash=args.rehash)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"gkd fingerprint: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"fingerprint": fp, "scheme": scheme, "seconds": round(seconds, 3), **info}, indent=1))
+        return 0
+    print(fp)
+    kept = f"record {info['record']}" if info["kept"] else f"record not writable ({info['record']}): set ${RECORD_ENV}"
+    print(f"gkd fingerprint: scheme {scheme}, {len(info['hashed'])} file(s) hashed, {len(info['reused'])} from the "
+          f"record, {seconds:.2f} s; {kept}", file=sys.stderr)
     return 0
 
 
@@ -153,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if loud:
         logs.configure(verbose_now=True)
     _register_available()
-    commands = {"cache": ("", "inspect or verify a teacher cache"), **STAGES}
+    commands = {"cache": ("", "inspect or verify a teacher cache"),
+                "fingerprint": ("", "a teacher's fingerprint (warms the record score tasks reuse)"), **STAGES}
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: gkd <command> [args]\n\ncommands:")
         for name, (_, text) in commands.items():
@@ -163,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "cache":
         return cache_main(rest)
+    if command == "fingerprint":
+        return fingerprint_main(rest)
     if command not in STAGES:
         print(f"gkd: unknown command {command!r}; known: {', '.join(commands)}", file=sys.stderr)
         return 2

@@ -27,6 +27,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pipeline.slurm.local import LocalSlurm, SlurmUnavailable, ensure_installed  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fingerprint_records(tmp_path_factory):
+    """Fingerprint records (pipeline/store/weights.py) of the session's models go to a session folder, not the
+    user's ~/.cache; set in os.environ so the CLI subprocesses of the tests use it too."""
+    before = os.environ.get("GKD_FINGERPRINT_DIR")
+    os.environ["GKD_FINGERPRINT_DIR"] = str(tmp_path_factory.mktemp("fingerprints"))
+    yield Path(os.environ["GKD_FINGERPRINT_DIR"])
+    if before is None:
+        os.environ.pop("GKD_FINGERPRINT_DIR", None)
+    else:
+        os.environ["GKD_FINGERPRINT_DIR"] = before
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     try:

@@ -219,6 +219,48 @@ def test_nan_logprobs_from_the_engine_are_refused(teacher):
                  teacher, cfg)
 
 
+def test_unreadable_weight_file(tmp_path, teacher, capsys):
+    """A weight file that cannot be read (a Hugging Face snapshot symlink whose blob is gone; permission bits do not
+    stop root, who runs CI): refused before the cache is created or an engine started, by `gkd score` and
+    `gkd fingerprint` alike."""
+    import shutil
+
+    model = tmp_path / "teacher"
+    shutil.copytree(teacher, model)
+    (model / "model-00002-of-00002.safetensors").symlink_to(tmp_path / "blobs" / "gone")
+    _rollouts(tmp_path, teacher, [_row(0)])
+    refused(tmp_path, _score(tmp_path, model), capsys,
+            r"teacher/model-00002-of-00002\.safetensors: cannot read this weight file", "download the model again")
+    assert not (tmp_path / "cache").exists()
+    refused(tmp_path, ["fingerprint", str(model)], capsys, r"model-00002-of-00002\.safetensors: cannot read")
+
+
+def test_weight_file_changing_while_hashed(tmp_path):
+    """A model folder being written (a download, a copy) while it is hashed: read once more, then refused, never a
+    digest of bytes that were never on disk together (tests/store/test_fingerprint.py drives the writer)."""
+    from pipeline.store.weights import FingerprintError, hash_file
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\0" * 4096)
+
+    class Growing:  # each read sees the file grow, as a download does
+        def __init__(self):
+            import hashlib as hl
+            self.h = hl.sha256()
+
+        def update(self, data):
+            with open(path, "ab") as f:
+                f.write(b"\1")
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    with pytest.raises(FingerprintError, match=r"model\.safetensors: the file changed while it was being hashed .*"
+                                               r"wait until whatever writes the model folder is done"):
+        hash_file(path, Growing)
+
+
 # -- config: unknown keys, sizes ---------------------------------------------------------------------------------
 
 

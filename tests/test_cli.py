@@ -31,3 +31,28 @@ def test_cache_on_a_non_cache_dir_is_a_clear_error(tmp_path, capsys):
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "cache" in out.stdout
+
+
+def test_fingerprint_command_warms_the_record(tmp_path, capsys):
+    import json
+    import os
+    import time
+
+    from pipeline.store.fingerprint import teacher_fingerprint
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(np.random.default_rng(0).bytes(10_000))
+    old = time.time() - 100
+    for p in model.iterdir():
+        os.utime(p, (old, old))
+    assert main(["fingerprint", str(model), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(["fingerprint", str(model), "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["hashed"] == ["model.safetensors"] and second["hashed"] == []
+    assert first["fingerprint"] == second["fingerprint"] == teacher_fingerprint(model, rehash=True)
+    assert main(["fingerprint", str(model)]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == first["fingerprint"] and "1 from the record" in out.err

@@ -37,12 +37,20 @@ from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, open_engine
 from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe, url_problems
+from pipeline.score.writer import BatchWriter
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store import images as image_store
+from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
-from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
+from pipeline.store.fingerprint import (
+    FINGERPRINT_SCHEME,
+    adapter_fingerprint,
+    content_key,
+    teacher_fingerprint,
+    tokenizer_fingerprint,
+)
 from pipeline.store.locks import FileLock
 from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards, rollout_tokenizer
 from pipeline.store.schema import check_arrow_schema
@@ -106,6 +114,9 @@ class ScoreConfig:
     max_images_per_prompt: int | None = None
     batch_tokens: int = 8192  # token budget of one vLLM call
     part_rows: int = 512  # rows per output part: bounds memory, and what a killed task loses
+    # engine batches waiting for the writer thread (score/writer.py), which extracts, encodes and writes them while
+    # the engine scores the next; 0: all of that in the engine's thread, between its calls (same shards, slower)
+    write_queue: int = 2
     engine_extra: dict = field(default_factory=dict)
 
     @property
@@ -137,6 +148,8 @@ class ScoreConfig:
             p.append(f"max_images_per_prompt must be >= 1 (or null: from the rollouts), got {self.max_images_per_prompt}")
         if self.batch_tokens < 1 or self.part_rows < 1:
             p.append("batch_tokens and part_rows must be >= 1")
+        if self.write_queue < 0:
+            p.append(f"write_queue must be >= 0 (0: no writer thread), got {self.write_queue}")
         if self.dtype not in DTYPES:
             p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}: the scoring dtype is part of the "
                      "cache's identity, so name it ('auto' resolves differently per machine and model)")
@@ -430,6 +443,15 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
 # -- the stage ---------------------------------------------------------------------------------------------------
 
 
+def cache_fingerprint_scheme(cache: str | Path) -> int:
+    """How the teacher fingerprint of the cache at `cache` was computed (a new cache: the current scheme), so a run
+    adding rows to an old cache computes the fingerprint its keys were made with."""
+    path = Path(cache) / DESCRIPTOR
+    if not path.is_file():
+        return FINGERPRINT_SCHEME
+    return Descriptor.read(path).fingerprint_scheme or 1
+
+
 def resolve_teacher(name: str | Path | None) -> Path:
     """The score stage's teacher folder (`default` / null: the embedded one, pipeline.assets), checked to be one."""
     path = assets.resolve_teacher(name)
@@ -490,14 +512,15 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     vocab_size = int(teacher_vocab_size(teacher_config))
     image_token = image_store.image_token_id(json.loads((teacher / "config.json").read_text()))
     engine_len = engine_length(cfg, teacher_config)
-    served = probe = None
+    served = probe = scheme = None
     if cfg.teacher_url:
         if llm is not None:
             raise ConfigError("teacher_url: a served teacher scores through its server, not an engine passed to score()")
         served, teacher_fp, probe, teacher_name, engine_name = _served_teacher(cfg, teacher, tokenizer, vocab_size,
                                                                               engine_len)
     else:
-        teacher_fp = teacher_fingerprint(teacher)
+        scheme = cache_fingerprint_scheme(cfg.cache)
+        teacher_fp = teacher_fingerprint(teacher, scheme)  # from the fingerprint record when the files are unchanged
         if cfg.teacher_adapter:
             teacher_fp = adapter_fingerprint(teacher_fp, cfg.teacher_adapter)  # base weights + adapter config/weights
 
@@ -517,6 +540,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         topp=None if cfg.topp is None else float(cfg.topp),
         min_k=cfg.resolved_min_k,
         teacher_probe=probe,
+        fingerprint_scheme=scheme,
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
 
@@ -552,25 +576,18 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
                 cfg, teacher, llm, engine_len, image_token=image_token,
                 max_images=max((len(r.get("images") or ()) for r in todo), default=0)))
         total_tokens = sum(len(r["engine_ids"]) for r in todo)
-        pending: list[dict] = []
+        out = _Parts(cache, name, parts, counts, cfg, teacher if served is None else cfg.teacher_url)
+        writer = BatchWriter(out.add, cfg.write_queue)
         with stack:
             bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
             t_score = time.time()
-            for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
-                summary["teacher_forwards"] += len(batch)
-                for r, flat in zip(batch, flats, strict=True):
-                    # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
-                    got = extract(flat, r["engine_ids"], r["engine_first"], cfg.topk)
-                    check_finite(got, r, teacher if served is None else cfg.teacher_url, cfg)
-                    pending.append({**r, **got})
-                    summary["tokens"] += len(r["input_ids"]) - r["first_scored"]
-                bar.update(sum(len(r["engine_ids"]) for r in batch))
-                while len(pending) >= cfg.part_rows:
-                    parts += _write_part(cache, name, len(parts), pending[: cfg.part_rows], counts,
-                                         Path(cfg.rollouts))
-                    pending = pending[cfg.part_rows :]
-            if pending:
-                parts += _write_part(cache, name, len(parts), pending, counts, Path(cfg.rollouts))
+            with writer.running():  # batch i is extracted and written while the engine scores batch i + 1
+                for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
+                    summary["teacher_forwards"] += len(batch)
+                    summary["tokens"] += sum(len(r["input_ids"]) - r["first_scored"] for r in batch)
+                    writer.put((batch, flats))
+                    bar.update(sum(len(r["engine_ids"]) for r in batch))
+            out.flush()  # the last, partial part: only when every batch was scored and handled
             bar.close()
             summary["score_seconds"] = time.time() - t_score
         summary["scored"] = len(todo)
@@ -714,6 +731,35 @@ def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int,
     fingerprint = reconcile_probe(cfg.cache, info["fingerprint"], info["probe"])
     return (served, fingerprint, info["probe"], f"served {served.model} at {cfg.teacher_url} (tokenizer {teacher})",
             f"vllm {info['version']} (OpenAI server)")
+
+
+class _Parts:
+    """The writer's side of the score loop: engine outputs -> checked rows -> parts of `part_rows` rows. `parts`
+    (the task's part names, prior ones first) and `counts` are the caller's, updated in place."""
+
+    def __init__(self, cache: TeacherCache, name: str, parts: list[str], counts: dict, cfg: ScoreConfig,
+                 teacher: Path | str) -> None:
+        self.cache, self.name, self.parts, self.counts, self.cfg, self.teacher = cache, name, parts, counts, cfg, teacher
+        self.pending: list[dict] = []
+
+    def add(self, item: tuple[list[dict], list]) -> None:
+        batch, flats = item
+        for r, flat in zip(batch, flats, strict=True):
+            # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
+            got = extract(flat, r["engine_ids"], r["engine_first"], self.cfg.topk)
+            check_finite(got, r, self.teacher, self.cfg)
+            self.pending.append({**r, **got})
+        while len(self.pending) >= self.cfg.part_rows:
+            self.parts += _write_part(self.cache, self.name, len(self.parts), self.pending[: self.cfg.part_rows],
+                                      self.counts,
+                                      Path(self.cfg.rollouts))
+            self.pending = self.pending[self.cfg.part_rows :]
+
+    def flush(self) -> None:
+        if self.pending:
+            self.parts += _write_part(self.cache, self.name, len(self.parts), self.pending, self.counts,
+                                      Path(self.cfg.rollouts))
+            self.pending = []
 
 
 def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], counts: dict,

@@ -24,9 +24,11 @@ import pyarrow.parquet as pq
 
 from pipeline.store import codec, images
 from pipeline.store import index as shard_index
+from pipeline.store.fingerprint import FINGERPRINT_SCHEME
 from pipeline.store.locks import FileLock
 from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import (
+    SCORED_ZSTD_LEVEL,
     ShardError,
     ShardInfo,
     WriteError,
@@ -73,6 +75,10 @@ class Descriptor:
     # Rows brought in by `gkd cache import` (store/imports.py): one record per import (format, source, layout
     # version read, rows, when); informational, not identity.
     imports: list | None = None
+    # How teacher_fingerprint was computed (fingerprint.FINGERPRINT_SCHEMES); None: scheme 1 (a cache before
+    # descriptor 1.5) or a served teacher (fingerprinted by its probe). A run computes its teacher's fingerprint the
+    # way the cache it writes to did, so an old cache keeps its keys.
+    fingerprint_scheme: int | None = FINGERPRINT_SCHEME
 
     # What must agree for two producers to share one cache (the rest is informational).
     IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")
@@ -325,6 +331,7 @@ class TeacherCache:
             footer=enc.footer,
             row_group_size=ROW_GROUP_ROWS,
             clean_stale=False,  # the index writer's first sync did, under the commit lock (one listing per writer)
+            zstd_level=SCORED_ZSTD_LEVEL,
         )
 
     def add_image(self, data: bytes) -> str:

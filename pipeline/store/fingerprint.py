@@ -1,6 +1,7 @@
 """Fingerprints and content keys.
 
-A teacher fingerprint hashes what determines its outputs: config.json and the bytes of every weight file. A
+A teacher fingerprint hashes what determines its outputs: config.json and the bytes of every weight file (each
+file's digest computed once per file state and kept in the fingerprint record, pipeline/store/weights.py). A
 tokenizer fingerprint hashes the full token<->id mapping, the merges and the special-token ids, so two tokenizers
 with the same vocab size but a different mapping never share a cache. Scored rows are keyed by content
 (teacher, tokens, first scored position, k, mode), never by their order in a batch.
@@ -16,27 +17,54 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.store import weights
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 _CHUNK = 1 << 22
+# How teacher_fingerprint is computed (the descriptor's `fingerprint_scheme`; a cache records the one it was made with):
+#   1: one blake2b-128 stream over the canonical config, then each weight file's name, a NUL and its bytes (caches
+#      of descriptor < 1.5; a stream cannot be split, so one thread reads every byte)
+#   2: blake2b-128 over a scheme tag, the canonical config, then per weight file its name, a NUL and the sha256 of
+#      its bytes: files hash in parallel, each digest is kept per file state, and sha256 runs 2.3x faster than
+#      blake2b here (1.65 vs 0.73 GB/s on one core of this Xeon: OpenSSL's SHA extensions)
+FINGERPRINT_SCHEMES = (1, 2)
+FINGERPRINT_SCHEME = 2
 
 
 def _digest() -> hashlib._Hash:
     return hashlib.blake2b(digest_size=16)
 
 
-def teacher_fingerprint(model_dir: str | Path) -> str:
-    """Hash of config.json (canonical JSON) and the contents of all weight files, by sorted relative name."""
+def teacher_fingerprint(model_dir: str | Path, scheme: int = FINGERPRINT_SCHEME, *, rehash: bool = False) -> str:
+    """Hash of config.json (canonical JSON) and the contents of all weight files, by sorted relative name, as
+    `scheme` computes it (FINGERPRINT_SCHEMES). Weight digests come from the fingerprint record where a file's
+    size, mtime and inode match it (`rehash`: read every byte anyway)."""
+    return teacher_fingerprint_info(model_dir, scheme, rehash=rehash)[0]
+
+
+def teacher_fingerprint_info(model_dir: str | Path, scheme: int = FINGERPRINT_SCHEME, *,
+                             rehash: bool = False) -> tuple[str, dict]:
+    """teacher_fingerprint and what it cost: {"hashed": files read, "reused": files taken from the record,
+    "record": its path, "kept": whether it could be written}."""
+    if scheme not in FINGERPRINT_SCHEMES:
+        raise ValueError(f"fingerprint scheme {scheme} is not known to this code (knows {FINGERPRINT_SCHEMES})")
     model_dir = Path(model_dir)
     config = model_dir / "config.json"
     if not config.exists():
         raise FileNotFoundError(f"{model_dir}: no config.json; a teacher must be a Hugging Face model folder")
-    h = _digest()
-    h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
-    weights = sorted({p for pat in WEIGHT_PATTERNS for p in model_dir.glob(pat)})
-    if not weights:
+    canonical = json.dumps(json.loads(config.read_text()), sort_keys=True).encode()
+    files = sorted({p for pat in WEIGHT_PATTERNS for p in model_dir.glob(pat)})
+    if not files:
         raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)})")
-    _hash_files(h, weights)
-    return h.hexdigest()
+    if scheme == 1:
+        return weights.stream_digest(model_dir, files, canonical, rehash=rehash)
+    per_file, info = weights.digests(model_dir, files, "sha256", rehash=rehash)
+    h = _digest()
+    h.update(b"gkd teacher fingerprint 2|")
+    h.update(canonical)
+    for p in files:
+        h.update(b"|" + p.name.encode() + b"\0" + per_file[p.name].encode())
+    return h.hexdigest(), info
 
 
 def _hash_files(h: Any, paths: list[Path]) -> None:
@@ -100,13 +128,13 @@ def adapter_fingerprint(base_fp: str, adapter_dir: str | Path) -> str:
     config = adapter_dir / "adapter_config.json"
     if not config.exists():
         raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json; a teacher adapter must be a peft LoRA folder")
-    weights = sorted({p for pat in WEIGHT_PATTERNS for p in adapter_dir.glob(pat)})
-    if not weights:
+    files = sorted({p for pat in WEIGHT_PATTERNS for p in adapter_dir.glob(pat)})
+    if not files:
         raise FileNotFoundError(f"{adapter_dir}: no adapter weight files ({', '.join(WEIGHT_PATTERNS)})")
     h = _digest()
     h.update(f"adapter|{base_fp}|".encode())
     h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
-    _hash_files(h, weights)
+    _hash_files(h, files)
     return h.hexdigest()
 
 

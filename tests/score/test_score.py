@@ -109,6 +109,42 @@ def test_matches_transformers_and_alignment(tmp_path, teacher, llm):
             assert np.abs(np.array(off) - s.actual_logprobs[: len(off)]).max() > 0.1
 
 
+def test_writer_thread_writes_the_serial_paths_shards_byte_for_byte(tmp_path, teacher, llm):
+    """The overlapped loop (a writer thread behind a bounded queue) against the serial one (write_queue=0): the same
+    parts, each byte-identical, so the same rows in the same order and the same markers' checksums."""
+    rng = np.random.default_rng(3)
+    _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet",
+              [(int(rng.integers(2, 20)), int(rng.integers(1, 60))) for _ in range(23)], teacher)
+    for depth in (0, 1, 2):
+        s = score(_cfg(tmp_path, teacher, cache=str(tmp_path / f"cache-{depth}"), write_queue=depth), llm=llm)
+        assert s["scored"] == 23 and len(s["parts"]) == 6  # 23 rows, 4 per part: parts written along the run
+    def shards(depth):
+        d = tmp_path / f"cache-{depth}" / "shards"
+        return {p.name: p.read_bytes() for p in sorted(d.glob("*.parquet"))}
+    assert shards(1) == shards(0) and shards(2) == shards(0) and len(shards(0)) == 6
+
+
+def test_a_cache_of_the_old_fingerprint_scheme_keeps_its_keys(tmp_path, teacher, llm):
+    """A cache made before descriptor 1.5 (one blake2b stream over the weights, no fingerprint_scheme) still takes
+    rows: the run computes the fingerprint the old way, and its keys are those main wrote."""
+    from pipeline.store.fingerprint import content_key, teacher_fingerprint
+
+    rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(4, 6)] * 3, teacher)
+    score(_cfg(tmp_path, teacher, cache=str(tmp_path / "new")), llm=llm)
+    desc = json.loads((tmp_path / "new" / "cache.json").read_text())
+    assert desc["fingerprint_scheme"] == 2 and desc["teacher_fingerprint"] == teacher_fingerprint(teacher)
+    old_fp = teacher_fingerprint(teacher, 1)
+    assert old_fp != desc["teacher_fingerprint"]
+    (tmp_path / "old").mkdir()
+    old = {**{k: v for k, v in desc.items() if k != "fingerprint_scheme"}, "teacher_fingerprint": old_fp,
+           "descriptor_version": "1.3"}
+    (tmp_path / "old" / "cache.json").write_text(json.dumps(old))
+    assert score(_cfg(tmp_path, teacher, cache=str(tmp_path / "old")), llm=llm)["scored"] == 3
+    keys = {s.key for s in read_cache(tmp_path / "old")}
+    assert keys == {content_key(old_fp, np.array(r["prompt_ids"] + r["completion_ids"]), 4, K, "raw_logprobs")
+                    for r in rows}
+
+
 def test_incremental_second_run_scores_nothing_then_only_misses(tmp_path, teacher, llm, capsys):
     _rollouts(tmp_path / "rollouts" / "a-00000-of-00001.parquet", [(4, 6)] * 5, teacher)
     first = score(_cfg(tmp_path, teacher), llm=llm)
