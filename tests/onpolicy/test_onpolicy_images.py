@@ -2,7 +2,7 @@
 the vision-language teacher scores them with the images, the hf backend trains on padded rows with the pixel
 inputs, and the export is reloaded into the running sampler in place.
 
-Run: ``python -m pytest tests/onpolicy/test_images.py`` (~3 min on 2 CPU cores).
+Run: ``python -m pytest tests/onpolicy/test_onpolicy_images.py`` (~3 min on 2 CPU cores).
 """
 
 from __future__ import annotations
