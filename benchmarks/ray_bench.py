@@ -6,6 +6,9 @@
 - `| ray vs local on-policy wall time |`: the on-policy bench's on-policy run (benchmarks/onpolicy_bench.py `_config`,
   lmbda=1, its held-out set) once with `executor=local` and once with `executor=ray ray_address=local` (three actors
   on this machine, each with all its cores: stages run one at a time), same machine, same config. Goal <= 1.15x.
+  Each run's wall time is split into what it pays once (wall minus the cycles' stage seconds: process start, imports,
+  Ray cluster and actors, setup, shutdown), its cycle 0 and the mean later cycle, and the Ray driver's own phases
+  (OUT/ray/driver.jsonl), so a ratio that misses the goal shows whether the extra cost is per run or per cycle.
 - `| ray score worker kills survived |`: `gkd ray score --num-shards 4` on the score bench's kind of rollouts (a tiny
   teacher, as benchmarks/faults.py does), the worker of a running task SIGKILLed at a seeded random moment of the
   run (benchmarks/faults.py's rule: uniform over the uninterrupted run's wall time); survived = the command exits 0

@@ -132,9 +132,11 @@ def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tm
     t0 = time.time()
     lines = run(_cfg(models, out, **_ray(ray_cluster)))
     print(f"\n[onpolicy-ray] resumed cycle 1 in {time.time() - t0:.0f} s", file=sys.stderr)
-    assert [m["cycle"] for m in lines] == [0, 1]  # cycle 0 not redone
+    assert [m["cycle"] for m in lines] == [-1, 0, 1]  # neither the setup nor cycle 0 redone
     cycles = State.load(out).cycles
     second = _actors(out)[3:]  # a fresh set for the second driver, used by cycle 1
+    phases = [json.loads(x) for x in (out / "ray" / "driver.jsonl").read_text().splitlines()]
+    assert len(phases) == 1 and phases[0]["pid"] == os.getpid()  # the killed driver logged nothing; this one did
     assert len(second) == 3 and {a["pid"] for a in second}.isdisjoint({a["pid"] for a in first})
     pids = {c: {a["pid"] for a in cycles[c]["ray_actors"].values()} for c in ("0", "1")}
     assert pids == {"0": {a["pid"] for a in first}, "1": {a["pid"] for a in second}}
