@@ -12,8 +12,9 @@ Three actors, started once per run and reused by every cycle, each `ray_num_cpus
 The cycle is the local executor's (local.py): the stages of stages.py in order from the stage state.json names,
 `record_stage` after each, here in the driver, which alone writes state.json; a killed driver takes its actors with
 it (they are not detached) and a rerun resumes at the first stage not recorded as done, with fresh actors. The run's
-setup (held-out samples, an off-policy dataset), once per run, is one Ray task with engines of its own, as the
-Slurm executor's setup job. Stages run one at a time, so on one machine each actor may reserve all its cores:
+setup (held-out samples, an off-policy dataset), once per run, runs step by step (stages.setup_steps) on the actor
+that holds each step's engine, so every engine opens once per run (the local executor's setup also opens the engines
+its cycles reuse). Stages run one at a time, so on one machine each actor may reserve all its cores:
 `ray_address=local` declares enough logical CPUs for the three. Each actor uses int(ray_num_cpus) torch threads.
 Every actor records itself in OUT/ray/actors.jsonl (role, pid, node) when it starts, and the number of engines it
 has opened into the cycle's record in state.json (`ray_actors`): one per engine per run.
@@ -26,7 +27,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +42,12 @@ from pipeline.onpolicy.stages import (
     read_metrics,
     record_stage,
     score_stage,
-    setup_stage,
+    setup_step,
+    setup_steps,
     train_stage,
 )
 from pipeline.onpolicy.state import State
 from pipeline.ray.cluster import RayError, check_resources, connect, enter_cwd, import_ray
-from pipeline.store.shards import atomic_write_bytes
 
 ROLES = ("sampler", "teacher", "trainer")
 
@@ -101,28 +101,13 @@ class StageHost:
     def eval(self, cycle: int) -> dict:
         return eval_stage(self.ws, cycle)
 
+    # -- the run's setup, one step at a time on the actor whose engine it uses ------------------------------------
+    def setup(self, step: str, state: State) -> None:
+        setup_step(self.ws, self.engines, state, step)
+        self._count(self.engines.sampler if self.role == "sampler" else self.engines.teacher)
+
     def close(self) -> None:
         self.engines.close()
-
-
-def _setup_task(cfg: OnPolicyConfig, state: State, state_file: str, cwd: str) -> dict:
-    """The run's setup in a worker of its own with its own engines (closed at the end); its progress in
-    `state_file`, so a retry continues where it stopped (the off-policy shard list stays frozen)."""
-    enter_cwd(cwd)
-    path = Path(state_file)
-    if path.exists():
-        state = State(**json.loads(path.read_text()))
-
-    def save() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, json.dumps(asdict(state), indent=1).encode())
-
-    engines = Engines()
-    try:
-        setup_stage(Workspace.open(cfg), engines, state, save)
-    finally:
-        engines.close()
-    return {"offpolicy_shards": state.offpolicy_shards, "setup_done": state.setup_done}
 
 
 class RayDriver:
@@ -158,16 +143,18 @@ class RayDriver:
             self.actors[role] = actor.remote(cfg, role, threads, os.getcwd())
 
     def setup(self) -> None:
-        cfg, st = self.cfg, self.state
+        """setup_stage's steps, each on the actor that holds its engine (the engine the cycles reuse); the step
+        that only freezes the off-policy shard list here, and state.json saved here only."""
+        st = self.state
         if st.setup_done:
             return
-        if not (cfg.heldout_prompts or cfg.offpolicy_dataset):  # only freezes the off-policy shard list
-            setup_stage(self.ws, Engines(), st, lambda: st.save(self.ws.out))
-            return
-        task = self.ray.remote(max_calls=1)(_setup_task).options(num_cpus=cfg.ray_num_cpus, num_gpus=cfg.ray_num_gpus)
-        state_file = str(Path(cfg.out).resolve() / "ray" / "setup-state.json")
-        out = self.get(task.remote(cfg, st, state_file, os.getcwd()), "the setup task")
-        st.offpolicy_shards, st.setup_done = out["offpolicy_shards"], out["setup_done"]
+        for step, where in setup_steps(self.cfg):
+            if where is None:
+                if setup_step(self.ws, Engines(), st, step):
+                    st.save(self.ws.out)
+            else:
+                self.get(self.actors[where].setup.remote(step, st), f"the setup's {step}")
+        st.setup_done = True
         st.save(self.ws.out)
 
     def run_stage(self, stage: str, cycle: int, info: dict) -> None:
@@ -187,14 +174,35 @@ class RayDriver:
         else:
             raise ValueError(f"unknown stage {stage!r}")
 
-    def loop(self) -> list[dict]:
+    def loop(self, phases: dict | None = None) -> list[dict]:
+        """Actors started, setup on them, the cycles, actors stopped; the seconds of each into `phases` and
+        OUT/ray/driver.jsonl (where a Ray run's time goes beyond the cycles' stage seconds)."""
+        cfg = self.cfg
+        phases = {} if phases is None else phases
+        need = {"CPU": cfg.ray_num_cpus, "GPU": cfg.ray_num_gpus}
+        check_resources(need, "an on-policy engine actor (ray_num_cpus/ray_num_gpus)", count=len(ROLES))
+        t0 = time.perf_counter()
+        self.start()
+        try:
+            self.setup()  # on the actors: their engines serve the cycles after it
+            phases["setup_s"] = round(time.perf_counter() - t0, 2)  # with the actors' start-up (concurrent to it)
+            t0 = time.perf_counter()
+            self.cycles()
+            phases["cycles_s"] = round(time.perf_counter() - t0, 2)
+        finally:
+            t0 = time.perf_counter()
+            self.stop()
+            phases["stop_s"] = round(time.perf_counter() - t0, 2)
+            log = self.ws.out / "ray" / "driver.jsonl"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), **phases}) + "\n")
+        return read_metrics(self.ws.out)
+
+    def cycles(self) -> None:
         from tqdm import tqdm
 
         cfg, st = self.cfg, self.state
-        need = {"CPU": cfg.ray_num_cpus, "GPU": cfg.ray_num_gpus}
-        check_resources(need, "an on-policy engine actor (ray_num_cpus/ray_num_gpus)", count=len(ROLES))
-        self.setup()  # before the actors: its task needs what they would hold
-        self.start()
         bar = tqdm(total=cfg.num_cycles, initial=min(st.cycle, cfg.num_cycles), desc="onpolicy (ray)", unit="cycle",
                    disable=not cfg.progress, file=sys.stderr)
         try:
@@ -215,14 +223,14 @@ class RayDriver:
                                 mode="on" if info["on_policy"] else "off")
         finally:
             bar.close()
-            self.stop()
-        return read_metrics(self.ws.out)
 
     def stop(self) -> None:
-        """Close the engines (vLLM wants an explicit shutdown), then end the actors."""
-        for handle in self.actors.values():
+        """Close the engines (vLLM wants an explicit shutdown; the actors close theirs at once), then end the
+        actors."""
+        closing = [(handle, handle.close.remote()) for handle in self.actors.values()]
+        for handle, ref in closing:
             try:
-                self.ray.get(handle.close.remote(), timeout=120)
+                self.ray.get(ref, timeout=120)
             except Exception:  # a dead actor has nothing left to close
                 pass
             self.ray.kill(handle)
@@ -236,5 +244,7 @@ def local_cpus(cfg: OnPolicyConfig) -> int:
 
 def run_ray(cfg: OnPolicyConfig) -> list[dict]:
     """Run (or resume) the on-policy loop with its engines in Ray actors; returns the metrics lines."""
+    t0 = time.perf_counter()
     with connect(cfg.ray_address, num_cpus=local_cpus(cfg)):  # GPUs: what Ray detects (never declared)
-        return RayDriver(cfg).loop()
+        # the cluster's start (local) or the connection: a fixed cost of every run, as the actors' start
+        return RayDriver(cfg).loop({"connect_s": round(time.perf_counter() - t0, 2)})

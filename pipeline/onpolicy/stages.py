@@ -2,6 +2,7 @@
 
     Workspace       one run's resolved inputs and output folder (student/teacher folders, paths, prompts)
     setup_stage     once per run: off-policy data (imported + scored, then frozen), held-out samples + scores
+                    (the steps of setup_steps, each on one engine: an executor may run each where its engine is)
     export_stage    the student weights of step c*spg as an HF folder (a peft adapter for a LoRA student)
     generate_stage  the cycle's prompts (one shard of them) -> one rollout shard, policy_version = c*spg
     score_stage     the cycle's rollouts (one shard of them) -> teacher rows in the shared cache
@@ -255,13 +256,24 @@ def cycle_info(cfg: OnPolicyConfig, state: State, cycle: int) -> dict:
 # -- the stages -----------------------------------------------------------------------------------------------------
 
 
-def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[], None]) -> None:
-    """Once per run: off-policy data (imported + scored if configured, then frozen) and the held-out student samples
-    (the initial student's held-out KL is the metrics line of cycle -1). `save` writes `state` where it lives."""
+# The setup's steps in order, each with the engine (or model) it runs on: the Ray executor runs each on the actor that
+# holds that engine, so no engine is opened twice; the local executor and the Slurm setup job call setup_stage.
+SETUP_STEPS = (("offpolicy_score", "teacher"), ("offpolicy_freeze", None), ("heldout_sample", "sampler"),
+               ("heldout_score", "teacher"), ("heldout_kl", "trainer"))
+
+
+def setup_steps(cfg: OnPolicyConfig) -> list[tuple[str, str | None]]:
+    """The setup steps `cfg` needs (SETUP_STEPS, in order): the off-policy ones with an off-policy dataset/cache, the
+    held-out ones with held-out prompts."""
+    wanted = {"offpolicy_score": bool(cfg.offpolicy_dataset), "offpolicy_freeze": bool(cfg.offpolicy_cache)}
+    return [(step, where) for step, where in SETUP_STEPS if wanted.get(step, bool(cfg.heldout_prompts))]
+
+
+def setup_step(ws: Workspace, engines: Engines, state: State, step: str) -> bool:
+    """One setup step (each idempotent: a rerun after a kill redoes only what is missing); True when it changed
+    `state` (the off-policy shard list, frozen: save it before the next step)."""
     cfg = ws.cfg
-    if state.setup_done:
-        return
-    if cfg.offpolicy_dataset:
+    if step == "offpolicy_score":  # the off-policy dataset imported and scored into offpolicy_cache
         path = shard_path(ws.rollouts("dataset"), "dataset", 0, 1)
         if not is_complete(path, "rollout"):
             rows, _ = import_rows(ws.tokenizer(), load_prompts(cfg.offpolicy_dataset),
@@ -269,16 +281,34 @@ def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[]
             write_rollouts(path, rows, tokenizer_fingerprint=tokenizer_fingerprint(ws.tokenizer()),
                            extra={"dataset": cfg.offpolicy_dataset})
         score_into(ws, path.parent, cfg.offpolicy_cache, engines.scorer(cfg, ws.teacher))
-    if cfg.offpolicy_cache and not state.offpolicy_shards:
+    elif step == "offpolicy_freeze":
+        if state.offpolicy_shards:
+            return False
         # Frozen now: rows scored later into the same directory (held-out, on-policy) never join the
         # off-policy data, and its order stays that of `gkd train cache=[offpolicy_cache]`.
         state.offpolicy_shards = [str(p) for p in TeacherCache.open(cfg.offpolicy_cache).shard_paths()]
-        save()
-    if cfg.heldout_prompts:
-        prompts = load_prompts(cfg.heldout_prompts)
-        sample(ws, engines, "heldout", prompts, ws.student, 0, cfg.seed + 1_000_003, cfg.heldout_n)
+        return True
+    elif step == "heldout_sample":
+        sample(ws, engines, "heldout", load_prompts(cfg.heldout_prompts), ws.student, 0, cfg.seed + 1_000_003,
+               cfg.heldout_n)
+    elif step == "heldout_score":
         score_into(ws, ws.rollouts("heldout"), cfg.cache, engines.scorer(cfg, ws.teacher))
+    elif step == "heldout_kl":
         append_metrics(ws.out, {"cycle": -1, "step": 0, **heldout(ws)})  # the initial student's held-out KL
+    else:
+        raise ValueError(f"unknown setup step {step!r}")
+    return False
+
+
+def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[], None]) -> None:
+    """Once per run: off-policy data (imported + scored if configured, then frozen) and the held-out student samples
+    (the initial student's held-out KL is the metrics line of cycle -1), the steps of `setup_steps` in this process.
+    `save` writes `state` where it lives."""
+    if state.setup_done:
+        return
+    for step, _ in setup_steps(ws.cfg):
+        if setup_step(ws, engines, state, step):
+            save()
     state.setup_done = True
     save()
 

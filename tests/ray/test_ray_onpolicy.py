@@ -30,7 +30,9 @@ SGD = dict(train_extra={"optimizer": "sgd"}, lr=0.3, min_lr=0.03)  # tests/toler
 
 
 def _cfg(models: dict, out: Path, **kw) -> OnPolicyConfig:
-    return load_config(OnPolicyConfig, None, overrides(models, out, heldout_prompts=None, **{**SGD, **kw}))
+    # with the helpers' held-out prompts: the setup (held-out samples, their scores, the initial KL) runs on the
+    # actors whose engines the cycles then reuse
+    return load_config(OnPolicyConfig, None, overrides(models, out, **{**SGD, **kw}))
 
 
 def _ray(address: str) -> dict:
@@ -78,14 +80,21 @@ def test_ray_executor_equals_local(models, local_run, ray_cluster, tmp_path, mon
     out = tmp_path / "run"
     t0 = time.time()
     lines = run(_cfg(models, out, **_ray(ray_cluster)))
-    print(f"\n[onpolicy-ray] 2 cycles in {time.time() - t0:.0f} s", file=sys.stderr)
-    assert [m["cycle"] for m in lines] == [0, 1] and all(m["on_policy"] and m["loss"] > 0 for m in lines)
-    local = {m["cycle"]: m for m in lines}
-    for m in (json.loads(x) for x in (local_run / "metrics.jsonl").read_text().splitlines()):
-        assert local[m["cycle"]]["samples"] == m["samples"]
-        assert abs(local[m["cycle"]]["loss"] - m["loss"]) <= 1e-3 * abs(m["loss"])  # per-cycle losses
+    print(f"\n[onpolicy-ray] setup + 2 cycles in {time.time() - t0:.0f} s", file=sys.stderr)
+    assert [m["cycle"] for m in lines] == [-1, 0, 1] and all(m["on_policy"] and m["loss"] > 0 for m in lines[1:])
+    ray_lines = {m["cycle"]: m for m in lines}
+    local = [json.loads(x) for x in (local_run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["cycle"] for m in local] == [-1, 0, 1]
+    for m in local:
+        got = ray_lines[m["cycle"]]
+        # held-out KL of the initial student (setup) and after each cycle: the same held-out samples and scores
+        assert abs(got["heldout_kl"] - m["heldout_kl"]) <= 1e-3 * abs(m["heldout_kl"]), (got, m)
+        if m["cycle"] >= 0:
+            assert got["samples"] == m["samples"]
+            assert abs(got["loss"] - m["loss"]) <= 1e-3 * abs(m["loss"])  # per-cycle losses
     assert_layout_close(_trained(out, models), _trained(local_run, models), "trained weights")
-    # three actors for the run, each started once; both cycles ran on the same ones, one engine start each
+    # three actors for the run, each started once; the setup and both cycles ran on the same ones, one engine start
+    # each (the setup's held-out sampling and scoring opened the engines the cycles reused: no second open)
     started = _actors(out)
     assert sorted(a["role"] for a in started) == ["sampler", "teacher", "trainer"]
     cycles = State.load(out).cycles
@@ -94,6 +103,8 @@ def test_ray_executor_equals_local(models, local_run, ray_cluster, tmp_path, mon
     assert {r: seen[r]["pid"] for r in seen} == {a["role"]: a["pid"] for a in started}
     assert seen["sampler"]["engine_starts"] == 1 and seen["teacher"]["engine_starts"] == 1
     assert cycles["1"]["sync_s"] > 0  # cycle 1's weights were reloaded into the running sampler
+    phases = [json.loads(x) for x in (out / "ray" / "driver.jsonl").read_text().splitlines()]
+    assert len(phases) == 1 and phases[0]["setup_s"] > 0 and phases[0]["cycles_s"] > 0, phases  # connect_s: ~0 here
     assert _wait_dead(started)  # ended with the run
 
 
@@ -109,7 +120,7 @@ def _wait_dead(actors: list[dict], timeout: float = 60) -> bool:
 def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    values = overrides(models, out, heldout_prompts=None, **{**SGD, **_ray(ray_cluster)})
+    values = overrides(models, out, **{**SGD, **_ray(ray_cluster)})
     args = [f"{k}={'null' if v is None else v}" for k, v in values.items()]
     start_and_kill([sys.executable, "-m", "pipeline", "onpolicy", *args], tmp_path, tmp_path / "killed.log",
                    lambda: (out / "state.json").exists() and State.load(out).cycle >= 1, timeout=900)
@@ -121,9 +132,11 @@ def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tm
     t0 = time.time()
     lines = run(_cfg(models, out, **_ray(ray_cluster)))
     print(f"\n[onpolicy-ray] resumed cycle 1 in {time.time() - t0:.0f} s", file=sys.stderr)
-    assert [m["cycle"] for m in lines] == [0, 1]  # cycle 0 not redone
+    assert [m["cycle"] for m in lines] == [-1, 0, 1]  # neither the setup nor cycle 0 redone
     cycles = State.load(out).cycles
     second = _actors(out)[3:]  # a fresh set for the second driver, used by cycle 1
+    phases = [json.loads(x) for x in (out / "ray" / "driver.jsonl").read_text().splitlines()]
+    assert len(phases) == 1 and phases[0]["pid"] == os.getpid()  # the killed driver logged nothing; this one did
     assert len(second) == 3 and {a["pid"] for a in second}.isdisjoint({a["pid"] for a in first})
     pids = {c: {a["pid"] for a in cycles[c]["ray_actors"].values()} for c in ("0", "1")}
     assert pids == {"0": {a["pid"] for a in first}, "1": {a["pid"] for a in second}}
