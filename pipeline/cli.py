@@ -147,6 +147,9 @@ def _import(args: argparse.Namespace) -> int:
           f"{res['written']} written, {res['already_cached']} already cached, {res['rollouts_without_rows']} "
           f"rollout(s) without a row, {res['actual_outside_topk_rows']} row(s) with the actual token outside the "
           f"top-k (logprob bound) -> {res['cache']}")
+    return 0
+
+
 def fingerprint_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="gkd fingerprint",
