@@ -318,7 +318,7 @@ def test_bf16_rows_into_an_fp32_cache_are_refused_before_any_teacher_work(tmp_pa
     with pytest.raises(ConfigError, match="dtype: engine has 'float32', the score config 'bfloat16'"):
         score(_cfg(tmp_path, teacher, dtype="bfloat16"), llm=llm)  # an engine handed in must score as configured
     _no_teacher_work(monkeypatch)
-    monkeypatch.setattr("pipeline.score.scorer.teacher_fingerprint", lambda p: TeacherCache.open(
+    monkeypatch.setattr("pipeline.score.scorer.teacher_fingerprint", lambda p, *scheme: TeacherCache.open(
         tmp_path / "cache").descriptor.teacher_fingerprint)  # the same teacher: only the numerics differ
     for kw, message in [
         ({"dtype": "bfloat16"}, "numerics.dtype: cache has 'float32', this run has 'bfloat16'"),
