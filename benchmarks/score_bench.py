@@ -376,8 +376,9 @@ def served_markdown(res: dict) -> str:
         "",
         "| measurement | ratio | served tokens/s | in-process tokens/s | goal |",
         "|---|---|---|---|---|",
-        f"| served (openai client) vs in-process score tokens/s | **{res['ratio']:.2f}×** | {res['served_tok_s']:.0f} | "
-        f"{res['in_process_tok_s']:.0f} | ≥ 0.9× |",
+        # one measurement, under the first cells of both issues that name it (#19 and #36)
+        *(f"| {name} | **{res['ratio']:.2f}×** | {res['served_tok_s']:.0f} | {res['in_process_tok_s']:.0f} | ≥ 0.9× |"
+          for name in ("served vs in-process score tokens/s", "served (openai client) vs in-process score tokens/s")),
         "",
         f"({res['tokens']} scored tokens per round, median of {res['rounds']} interleaved rounds, scoring loop only: "
         f"the server's start ({res['server_start_s']:.0f} s) and the probe are not in it.)",
