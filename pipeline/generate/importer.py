@@ -25,7 +25,15 @@ from typing import Any
 
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
-from pipeline.generate.prompts import Prompt, PromptError, image_prompt_ids, load_prompts, prompt_ids, response_ids
+from pipeline.generate.prompts import (
+    Prompt,
+    PromptError,
+    image_prompt_ids,
+    load_prompts,
+    prompt_ids,
+    response_ids,
+    store_images,
+)
 from pipeline.slurm.arrays import task_index
 from pipeline.store import images as image_store
 from pipeline.store.fingerprint import tokenizer_fingerprint
@@ -149,16 +157,6 @@ def _import(args: argparse.Namespace, shard: int, path: Path) -> tuple[list[dict
     store_images(Path(args.out), mine, rows)
     write_rollouts(path, rows, tokenizer_fingerprint=fp, extra=extra)
     return rows, mine, skipped
-
-
-def store_images(out: Path, prompts: list[Prompt], rows: list[dict]) -> None:
-    """The images the rows name, into OUT/images/ (each once, atomically), before the shard that names them: a
-    refused row never leaves an image behind, and a shard never names an image that is not there."""
-    named = {h for r in rows for h in (r.get("images") or ())}
-    for p in prompts:
-        for data in p.images:
-            if image_store.image_hash(data) in named:
-                image_store.put(out, data)
 
 
 def vision_processor(model_dir: str | Path) -> Any:

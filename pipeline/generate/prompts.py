@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from pipeline.store.images import collapse
+from pipeline.store.images import collapse, image_hash
+from pipeline.store.images import put as put_image
 
 RG_PREFIX = "reasoning-gym:"
 
@@ -161,6 +162,16 @@ def image_prompt_ids(processor, tokenizer, messages: Sequence[dict], images: Seq
         raise PromptError(f"the processor's chat template renders this prompt other than the tokenizer's "
                           f"({len(ids)} tokens with the images expanded, {len(plain)} without); give both one template")
     return ids
+
+
+def store_images(out: Path, prompts: list[Prompt], rows: list[dict]) -> None:
+    """The images the rows name, into OUT/images/ (each once, atomically), before the shard that names them: a
+    refused row never leaves an image behind, and a shard never names an image that is not there."""
+    named = {h for r in rows for h in (r.get("images") or ())}
+    for p in prompts:
+        for data in p.images:
+            if image_hash(data) in named:
+                put_image(out, data)
 
 
 def _teacher_messages(value) -> list[dict]:

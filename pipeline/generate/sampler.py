@@ -26,7 +26,7 @@ from tqdm import tqdm
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, on_cpu, open_engine
-from pipeline.generate.prompts import Prompt, PromptError, image_prompt_ids, load_prompts, prompt_ids
+from pipeline.generate.prompts import Prompt, PromptError, image_prompt_ids, load_prompts, prompt_ids, store_images
 from pipeline.store import images as image_store
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_path, write_rollouts
@@ -105,6 +105,7 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
     skipped: Counter[str] = Counter()
     pixels: dict[str, list] = {}  # prompt id -> its decoded images
     processor = vision_processor(cfg) if any(p.images for p in prompts) else None
+    token = processor and image_store.image_token_id(json.loads((Path(cfg.student) / "config.json").read_text()))
     for p in prompts:
         ids = [] if p.empty else prompt_ids(tokenizer, p.messages)
         if p.images and not p.empty:
@@ -144,7 +145,6 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
             )
             for p, _ in chunk
         ]
-        token = processor and image_store.image_token_id(json.loads((Path(cfg.student) / "config.json").read_text()))
         requests = [TokensPrompt(prompt_token_ids=image_store.collapse(ids, token),
                                  multi_modal_data={"image": pixels[p.prompt_id]}) if p.prompt_id in pixels
                     else TokensPrompt(prompt_token_ids=ids) for p, ids in chunk]
@@ -226,7 +226,8 @@ def run_task(llm: Any, tokenizer: Any, cfg: GenerateConfig, shard: int, *, lora:
     """One task on an open engine: its share of the prompts (or `prompts`, already chosen by the caller) -> one
     complete shard with the tokenizer fingerprint in its marker (`marker`: more marker fields, or other values)."""
     fp = check_tokenizer(tokenizer, cfg)
-    result = generate(llm, tokenizer, task_prompts(cfg, shard) if prompts is None else prompts, cfg, lora=lora)
+    prompts = task_prompts(cfg, shard) if prompts is None else prompts
+    result = generate(llm, tokenizer, prompts, cfg, lora=lora)
     extra = {
         "tokenizer_fingerprint": fp, "student": str(cfg.student), "adapter": cfg.adapter,
         "policy_version": cfg.policy_version, "prompts": cfg.prompts, "shard": shard, "num_shards": cfg.num_shards,
@@ -234,11 +235,7 @@ def run_task(llm: Any, tokenizer: Any, cfg: GenerateConfig, shard: int, *, lora:
         "max_tokens": cfg.max_tokens, "engine": engine_version(), **{k: result.stats[k] for k in ("skipped", "finish")},
         **(marker or {}),
     }
-    named = {h for r in result.rows for h in (r.get("images") or ())}
-    for p in (task_prompts(cfg, shard) if prompts is None else prompts):  # the images before the shard naming them
-        for data in p.images:
-            if image_store.image_hash(data) in named:
-                image_store.put(cfg.out, data)
+    store_images(Path(cfg.out), prompts, result.rows)
     write_rollouts(output_path(cfg, shard), result.rows, tokenizer_fingerprint=fp, extra=extra)
     return result
 
