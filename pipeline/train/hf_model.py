@@ -88,7 +88,7 @@ class HFStudent(nn.Module):
         self.precision = precision
         self.hf_vocab_size = int(self.base().get_output_embeddings().weight.shape[0])
         self.processor = processor  # a vision-language student's (None: text-only)
-        self.image_token = None if processor is None else image_token_of(self.base().config)
+        self.image_token = None if processor is None else image_store.image_token_id(self.base().config.to_dict())
 
     def base(self) -> nn.Module:
         """The transformers model (inside peft's wrapper for a LoRA student; its layers carry the adapters)."""
@@ -121,13 +121,6 @@ class HFStudent(nn.Module):
 
 def is_hf(model: nn.Module) -> bool:
     return getattr(model, "gkd_backend", None) == "hf"
-
-
-def image_token_of(config) -> int | None:
-    for key in ("image_token_id", "image_token_index"):
-        if getattr(config, key, None) is not None:
-            return int(getattr(config, key))
-    return None
 
 
 def vision_inputs(student: HFStudent, input_ids: Tensor, images: list[list[tuple[str, str]]] | None,
