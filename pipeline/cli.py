@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 
 from pipeline import logs
+from pipeline.errors import command as refusals_to_messages
 from pipeline.store import TeacherCache
 from pipeline.store.export import export_plain
 from pipeline.store.imports import FORMATS, ImportRequest, import_rows
-from pipeline.store.shards import ShardError
 
 # command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
 STAGES: dict[str, tuple[str, str]] = {}
@@ -47,7 +47,8 @@ def _register_available() -> None:
             STAGES[command] = (module, text)
 
 
-def cache_main(argv: list[str]) -> int:
+@refusals_to_messages("gkd cache")
+def cache_main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="gkd cache", description="Inspect a teacher cache.")
     sub = parser.add_subparsers(dest="action", required=True)
     p_stats = sub.add_parser("stats", help="samples, scored tokens, shards, bytes/token, k, fingerprints")
@@ -73,17 +74,8 @@ def cache_main(argv: list[str]) -> int:
                           "--score-prompt)")
     args = parser.parse_args(argv)
     if args.action in ("export", "import"):
-        try:
-            return _export(args) if args.action == "export" else _import(args)
-        except (FileNotFoundError, ValueError, ShardError) as e:  # bad input: the message names the file and fix
-            print(f"gkd cache {args.action}: {e}", file=sys.stderr)
-            return 2
-
-    try:
-        cache = TeacherCache.open(args.dir)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"gkd cache {args.action}: {e}", file=sys.stderr)
-        return 2
+        return _export(args) if args.action == "export" else _import(args)
+    cache = TeacherCache.open(args.dir)
     if args.action == "stats":
         stats = cache.stats()
         if args.json:
@@ -147,13 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\n`gkd <command> --help` for a command's options; `--verbose` anywhere shows third-party logs.")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "cache":
-        return cache_main(rest)
-    if command not in STAGES:
+    if command not in commands:
         print(f"gkd: unknown command {command!r}; known: {', '.join(commands)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(STAGES[command][0])
-    return int(module.main(rest) or 0)
+    if command == "cache":
+        return cache_main(rest)
+    # every stage's main wears pipeline.errors.command: a refusal comes back as exit 2 with its message printed
+    return int(importlib.import_module(STAGES[command][0]).main(rest) or 0)
 
 
 if __name__ == "__main__":

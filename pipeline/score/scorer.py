@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from pipeline import assets
 from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, open_engine
+from pipeline.errors import UserError
 from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe, url_problems
 from pipeline.slurm.arrays import array_spec, task_index
@@ -42,7 +43,13 @@ from pipeline.store import Descriptor, TeacherCache
 from pipeline.store import images as image_store
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
-from pipeline.store.fingerprint import adapter_fingerprint, content_key, teacher_fingerprint, tokenizer_fingerprint
+from pipeline.store.fingerprint import (
+    adapter_fingerprint,
+    check_tokenizer_files,
+    content_key,
+    teacher_fingerprint,
+    tokenizer_fingerprint,
+)
 from pipeline.store.locks import FileLock
 from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards, rollout_tokenizer
 from pipeline.store.schema import check_arrow_schema
@@ -155,7 +162,7 @@ class ScoreConfig:
         return p
 
 
-class ScoreInputError(ValueError):
+class ScoreInputError(UserError, ValueError):
     """Bad rollouts: the message names the samples and the fix."""
 
 
@@ -435,6 +442,7 @@ def resolve_teacher(name: str | Path | None) -> Path:
     path = assets.resolve_teacher(name)
     if not (path / "config.json").exists():
         raise ConfigError(f"teacher: {path} is not a Hugging Face model folder (no config.json)")
+    check_tokenizer_files(path)
     return path
 
 
@@ -488,6 +496,9 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = int(teacher_vocab_size(teacher_config))
+    if cfg.topk > vocab_size:  # before cache.json is written (it would record the k) and before any engine starts
+        raise ConfigError(f"topk={cfg.topk} is above the teacher's vocabulary ({teacher}/config.json: vocab_size="
+                          f"{vocab_size}); choose --topk <= {vocab_size} (a top-k beyond it holds no more tokens)")
     image_token = image_store.image_token_id(json.loads((teacher / "config.json").read_text()))
     engine_len = engine_length(cfg, teacher_config)
     served = probe = None

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import MissingInputError, UserError
 from pipeline.store import codec, images
 from pipeline.store.locks import FileLock
 from pipeline.store.schema import SchemaError, load_schema
@@ -43,7 +44,7 @@ COMMIT_WAIT_S = 600.0  # a commit takes milliseconds; this long means a holder h
 META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
 
 
-class CacheMismatchError(ValueError):
+class CacheMismatchError(UserError, ValueError):
     """The cache was built with another teacher, tokenizer, k, logprob mode, numerics or codec."""
 
 
@@ -79,7 +80,7 @@ class Descriptor:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path.parent}: not a teacher cache (no {DESCRIPTOR}); run `gkd score` first") from None
+            raise MissingInputError(f"{path.parent}: not a teacher cache (no {DESCRIPTOR}); run `gkd score` first") from None
         except json.JSONDecodeError as e:
             raise SchemaError(f"{path}: unreadable descriptor ({e})") from e
         schema = load_schema("descriptor")

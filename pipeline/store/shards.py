@@ -28,13 +28,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import UserError
 from pipeline.store.schema import SchemaError, check_arrow_schema, load_schema
 
 MARKER_SUFFIX = ".ok"
 ZSTD_LEVEL = 9  # measured: level 9 is within 1-2 % of level 19 on the cache columns at a fraction of the time
 
 
-class ShardError(RuntimeError):
+class ShardError(UserError, RuntimeError):
     """A shard is missing, incomplete, corrupt or of the wrong kind, or the store cannot be written. The message
     names the file."""
 

@@ -5,6 +5,7 @@ checkpoint folder byte-identical afterwards. One real 2-step run makes the check
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,20 @@ def test_checkpoint_of_another_optimizer_layout(tiny, run, capsys, monkeypatch):
     assert "distributed-optimizer state saved at tensor_model_parallel_size=1, this run has 2" in err, err
     assert "Resume with tensor_model_parallel_size=1 (any number of data-parallel ranks)" in err, err
     assert _snapshot(sharded) == before
+
+
+def test_caches_that_cannot_share_a_micro_batch(tiny, tmp_path, capsys):
+    """`gkd train "cache=[c8,c4]"` (and a top-k with a top-p cache): one message naming the caches, no traceback."""
+    from tiny_cache import random_samples, score_into_cache
+
+    samples = random_samples(4, tiny["vocab"], seed=3)
+    score_into_cache(tiny["model"], tmp_path / "c4", samples, k=4)
+    score_into_cache(tiny["model"], tmp_path / "c8p", samples, topp=0.9, min_k=2)
+    for other, pattern in (("c4", r"caches with different k \(\[4, 8\]\) cannot share a micro-batch: .*c4: k=4"),
+                           ("c8p", r"caches with different top-p settings .*cannot be read together \(.*c8p")):
+        before = _snapshot(tmp_path)
+        assert gkd(["train", *_overrides(tiny, tmp_path / "run", cache=f"[{tiny['cache']},{tmp_path / other}]")]) == 2
+        err = capsys.readouterr().err
+        assert re.search(pattern, err) and "Traceback" not in err, err
+        assert re.search(r"train from (caches of one k|one of them)", err), err
+        assert _snapshot(tmp_path) == before and not (tmp_path / "run" / "metrics.jsonl").exists()
