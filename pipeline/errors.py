@@ -14,7 +14,7 @@ import traceback
 import typing
 from collections.abc import Callable
 
-from pipeline import logs
+from pipeline import lifetime, logs
 
 Main = Callable[[list[str] | None], int]
 
@@ -37,12 +37,14 @@ def command(prog: str) -> Callable[[Main], Main]:
     The one place a refusal becomes a message, for `gkd` (pipeline/cli.py) and for every entry run on its own
     (`torchrun -m pipeline.train.run`, tests calling a stage's `main`). A missing file the OS names
     (FileNotFoundError) counts as a refusal too, as every stage treated it before; any other exception is a bug and
-    keeps its traceback. With `--verbose` the refusal's traceback is printed as well.
+    keeps its traceback. With `--verbose` the refusal's traceback is printed as well. It also marks the process
+    as a command whose children die with it (pipeline/lifetime.py).
     """
 
     def wrap(main: Main) -> Main:
         @functools.wraps(main)
         def run(argv: list[str] | None = None) -> int:
+            lifetime.mark_command()  # what this command starts dies with it (pipeline/lifetime.py)
             try:
                 return main(argv)
             except (UserError, FileNotFoundError) as e:

@@ -1,0 +1,61 @@
+"""No process outlives its command: what a `gkd` command starts dies with it, also when the command is kill -9'd.
+
+A SIGKILLed process runs no cleanup, so it cannot take its children down; each child watches its parent instead.
+`mark_command()` (run by `pipeline.errors.command`, i.e. at the start of every entry's `main`) puts the command's
+pid into the environment, which every process it starts inherits. `watch_parent()` (run by `pipeline/__init__.py`,
+so in every process that imports the package: multiprocessing's spawn children re-import the parent's `__main__`,
+`pipeline.cli`; the `python -m pipeline STAGE` subprocesses of the on-policy driver and the demo) starts a daemon
+thread in a process whose parent is that command: once the parent is gone (the child is re-parented), the child
+SIGKILLs itself, and its own children, which it marked in turn, follow it the same way.
+
+A watch thread rather than prctl(PR_SET_PDEATHSIG): the kernel sends that signal when the parent *thread* that
+started the child exits (prctl(2), "the parent" is the creating thread), which would kill a child that a worker
+thread of a live command started. SIGKILL rather than SIGTERM: the command is already dead, every write is atomic
+(temporary name, then rename, marker last), so nothing is left to flush, and a signal handler (vLLM installs
+some) must not keep the orphan alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+ENV = "GKD_PARENT_PID"  # the pid of the nearest `gkd` process above this one
+POLL_S = 0.5
+
+
+def mark_command() -> None:
+    """Make this process the parent that the processes it starts from now on watch."""
+    os.environ[ENV] = str(os.getpid())
+
+
+def watch_parent(poll_s: float = POLL_S) -> None:
+    """In a child of a marked command: die with it (see the module docstring); elsewhere nothing."""
+    want = os.environ.get(ENV, "")
+    if not want.isdigit() or int(want) == os.getpid():
+        return
+    parent = int(want)
+    if os.getppid() != parent:
+        if not _alive(parent):  # the command died before this child got here: it is an orphan already
+            os.kill(os.getpid(), signal.SIGKILL)
+        return  # started by another process (a shell, a Slurm or Ray daemon) that inherited the variable: not ours
+    mark_command()  # this child's own children watch it in turn
+    threading.Thread(target=_watch, args=(parent, poll_s), name="gkd-parent-watch", daemon=True).start()
+
+
+def _watch(parent: int, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
