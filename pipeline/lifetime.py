@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 ENV = "GKD_PARENT_PID"  # the pid of the nearest `gkd` process above this one
 POLL_S = 0.5
@@ -58,4 +59,45 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+# -- the processes of a command, read from /proc: what a kill test or the faults bench snapshots right before its
+# SIGKILL (after it, an orphan can no longer be found by its parent) and counts afterwards
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(ppid, state, start time in clock ticks) of a live pid, else None. The start time tells a reused pid apart."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every live process below `pid` (children, their children, ...): pid -> start time."""
+    stats = {int(p.name): s for p in Path("/proc").iterdir() if p.name.isdigit() and (s := _stat(int(p.name)))}
+    below, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child, (ppid, _, start) in stats.items():
+            if ppid == parent and child not in below:
+                below[child] = start
+                todo.append(child)
+    return below
+
+
+def survivors(procs: dict[int, int], wait_s: float = 60.0) -> list[int]:
+    """The processes of `procs` (from `descendants`) still alive (zombies count as gone) after up to `wait_s`; the
+    survivors are then SIGKILLed, so a failing test leaves nothing behind either."""
+    def alive() -> list[int]:
+        return [p for p, start in procs.items() if (s := _stat(p)) and s[2] == start and s[1] != "Z"]
+
+    deadline = time.monotonic() + wait_s
+    while (left := alive()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
     return True

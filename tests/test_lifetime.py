@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from processes import descendants, survivors
+from pipeline.lifetime import descendants, survivors
 
 REPO = Path(__file__).resolve().parents[1]
 

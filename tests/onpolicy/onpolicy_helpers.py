@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.lifetime import descendants, survivors
+
 REPO = Path(__file__).resolve().parents[2]
 
 RG = "reasoning-gym:basic_arithmetic?size={size}&seed={seed}"
@@ -20,8 +22,6 @@ def start_and_kill(cmd: list[str], cwd: Path, log: Path, ready: Callable[[], boo
     """Run `gkd onpolicy ...` (`cmd`) in a subprocess and SIGKILL it (the driver alone, as a user's kill -9 does) as
     soon as `ready()` holds; it must still be running then (its log is shown otherwise). No process it started may
     survive it (pipeline/lifetime.py): its engine, loader and stage processes die with it."""
-    from processes import descendants, survivors
-
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
                                 stderr=subprocess.STDOUT)
