@@ -1,7 +1,7 @@
 """The bad-input catalogue (docs/bad-inputs.md): each row is a case here, run through the real CLI in-process.
 
-Every case checks the same three things: a non-zero exit; a message naming the file, the field or value, and the
-fix; and nothing already on disk harmed (every file there before is byte-identical after, no temporary or partial
+Every case checks the same four things: a non-zero exit; a message naming the file, the field or value, and the
+fix; no traceback (pipeline.errors.command prints a refusal as one message); and nothing already on disk harmed (every file there before is byte-identical after, no temporary or partial
 file is left). No model is trained and no engine is started: every refusal comes before that work, which is the
 point (a bad input must fail in seconds). The trainer's checkpoint cases need a real checkpoint and live in
 tests/train/test_refusals.py.
