@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline import logs
+from pipeline import lifetime, logs
 from pipeline.errors import command as refusals_to_messages
 from pipeline.store import TeacherCache
 from pipeline.store.export import export_plain
@@ -126,6 +126,7 @@ def _import(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    lifetime.mark_command()  # what any command starts dies with it, also after kill -9 (pipeline/lifetime.py)
     # `--verbose` anywhere: every third-party log and warning too, here and in every subprocess (pipeline/logs.py).
     argv, loud = logs.strip_verbose(argv)
     if loud:

@@ -4,9 +4,10 @@ A SIGKILLed process runs no cleanup, so it cannot take its children down; each c
 `mark_command()` (run by `pipeline.errors.command`, i.e. at the start of every entry's `main`) puts the command's
 pid into the environment, which every process it starts inherits. `watch_parent()` (run by `pipeline/__init__.py`,
 so in every process that imports the package: multiprocessing's spawn children re-import the parent's `__main__`,
-`pipeline.cli`; the `python -m pipeline STAGE` subprocesses of the on-policy driver and the demo) starts a daemon
-thread in a process whose parent is that command: once the parent is gone (the child is re-parented), the child
-SIGKILLs itself, and its own children, which it marked in turn, follow it the same way.
+`pipeline.cli`; the `python -m pipeline STAGE` subprocesses of the on-policy driver and the demo; forked children
+through `os.register_at_fork`) starts a daemon thread in a process whose parent is that command: once the parent is
+gone (the child is re-parented), the child SIGKILLs itself, and its own children, which it marked in turn, follow it
+the same way. `gkd` marks itself too (pipeline/cli.py), for the commands without `errors.command`.
 
 A watch thread rather than prctl(PR_SET_PDEATHSIG): the kernel sends that signal when the parent *thread* that
 started the child exits (prctl(2), "the parent" is the creating thread), which would kill a child that a worker
@@ -38,27 +39,31 @@ def watch_parent(poll_s: float = POLL_S) -> None:
     if not want.isdigit() or int(want) == os.getpid():
         return
     parent = int(want)
+    # Only a direct child watches. A process whose parent is another one inherited the variable through it (a
+    # shell, a Slurm job: sbatch exports the submitting environment; a Ray worker) and may rightly outlive the
+    # command that set it, so it is left alone, even when that pid is gone. The cost: a child whose parent dies in
+    # the second between its start and this import is re-parented before it looks, and is not caught.
     if os.getppid() != parent:
-        if not _alive(parent):  # the command died before this child got here: it is an orphan already
-            os.kill(os.getpid(), signal.SIGKILL)
-        return  # started by another process (a shell, a Slurm or Ray daemon) that inherited the variable: not ours
+        return
     mark_command()  # this child's own children watch it in turn
     threading.Thread(target=_watch, args=(parent, poll_s), name="gkd-parent-watch", daemon=True).start()
+
+
+def _after_fork() -> None:
+    """A forked child (multiprocessing's fork start method, a data loader's workers) imports nothing and inherits no
+    thread: start its watch here when its parent is the marked process."""
+    if os.environ.get(ENV, "") == str(os.getppid()):
+        watch_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork)  # (subprocess's fork + exec runs no such hook; exec'd children
+# that import the package start their watch at the import)
 
 
 def _watch(parent: int, poll_s: float) -> None:
     while os.getppid() == parent:
         time.sleep(poll_s)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 # -- the processes of a command, read from /proc: what a kill test or the faults bench snapshots right before its
@@ -100,4 +105,3 @@ def survivors(procs: dict[int, int], wait_s: float = 60.0) -> list[int]:
         except ProcessLookupError:
             pass
     return left
-    return True

@@ -1,5 +1,5 @@
 """pipeline/lifetime.py: what a command starts dies with it after kill -9 (a multiprocessing spawn worker, as vLLM and
-Megatron start them, and a `python -m pipeline ...`-style subprocess), and a process the command did not start is
+Megatron start them, a forked worker, and a `python -m pipeline ...`-style subprocess), and a process the command did not start is
 left alone. Checked on real processes through /proc (tests/processes.py), not on the module's own bookkeeping."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def sleep():
 if __name__ == "__main__":
     lifetime.mark_command()
     mp.get_context("spawn").Process(target=sleep).start()
+    mp.get_context("fork").Process(target=sleep).start()  # as a data loader's workers: no import, no thread inherited
     subprocess.Popen([sys.executable, "-c", "import pipeline, time; time.sleep(600)"])
     print("ready", flush=True)
     time.sleep(600)
@@ -42,12 +43,12 @@ def test_children_die_with_a_killed_command(tmp_path):
     below: dict[int, int] = {}
     try:
         assert proc.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 120  # both children up (the spawn worker and the subprocess are python processes)
-        while time.monotonic() < deadline and len(below) < 2:
+        deadline = time.monotonic() + 120  # the three children up (each a python process)
+        while time.monotonic() < deadline and len(below) < 3:
             below = {p: s for p, s in descendants(proc.pid).items()
                      if Path(f"/proc/{p}/cmdline").read_bytes().count(b"python")}
             time.sleep(0.1)
-        assert len(below) >= 2, below
+        assert len(below) >= 3, below
         time.sleep(2)  # their imports done (the watch starts at `import pipeline`)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -58,9 +59,11 @@ def test_children_die_with_a_killed_command(tmp_path):
 
 
 def test_a_process_the_command_did_not_start_is_left_alone(tmp_path):
-    """The variable inherited by a process whose parent is another (a Slurm or Ray daemon's job): no watch."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GKD_PARENT_PID": str(os.getpid())}
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'import pipeline, threading; "
-                          "print([t.name for t in threading.enumerate()])'; true"], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0 and "gkd-parent-watch" not in out.stdout and "MainThread" in out.stdout, out
+    """The variable inherited by a process whose parent is another (a Slurm job: sbatch exports the environment of
+    `gkd slurm`, which has long exited): no watch, and it runs to its end."""
+    code = "import pipeline, threading; print([t.name for t in threading.enumerate()])"
+    for marker in (str(os.getpid()), "999999999"):  # the command alive; the command gone
+        env = {**os.environ, "PYTHONPATH": str(REPO), "GKD_PARENT_PID": marker}
+        out = subprocess.run(["sh", "-c", f"{sys.executable} -c '{code}'; true"], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and "gkd-parent-watch" not in out.stdout and "MainThread" in out.stdout, out
