@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,9 +30,45 @@ ENV = "GKD_PARENT_PID"  # the pid of the nearest `gkd` process above this one
 POLL_S = 0.5
 
 
+_WATCHDOG_OF: list[int] = []  # the pid whose watchdog this process started (one per process)
+
+
 def mark_command() -> None:
-    """Make this process the parent that the processes it starts from now on watch."""
+    """Make this process the parent that the processes it starts from now on watch, and start its watchdog."""
     os.environ[ENV] = str(os.getpid())
+    if os.getpid() in _WATCHDOG_OF or not Path("/proc/self/stat").exists():
+        return
+    _WATCHDOG_OF.append(os.getpid())
+    # A child that never imports this package (a multiprocessing spawn worker of third-party code: spawn re-imports
+    # no `pkg.__main__`; its resource tracker; an exec'd tool) cannot watch for itself. A small separate process
+    # does it for the command: it notes the command's processes once a second and, once the command is gone, kills
+    # those still alive and what they started since. Exec'd, not forked: a fork of a process with threads may hang.
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+            f"from pipeline.lifetime import watchdog; watchdog({os.getpid()}, {_stat(os.getpid())[2]})")
+    subprocess.Popen([sys.executable, "-S", "-c", code], env={**os.environ, ENV: ""}, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def watchdog(pid: int, start: int, poll_s: float = 1.0) -> None:
+    """The command `pid` (started at `start`, clock ticks) is this process's parent: note its processes while it
+    lives; once it is gone, SIGKILL every one of them still alive, and their own descendants."""
+    me, seen = os.getpid(), {}
+    while os.getppid() == pid and (s := _stat(pid)) and s[2] == start:
+        seen = {p: t for p, t in {**seen, **descendants(pid)}.items() if p != me and _started(p) == t}
+        time.sleep(poll_s)
+    for p in list(seen):
+        seen.update(descendants(p))  # what they started since the last look (they are alive: found below them)
+    for p, t in seen.items():
+        if p != me and _started(p) == t:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _started(pid: int) -> int | None:
+    s = _stat(pid)
+    return s[2] if s and s[1] != "Z" else None
 
 
 def watch_parent(poll_s: float = POLL_S) -> None:

@@ -1,5 +1,6 @@
 """pipeline/lifetime.py: what a command starts dies with it after kill -9 (a multiprocessing spawn worker, as vLLM and
-Megatron start them, a forked worker, and a `python -m pipeline ...`-style subprocess), and a process the command did not start is
+Megatron start them, a forked worker, a `python -m pipeline ...`-style subprocess, and one that never imports the
+package), and a process the command did not start is
 left alone. Checked on real processes through /proc (tests/processes.py), not on the module's own bookkeeping."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if __name__ == "__main__":
     mp.get_context("spawn").Process(target=sleep).start()
     mp.get_context("fork").Process(target=sleep).start()  # as a data loader's workers: no import, no thread inherited
     subprocess.Popen([sys.executable, "-c", "import pipeline, time; time.sleep(600)"])
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # never imports pipeline: the watchdog's
     print("ready", flush=True)
     time.sleep(600)
 """
@@ -43,12 +45,12 @@ def test_children_die_with_a_killed_command(tmp_path):
     below: dict[int, int] = {}
     try:
         assert proc.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 120  # the three children up (each a python process)
-        while time.monotonic() < deadline and len(below) < 3:
+        deadline = time.monotonic() + 120  # the four children and the watchdog up (each a python process)
+        while time.monotonic() < deadline and len(below) < 5:
             below = {p: s for p, s in descendants(proc.pid).items()
                      if Path(f"/proc/{p}/cmdline").read_bytes().count(b"python")}
             time.sleep(0.1)
-        assert len(below) >= 3, below
+        assert len(below) >= 5, below  # + the watchdog
         time.sleep(2)  # their imports done (the watch starts at `import pipeline`)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
