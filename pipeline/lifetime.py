@@ -7,7 +7,10 @@ so in every process that imports the package: multiprocessing's spawn children r
 `pipeline.cli`; the `python -m pipeline STAGE` subprocesses of the on-policy driver and the demo; forked children
 through `os.register_at_fork`) starts a daemon thread in a process whose parent is that command: once the parent is
 gone (the child is re-parented), the child SIGKILLs itself, and its own children, which it marked in turn, follow it
-the same way. `gkd` marks itself too (pipeline/cli.py), for the commands without `errors.command`.
+the same way. `gkd` marks itself too (pipeline/cli.py), for the commands without `errors.command`. A child that
+never imports the package (a third-party spawn worker: multiprocessing re-imports no `pkg.__main__`, so `python -m
+pipeline train`'s Megatron checkpoint worker and its resource tracker stayed; an exec'd tool) is caught by the
+command's watchdog, a small process `mark_command` starts once per process (see `watchdog`).
 
 A watch thread rather than prctl(PR_SET_PDEATHSIG): the kernel sends that signal when the parent *thread* that
 started the child exits (prctl(2), "the parent" is the creating thread), which would kill a child that a worker
