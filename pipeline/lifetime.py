@@ -9,7 +9,8 @@ through `os.register_at_fork`) starts a daemon thread in a process whose parent 
 gone (the child is re-parented), the child SIGKILLs itself, and its own children, which it marked in turn, follow it
 the same way. `gkd` marks itself too (pipeline/cli.py), for the commands without `errors.command`. A child that
 never imports the package (a third-party spawn worker: multiprocessing re-imports no `pkg.__main__`, so `python -m
-pipeline train`'s Megatron checkpoint worker and its resource tracker stayed; an exec'd tool) is caught by the
+pipeline train`'s spawn worker, by its timing dist_checkpointing's (megatron/core/dist_checkpointing/strategies
+use the spawn context), and its resource tracker stayed; an exec'd tool) is caught by the
 command's watchdog, a small process `mark_command` starts once per process (see `watchdog`).
 
 A watch thread rather than prctl(PR_SET_PDEATHSIG): the kernel sends that signal when the parent *thread* that
