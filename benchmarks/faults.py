@@ -33,6 +33,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from benchmarks.report import Stamp, old_sections, section, write_benchmarks
+from pipeline.lifetime import descendants, survivors
 from pipeline.store import TeacherCache, read_cache
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import iter_rollouts, rollout_row, rollout_shards, write_rollouts
@@ -144,7 +145,7 @@ def kill_points(name: str, s: dict, work: Path, points: int, seed: int) -> dict:
         raise RuntimeError(f"reference {name} run failed:\n{done.stderr[-3000:]}")
     wall, expected = time.time() - t0, output(name, ref)
     rng = random.Random(f"{seed}-{name}")
-    killed, survived, groups, failures = 0, 0, 0, []
+    killed, survived, groups, failures, left, seen = 0, 0, 0, [], 0, 0
     while killed < points:
         out, group_points, bad = work / f"{name}-g{groups}", [], []
         log = work / f"{name}-g{groups}.stderr"
@@ -152,12 +153,19 @@ def kill_points(name: str, s: dict, work: Path, points: int, seed: int) -> dict:
         while True:
             proc = _start(command(name, s, out), log)
             delay = rng.uniform(0.0, wall)
-            try:
-                proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
+            below, until = {}, time.monotonic() + delay
+            while proc.poll() is None and time.monotonic() < until:  # its processes, seen while they live
+                below.update(descendants(proc.pid))
+                time.sleep(0.1)
+            if proc.poll() is None:
+                below.update(descendants(proc.pid))
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 killed += 1
+                stayed = survivors(below, wait_s=30)  # (then killed, so that the next start is not slowed)
+                left, seen = left + len(stayed), seen + len(below)
+                if stayed:
+                    bad.append(f"after the kill at {delay:.2f} s: {len(stayed)} process(es) of it still alive")
                 group_points.append(round(delay, 2))
                 bad += [f"after the kill at {delay:.2f} s: {p}" for p in consistent(name, out)]
                 if killed >= points:  # the last point: finish this group without more kills
@@ -176,6 +184,7 @@ def kill_points(name: str, s: dict, work: Path, points: int, seed: int) -> dict:
             survived += 0 if bad else len(group_points)
             failures += [f"{name} kills at {group_points} s: {b}" for b in bad]
     return {"command": name, "killed": killed, "survived": survived, "groups": groups, "reference_s": round(wall, 1),
+            "processes_left": left, "processes_seen": seen,
             "failures": failures, "seconds": round(time.time() - t0, 1)}
 
 
@@ -238,6 +247,12 @@ def markdown(res: dict) -> str:
         detail = "; ".join(f"{k['command']}: {k['groups']} output folders, kills at U(0, {k['reference_s']} s)"
                            for k in res["kill"])
         lines.append(f"| kill -9 points survived | {cells} (points killed / points whose rerun matched) | {detail} |")
+        if all("processes_left" in k for k in res["kill"]):
+            left = "; ".join(f"{k['command']} {k['processes_left']}" for k in res["kill"])
+            seen = "; ".join(f"{k['command']} {k['processes_seen']}" for k in res["kill"])
+            lines.append(f"| processes left after kill -9, per command | {left} | processes below the killed command "
+                         "(/proc, snapshot at the kill) alive 30 s after it, summed over its kill points, "
+                         f"of those seen below it ({seen}); goal 0 (pipeline/lifetime.py) |")
     for row, r in res.get("tests", {}).items():
         total = r["passed"] + len(r["failed"])
         skipped = f"; {len(r['skipped'])} skipped (needs root)" if r["skipped"] else ""

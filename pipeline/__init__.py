@@ -11,3 +11,8 @@ __version__ = "0.1.0"
 from pipeline import logs as _logs  # noqa: E402
 
 _logs.configure()
+
+# A child of a `gkd` command (a spawn worker, a stage subprocess) dies with it, also after kill -9: pipeline/lifetime.py
+from pipeline import lifetime as _lifetime  # noqa: E402
+
+_lifetime.watch_parent()

@@ -24,8 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import logs
-from pipeline.store import ShardError, TeacherCache
+from pipeline import lifetime, logs
+from pipeline.errors import command as refusals_to_messages
+from pipeline.store import TeacherCache
 from pipeline.store.export import export_plain
 from pipeline.store.fingerprint import FINGERPRINT_SCHEME, teacher_fingerprint_info
 from pipeline.store.imports import FORMATS, ImportRequest, import_rows
@@ -51,7 +52,8 @@ def _register_available() -> None:
             STAGES[command] = (module, text)
 
 
-def cache_main(argv: list[str]) -> int:
+@refusals_to_messages("gkd cache")
+def cache_main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="gkd cache", description="Inspect a teacher cache.")
     sub = parser.add_subparsers(dest="action", required=True)
     p_stats = sub.add_parser("stats", help="samples, scored tokens, shards, bytes/token, k, fingerprints")
@@ -79,31 +81,14 @@ def cache_main(argv: list[str]) -> int:
     p_index.add_argument("dir")
     args = parser.parse_args(argv)
     if args.action in ("export", "import"):
-        try:
-            return _export(args) if args.action == "export" else _import(args)
-        except (FileNotFoundError, ValueError, ShardError) as e:  # bad input: the message names the file and fix
-            print(f"gkd cache {args.action}: {e}", file=sys.stderr)
-            return 2
-
-    try:
-        cache = TeacherCache.open(args.dir)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"gkd cache {args.action}: {e}", file=sys.stderr)
-        return 2
+        return _export(args) if args.action == "export" else _import(args)
+    cache = TeacherCache.open(args.dir)
     if args.action == "index":
-        try:
-            idx = cache.rebuild_index()
-        except ShardError as e:
-            print(f"gkd cache index: {e}", file=sys.stderr)
-            return 2
+        idx = cache.rebuild_index()
         print(f"gkd cache index: {len(idx.names)} shards, {len(idx.keys)} rows indexed in {idx.path}")
         return 0
     if args.action == "stats":
-        try:
-            stats = cache.stats()
-        except ShardError as e:
-            print(f"gkd cache stats: {e}", file=sys.stderr)
-            return 2
+        stats = cache.stats()
         if args.json:
             print(json.dumps(stats, indent=1))
         else:
@@ -150,6 +135,7 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+@refusals_to_messages("gkd fingerprint")
 def fingerprint_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="gkd fingerprint",
@@ -161,15 +147,11 @@ def fingerprint_main(argv: list[str]) -> int:
     parser.add_argument("--rehash", action="store_true", help="ignore the record and read every byte again")
     parser.add_argument("--json", action="store_true", help="print JSON: fingerprint, scheme, files hashed/reused")
     args = parser.parse_args(argv)
-    try:
-        scheme = FINGERPRINT_SCHEME
-        if args.cache:
-            scheme = TeacherCache.open(args.cache).descriptor.fingerprint_scheme or 1
-        t0 = time.perf_counter()
-        fp, info = teacher_fingerprint_info(args.model, scheme, rehash=args.rehash)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"gkd fingerprint: {e}", file=sys.stderr)
-        return 2
+    scheme = FINGERPRINT_SCHEME
+    if args.cache:
+        scheme = TeacherCache.open(args.cache).descriptor.fingerprint_scheme or 1
+    t0 = time.perf_counter()
+    fp, info = teacher_fingerprint_info(args.model, scheme, rehash=args.rehash)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"fingerprint": fp, "scheme": scheme, "seconds": round(seconds, 3), **info}, indent=1))
@@ -183,6 +165,7 @@ def fingerprint_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    lifetime.mark_command()  # what any command starts dies with it, also after kill -9 (pipeline/lifetime.py)
     # `--verbose` anywhere: every third-party log and warning too, here and in every subprocess (pipeline/logs.py).
     argv, loud = logs.strip_verbose(argv)
     if loud:
@@ -197,15 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\n`gkd <command> --help` for a command's options; `--verbose` anywhere shows third-party logs.")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command not in commands:
+        print(f"gkd: unknown command {command!r}; known: {', '.join(commands)}", file=sys.stderr)
+        return 2
     if command == "cache":
         return cache_main(rest)
     if command == "fingerprint":
         return fingerprint_main(rest)
-    if command not in STAGES:
-        print(f"gkd: unknown command {command!r}; known: {', '.join(commands)}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(STAGES[command][0])
-    return int(module.main(rest) or 0)
+    # every stage's main wears pipeline.errors.command: a refusal comes back as exit 2 with its message printed
+    return int(importlib.import_module(STAGES[command][0]).main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,13 @@ from typing import Any, TypeVar
 
 import yaml
 
+from pipeline.errors import UserError
+
 T = TypeVar("T")
 SECTIONS = ("generate", "score", "train", "onpolicy")  # the sections of a recipe file
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more problems in a config; the message lists all of them."""
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import InputError
 from pipeline.store import TeacherCache, read_cache
 
 
@@ -40,7 +41,7 @@ def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None)
     from pipeline.train.loss import divergence, student_bins, teacher_bins
 
     if TeacherCache.open(cache_dir).descriptor.k == 0:
-        raise ValueError(f"{cache_dir}: a k = 0 cache holds only the actual tokens' teacher logprobs; held-out KL "
+        raise InputError(f"{cache_dir}: a k = 0 cache holds only the actual tokens' teacher logprobs; held-out KL "
                          "needs a top-k cache (score the held-out rows with --topk >= 1)")
     model = load_hf(model) if isinstance(model, str | Path) else model
     total, tokens, agree = 0.0, 0, 0

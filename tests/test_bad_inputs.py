@@ -1,7 +1,7 @@
 """The bad-input catalogue (docs/bad-inputs.md): each row is a case here, run through the real CLI in-process.
 
-Every case checks the same three things: a non-zero exit; a message naming the file, the field or value, and the
-fix; and nothing already on disk harmed (every file there before is byte-identical after, no temporary or partial
+Every case checks the same four things: a non-zero exit; a message naming the file, the field or value, and the
+fix; no traceback (pipeline.errors.command prints a refusal as one message); and nothing already on disk harmed (every file there before is byte-identical after, no temporary or partial
 file is left). No model is trained and no engine is started: every refusal comes before that work, which is the
 point (a bad input must fail in seconds). The trainer's checkpoint cases need a real checkpoint and live in
 tests/train/test_refusals.py.
@@ -46,6 +46,7 @@ def refused(tmp: Path, argv: list[str], capsys, *patterns: str) -> str:
     rc = gkd(argv)
     err = capsys.readouterr().err
     assert rc == 2, err
+    assert "Traceback" not in err, f"a refusal printed a traceback: {err}"  # pipeline.errors.command's one job
     for pat in patterns:
         assert re.search(pat, err), f"{pat!r} not in: {err}"
     after = _snapshot(tmp)
@@ -94,6 +95,20 @@ def test_non_utf8_bytes(imported, teacher, capsys):
     data = b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n'
     refused(imported, _import(imported, teacher, data, "--shard", "1", "--num-shards", "2"), capsys,
             r"data\.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)", "re-encode the file as UTF-8")
+
+
+def test_jsonl_with_a_byte_order_mark_is_read(tmp_path, teacher):
+    """A UTF-8 file as Windows tools write it (EF BB BF first) imports to the same rollouts as the file without."""
+    from pipeline.store.rollouts import iter_rollouts, rollout_shards
+
+    text = b"".join(json.dumps({"prompt": f"what is {i}?", "response": f"{i}"}).encode() + b"\n" for i in range(3))
+    ids = {}
+    for name, data in (("plain", text), ("bom", b"\xef\xbb\xbf" + text)):
+        (tmp_path / name).mkdir()
+        assert gkd(_import(tmp_path / name, teacher, data)) == 0
+        ids[name] = [(r["prompt_id"], list(r["prompt_ids"]), list(r["completion_ids"]))
+                     for r in iter_rollouts(rollout_shards(tmp_path / name / "rollouts"))]
+    assert len(ids["plain"]) == 3 and ids["bom"] == ids["plain"]
 
 
 def test_row_longer_than_max_len_on_import(imported, teacher, capsys):
@@ -145,6 +160,29 @@ def test_token_ids_outside_the_vocabulary(tmp_path, teacher, capsys):
     refused(tmp_path, _score(tmp_path, teacher), capsys,
             r"rollouts: 1 rollout\(s\) hold token ids \(prompt_ids/completion_ids\) outside the teacher's vocabulary",
             "Re-create them with the teacher's tokenizer")
+
+
+def test_topk_above_the_teacher_vocabulary(tmp_path, teacher, capsys):
+    _rollouts(tmp_path, teacher, [_row(0)])
+    vocab = json.loads((teacher / "config.json").read_text())["vocab_size"]
+    refused(tmp_path, _score(tmp_path, teacher, None, "--topk", str(vocab + 1)), capsys,
+            rf"topk={vocab + 1} is above the teacher's vocabulary \(.*config\.json: vocab_size={vocab}\)",
+            rf"choose --topk <= {vocab}")
+    assert not (tmp_path / "cache").exists()  # no cache.json recording the impossible k
+
+
+def test_teacher_folder_without_tokenizer_files(tmp_path, teacher, capsys):
+    import shutil
+
+    _rollouts(tmp_path, teacher, [_row(0)])
+    bare = tmp_path / "bare-teacher"
+    bare.mkdir()
+    for f in teacher.iterdir():
+        if f.is_file() and "token" not in f.name and f.suffix != ".jinja":
+            shutil.copy(f, bare / f.name)
+    refused(tmp_path, _score(tmp_path, bare), capsys,
+            r"bare-teacher: no tokenizer files \(none of tokenizer\.json, tokenizer\.model, vocab\.json",
+            "copy the teacher's tokenizer.json and tokenizer_config.json")
 
 
 def test_cache_path_is_a_file(tmp_path, teacher, capsys):

@@ -25,6 +25,7 @@ from typing import Any
 
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
+from pipeline.errors import command
 from pipeline.generate.prompts import (
     Prompt,
     PromptError,
@@ -38,7 +39,7 @@ from pipeline.slurm.arrays import task_index
 from pipeline.store import images as image_store
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_path, write_rollouts
-from pipeline.store.shards import ShardError, is_complete, read_marker
+from pipeline.store.shards import is_complete, read_marker
 
 
 def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = None, on_bad: str = "error",
@@ -83,6 +84,7 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
     return rows, skipped
 
 
+@command("gkd import")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gkd import", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", required=True, help="JSONL/Parquet file, save_to_disk folder or reasoning-gym:...")
@@ -109,15 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         ap.error(str(e))
     path = shard_path(args.out, "dataset", shard, args.num_shards)
-    try:
-        with shard_lock(path, f"gkd import task {shard}/{args.num_shards} into {args.out}"):
-            if is_complete(path, "rollout"):
-                print(f"gkd import: {path} is complete; nothing to do")
-                return 0
-            rows, mine, skipped = _import(args, shard, path)
-    except (PromptError, FileNotFoundError, ShardError, image_store.ImageError) as e:
-        print(f"gkd import: {e}", file=sys.stderr)
-        return 2
+    with shard_lock(path, f"gkd import task {shard}/{args.num_shards} into {args.out}"):
+        if is_complete(path, "rollout"):
+            print(f"gkd import: {path} is complete; nothing to do")
+            return 0
+        rows, mine, skipped = _import(args, shard, path)
     tokens = sum(len(r["completion_ids"]) for r in rows)
     print(f"gkd import: {path}: {len(rows)} rollouts of {len(mine)} rows ({dict(skipped)} skipped), "
           f"{tokens} completion tokens")

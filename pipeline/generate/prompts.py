@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs
 
+from pipeline.errors import UserError
 from pipeline.store.images import collapse, image_hash
 from pipeline.store.images import put as put_image
 
 RG_PREFIX = "reasoning-gym:"
 
 
-class PromptError(ValueError):
+class PromptError(UserError, ValueError):
     """A prompt source is unreadable or lacks a field; the message names the field and the file."""
 
 
@@ -212,7 +213,8 @@ def check_jsonl(path: Path) -> None:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                # A byte-order mark (as Windows tools write UTF-8) is read past on the first line, as `datasets` does
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise PromptError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                   "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None

@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError, load_config, parse_overrides
-from pipeline.generate.prompts import PromptError
+from pipeline.config import load_config, parse_overrides
+from pipeline.errors import command
 from pipeline.generate.sampler import (  # noqa: F401 - re-exported
     CHUNK,
     LORA_RANKS,
@@ -33,7 +33,6 @@ from pipeline.generate.sampler import (  # noqa: F401 - re-exported
     task_prompts,
 )
 from pipeline.slurm.arrays import array_spec, task_index
-from pipeline.store.shards import ShardError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "generate.yaml"
 
@@ -69,17 +68,14 @@ def status(cfg: GenerateConfig) -> int:
     return 1
 
 
+@command("gkd generate")
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg, want_status = parse_args(list(sys.argv[1:] if argv is None else argv))
-        if want_status:
-            return status(cfg)
-        cfg.shard = task_index(cfg.shard, cfg.num_shards)
-        path = output_path(cfg, cfg.shard)
-        result = run_generate(cfg)  # holds the task's lock from before the engine starts to the shard's marker
-    except (ConfigError, PromptError, FileNotFoundError, ShardError) as e:
-        print(f"gkd generate: {e}", file=sys.stderr)
-        return 2
+    cfg, want_status = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if want_status:
+        return status(cfg)
+    cfg.shard = task_index(cfg.shard, cfg.num_shards)
+    path = output_path(cfg, cfg.shard)
+    result = run_generate(cfg)  # holds the task's lock from before the engine starts to the shard's marker
     if result is None:
         print(f"gkd generate: {path} is complete; nothing to do")
         return 0

@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError
+from pipeline.errors import command
 from pipeline.onpolicy.config import OnPolicyConfig, load
 from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.local import run_local
@@ -55,6 +55,7 @@ def run(cfg: OnPolicyConfig, engines: Engines | None = None) -> list[dict]:
             engines.close()
 
 
+@command("gkd onpolicy")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gkd onpolicy", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=None, help=f"flat YAML config (default: {DEFAULT_CONFIG.name})")
@@ -74,9 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:
         print(f"gkd onpolicy: stopped after {e} (state saved; rerun to continue)", file=sys.stderr)
         return 0
-    except ConfigError as e:
-        print(f"gkd onpolicy: {e}", file=sys.stderr)
-        return 2
     except (JobFailed, SlurmError, RayError) as e:
         print(f"gkd onpolicy: {e}", file=sys.stderr)
         return 1

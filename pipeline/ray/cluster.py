@@ -27,12 +27,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import UserError
+
 REPO = Path(__file__).resolve().parents[2]  # the folder that holds the `pipeline` package
 PROBE_TIMEOUT_S = 5.0
 INSTALL = "pip install -e '.[ray]' (or: pip install ray==2.60.0)"
 
 
-class RayError(RuntimeError):
+class RayError(UserError, RuntimeError):
     """Ray is missing, unreachable, or cannot run what was asked; the message names the address/resource and fix."""
 
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline.errors import InputError
+
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -41,7 +43,7 @@ def merged_teacher(base: Path, adapter: str | Path, *, dtype: str, parent: str |
         try:
             model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
         except (ValueError, KeyError, RuntimeError) as e:  # peft names the module or shape that does not fit
-            raise ValueError(f"teacher_adapter {adapter}: does not apply to teacher {base}: {e}") from e
+            raise InputError(f"teacher_adapter {adapter}: does not apply to teacher {base}: {e}") from e
         model.save_pretrained(out, safe_serialization=True)
         del model
         AutoTokenizer.from_pretrained(base).save_pretrained(out)

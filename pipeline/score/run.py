@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config, parse_overrides
+from pipeline.errors import command
 from pipeline.score.scorer import (  # noqa: F401 - re-exported for `from pipeline.score.run import ...`
     DTYPES,
     ScoreConfig,
@@ -35,8 +36,6 @@ from pipeline.score.scorer import (  # noqa: F401 - re-exported for `from pipeli
     task_name,
     token_batches,
 )
-from pipeline.score.served import ServedTeacherError
-from pipeline.store.shards import ShardError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
 
@@ -71,16 +70,13 @@ def parse_args(argv: list[str]) -> tuple[ScoreConfig, bool]:
     return cfg, a.status
 
 
+@command("gkd score")
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg, want_status = parse_args(list(sys.argv[1:] if argv is None else argv))
-        if want_status:
-            return status(cfg)
-        score(cfg)
-        return 0
-    except (ValueError, ShardError, ServedTeacherError) as e:  # config, input, cache mismatch, schema, server: messages name the file and fix
-        print(f"gkd score: {e}", file=sys.stderr)
-        return 2
+    cfg, want_status = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if want_status:
+        return status(cfg)
+    score(cfg)
+    return 0
 
 
 if __name__ == "__main__":

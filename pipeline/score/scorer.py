@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from pipeline import assets
 from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, open_engine
+from pipeline.errors import UserError
 from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe, url_problems
 from pipeline.score.writer import BatchWriter
@@ -47,6 +48,7 @@ from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import (
     FINGERPRINT_SCHEME,
     adapter_fingerprint,
+    check_tokenizer_files,
     content_key,
     teacher_fingerprint,
     tokenizer_fingerprint,
@@ -168,11 +170,11 @@ class ScoreConfig:
         return p
 
 
-class ScoreInputError(ValueError):
+class ScoreInputError(UserError, ValueError):
     """Bad rollouts: the message names the samples and the fix."""
 
 
-class TeacherOutputError(ValueError):
+class TeacherOutputError(UserError, ValueError):
     """The engine returned logprobs that cannot be stored (NaN, inf): the message names the sample and the fix."""
 
 
@@ -457,6 +459,7 @@ def resolve_teacher(name: str | Path | None) -> Path:
     path = assets.resolve_teacher(name)
     if not (path / "config.json").exists():
         raise ConfigError(f"teacher: {path} is not a Hugging Face model folder (no config.json)")
+    check_tokenizer_files(path)
     return path
 
 
@@ -510,6 +513,9 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = int(teacher_vocab_size(teacher_config))
+    if cfg.topk > vocab_size:  # before cache.json is written (it would record the k) and before any engine starts
+        raise ConfigError(f"topk={cfg.topk} is above the teacher's vocabulary ({teacher}/config.json: vocab_size="
+                          f"{vocab_size}); choose --topk <= {vocab_size} (a top-k beyond it holds no more tokens)")
     image_token = image_store.image_token_id(json.loads((teacher / "config.json").read_text()))
     engine_len = engine_length(cfg, teacher_config)
     served = probe = scheme = None

@@ -49,6 +49,7 @@ import numpy as np
 import openai
 
 from pipeline.engine import on_cpu
+from pipeline.errors import UserError
 from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
 from pipeline.store.fingerprint import _digest
 
@@ -72,7 +73,7 @@ SECRET_WORDS = ("key", "token", "secret", "password", "auth", "sig")  # query pa
 CLAMPED_LOGPROB = -9999.0
 
 
-class ServedTeacherError(RuntimeError):
+class ServedTeacherError(UserError, RuntimeError):
     """The server refused a request or stayed unreachable: the message names the URL, the server's words, the fix."""
 
 

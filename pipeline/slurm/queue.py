@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.errors import UserError
 from pipeline.slurm.arrays import parse_array
 
 __all__ = ["ACTIVE", "SlurmError", "active_indices", "active_jobs", "cancel", "check_script", "missing_shards",
@@ -25,7 +26,7 @@ ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEU
           "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING")
 
 
-class SlurmError(RuntimeError):
+class SlurmError(UserError, RuntimeError):
     """A Slurm command failed; the message carries its stderr."""
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import MissingInputError, UserError
 from pipeline.store import codec, images
 from pipeline.store import index as shard_index
 from pipeline.store.fingerprint import FINGERPRINT_SCHEME
@@ -48,7 +49,7 @@ ROW_GROUP_ROWS = 128  # the trainer's loader decodes whole row groups: small one
 META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
 
 
-class CacheMismatchError(ValueError):
+class CacheMismatchError(UserError, ValueError):
     """The cache was built with another teacher, tokenizer, k, logprob mode, numerics or codec."""
 
 
@@ -88,7 +89,7 @@ class Descriptor:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path.parent}: not a teacher cache (no {DESCRIPTOR}); run `gkd score` first") from None
+            raise MissingInputError(f"{path.parent}: not a teacher cache (no {DESCRIPTOR}); run `gkd score` first") from None
         except json.JSONDecodeError as e:
             raise SchemaError(f"{path}: unreadable descriptor ({e})") from e
         schema = load_schema("descriptor")

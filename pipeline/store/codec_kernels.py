@@ -21,8 +21,10 @@ import threading
 
 import numpy as np
 
+from pipeline.errors import UserError
 
-class CodecError(ValueError):
+
+class CodecError(UserError, ValueError):
     """Input the codec cannot store faithfully (NaN, wrong shapes, ids outside the vocabulary), or damaged data."""
 
 _BAD_ESCAPES, _PAST_TABLE = -1, -2

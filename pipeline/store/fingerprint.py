@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.errors import MissingInputError
 from pipeline.store import weights
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
@@ -51,11 +52,11 @@ def teacher_fingerprint_info(model_dir: str | Path, scheme: int = FINGERPRINT_SC
     model_dir = Path(model_dir)
     config = model_dir / "config.json"
     if not config.exists():
-        raise FileNotFoundError(f"{model_dir}: no config.json; a teacher must be a Hugging Face model folder")
+        raise MissingInputError(f"{model_dir}: no config.json; a teacher must be a Hugging Face model folder")
     canonical = json.dumps(json.loads(config.read_text()), sort_keys=True).encode()
     files = sorted({p for pat in WEIGHT_PATTERNS for p in model_dir.glob(pat)})
     if not files:
-        raise FileNotFoundError(f"{model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)})")
+        raise MissingInputError(f"{model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)})")
     if scheme == 1:
         return weights.stream_digest(model_dir, files, canonical, rehash=rehash)
     per_file, info = weights.digests(model_dir, files, "sha256", rehash=rehash)
@@ -74,6 +75,24 @@ def _hash_files(h: Any, paths: list[Path]) -> None:
         with open(p, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
+
+
+# What AutoTokenizer can load a tokenizer from: a fast tokenizer's tokenizer.json, or the files a slow one is built from
+# (sentencepiece's tokenizer.model, BPE's vocab.json + merges.txt, WordPiece's vocab.txt, tiktoken's *.tiktoken).
+# Without any, transformers fails with "You need to have sentencepiece or tiktoken installed to convert a slow
+# tokenizer", which names neither the folder nor the missing files.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_files(model_dir: str | Path, role: str = "teacher") -> None:
+    """Refuse a model folder that holds no tokenizer files, naming the folder and the files it needs."""
+    model_dir = Path(model_dir)
+    if model_dir.is_dir() and not any((model_dir / f).exists() for f in TOKENIZER_FILES) \
+            and not any(model_dir.glob("*.tiktoken")):
+        raise MissingInputError(
+            f"{model_dir}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}, *.tiktoken); copy the "
+            f"{role}'s tokenizer.json and tokenizer_config.json (or its tokenizer.model) from its model repository "
+            "into the folder")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -127,10 +146,10 @@ def adapter_fingerprint(base_fp: str, adapter_dir: str | Path) -> str:
     adapter_dir = Path(adapter_dir)
     config = adapter_dir / "adapter_config.json"
     if not config.exists():
-        raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json; a teacher adapter must be a peft LoRA folder")
+        raise MissingInputError(f"{adapter_dir}: no adapter_config.json; a teacher adapter must be a peft LoRA folder")
     files = sorted({p for pat in WEIGHT_PATTERNS for p in adapter_dir.glob(pat)})
     if not files:
-        raise FileNotFoundError(f"{adapter_dir}: no adapter weight files ({', '.join(WEIGHT_PATTERNS)})")
+        raise MissingInputError(f"{adapter_dir}: no adapter weight files ({', '.join(WEIGHT_PATTERNS)})")
     h = _digest()
     h.update(f"adapter|{base_fp}|".encode())
     h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())

@@ -26,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.errors import UserError
+
 IMAGE_DIR = "images"
 
 
-class ImageError(ValueError):
+class ImageError(UserError, ValueError):
     """A missing, unreadable, changed or corrupt image: the message names the file (and the sample) and the fix."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.errors import UserError
 from pipeline.store.export import DESCRIPTOR_KEY
 
 MEGATRON_TAR = re.compile(r"^cp(?P<cp>\d+)_dp(?P<dp>\d+)__(?P<iter>\d+)\.tar$")
@@ -24,7 +25,7 @@ MEGATRON_META = "_meta.json"
 MEGATRON_MEMBER = re.compile(r"^(?P<iter>\d+)\.pt\.zst$")
 
 
-class ImportInputError(ValueError):
+class ImportInputError(UserError, ValueError):
     """An import file that does not match the rollouts or the cache; the message names the file, the row or sample
     and the fix. Raised before anything is written."""
 

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pipeline.errors import UserError
+
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
 META_KEY = b"gkd.schema"  # Parquet key-value metadata entry: b"scored/1.0"
 
 
-class SchemaError(ValueError):
+class SchemaError(UserError, ValueError):
     """A file does not follow the schema this code reads (unknown version, missing field, wrong type)."""
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import UserError
 from pipeline.store.schema import SchemaError, check_arrow_schema, load_schema
 
 MARKER_SUFFIX = ".ok"
@@ -39,7 +40,7 @@ ZSTD_LEVEL = 9  # measured: level 9 is within 1-2 % of level 19 on the cache col
 SCORED_ZSTD_LEVEL = 3
 
 
-class ShardError(RuntimeError):
+class ShardError(UserError, RuntimeError):
     """A shard is missing, incomplete, corrupt or of the wrong kind, or the store cannot be written. The message
     names the file."""
 

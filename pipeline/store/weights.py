@@ -31,13 +31,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pipeline.errors import UserError
+
 RECORD_VERSION = 1
 RECORD_ENV = "GKD_FINGERPRINT_DIR"
 RACY_NS = 2_000_000_000  # coarse-mtime filesystems tick in 1-2 s (FAT: 2 s); newer files are re-hashed next time
 _CHUNK = 1 << 23
 
 
-class FingerprintError(ValueError):
+class FingerprintError(UserError, ValueError):
     """A weight file could not be hashed (unreadable, or changing while it was read): the message names it."""
 
 

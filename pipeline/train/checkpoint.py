@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mpu_random
 
+from pipeline.errors import MissingInputError, UserError
 from pipeline.store.shards import WriteError, atomic_write_bytes, os_error_in
 from pipeline.train import hf_model
 from pipeline.train.lora import is_lora, load_lora_state, lora_sharded_state_dict
@@ -44,7 +45,7 @@ from pipeline.train.lora import is_lora, load_lora_state, lora_sharded_state_dic
 LATEST = "latest"
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
     """A checkpoint that this run cannot continue: another LoRA setting or another precision."""
 
 META = "trainer.json"
@@ -64,7 +65,7 @@ def latest(save_dir: str | Path) -> Path | None:
         return None
     path = save_dir / marker.read_text().strip()
     if not (path / META).exists():
-        raise FileNotFoundError(f"{marker} names {path.name}, which is not a complete checkpoint")
+        raise MissingInputError(f"{marker} names {path.name}, which is not a complete checkpoint")
     return path
 
 

@@ -70,6 +70,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.errors import InputError, MissingInputError, UserError
 from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
@@ -83,7 +84,7 @@ __all__ = ["IGNORE_INDEX", "MicroBatch", "ScoredLoader", "TokenizerMismatchError
 _COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(UserError, ValueError):
     """The cache was scored with another tokenizer than the student's."""
 
 
@@ -118,7 +119,7 @@ def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
     for src in sources:
         src = Path(src)
         if not src.exists() and src.suffix != ".parquet":
-            raise FileNotFoundError(f"{src}: no such teacher cache (`gkd score` writes it)")
+            raise MissingInputError(f"{src}: no such teacher cache (`gkd score` writes it)")
         if src.is_dir():
             cache = TeacherCache.open(src)
             if indexed:
@@ -141,7 +142,7 @@ def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
                 raise ShardError(f"{src}: shard file is missing")
             out.append((src, Descriptor.read(src.parent.parent / DESCRIPTOR)) + ((None,) if indexed else ()))
         else:
-            raise FileNotFoundError(f"{src}: neither a teacher cache directory nor a .parquet shard")
+            raise MissingInputError(f"{src}: neither a teacher cache directory nor a .parquet shard")
     return out
 
 
@@ -151,7 +152,7 @@ def _resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str 
     out: list[tuple[Path, None]] = []
     for src in map(Path, sources):
         if not src.exists():
-            raise FileNotFoundError(f"{src}: no such rollout directory or shard (`gkd generate` / `gkd import` write them)")
+            raise MissingInputError(f"{src}: no such rollout directory or shard (`gkd generate` / `gkd import` write them)")
         paths = rollout_shards(src) if src.is_dir() else [src]
         if not paths:
             raise ShardError(f"{src}: no complete rollout shards (*.parquet with a .ok marker)")
@@ -238,14 +239,18 @@ class ScoredLoader:
                 )
         ks = {r[1].k for r in resolved}
         if len(ks) != 1:
-            raise ValueError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch")
+            per_cache = {str(p.parent.parent): d.k for p, d in resolved}
+            raise InputError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch: "
+                             f"{', '.join(f'{c}: k={k}' for c, k in per_cache.items())}; train from caches of one k "
+                             "(score them with the same --topk)")
         self.k = ks.pop()
         # (rows of one content key are the same sequence in every cache: which top-p setting a row comes from
         # would then depend on which cache is listed first)
         tops = {(r[1].topp, r[1].min_k) for r in resolved}
         if len(tops) != 1:
-            raise ValueError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
-                             "read together; train from one of them")
+            raise InputError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
+                             f"read together ({', '.join(sorted({str(p.parent.parent) for p, _ in resolved}))}); "
+                             "train from one of them")
         self.topp, self.min_k = tops.pop()
         self._build_index(resolved, verify_checksums)
         self._init_state()
@@ -366,7 +371,7 @@ class ScoredLoader:
         if unrouted.any():
             found = sorted({str(tags[i]) for i in np.flatnonzero(unrouted)})
             if self.on_unrouted == "error":
-                raise ValueError(
+                raise InputError(
                     f"{int(unrouted.sum())} cached row(s) have {self.route_key}={', '.join(found)}, which no teacher "
                     f"route covers (teachers: {', '.join(self.route_names)}); add a route or `default`, or "
                     "on_unrouted=skip to skip and count them")

@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.store.shards import ShardError
+from pipeline.errors import InputError, MissingInputError, command
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"}
 
@@ -45,15 +45,15 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
 
     ckpt = checkpoint.latest(checkpoint_path)
     if ckpt is None:
-        raise FileNotFoundError(f"{checkpoint_path}: no checkpoint (no trainer.json and no `latest` file)")
+        raise MissingInputError(f"{checkpoint_path}: no checkpoint (no trainer.json and no `latest` file)")
     meta = checkpoint.read_meta(ckpt)
     hf_dir = Path(student or meta["student"])
     lora = meta.get("lora")
     if adapter_only and lora is None:
-        raise ValueError(f"{ckpt}: --adapter-only needs a LoRA run (trainer.json has no lora settings); "
+        raise InputError(f"{ckpt}: --adapter-only needs a LoRA run (trainer.json has no lora settings); "
                          "this checkpoint holds full weights, export it without --adapter-only")
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
+        raise InputError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
     out_dtype = getattr(torch, DTYPES[dtype] if dtype else student_dtype(hf_dir))
     if meta.get("backend") == "hf":  # transformers' own save_pretrained (peft's for the adapter): no Megatron
         from pipeline.train.hf_model import export as export_hf_backend
@@ -78,6 +78,7 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
     return Path(out_dir)
 
 
+@command("gkd export")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gkd export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a save_dir (uses its latest) or one step_* directory")
@@ -90,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights dtype of the HF folder (default: the student's config.json dtype)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    try:
-        out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only, dtype=args.dtype)
-    except (FileNotFoundError, ValueError, ShardError) as e:  # ShardError: WriteError (a full disk), named
-        print(f"gkd export: {e}", file=sys.stderr)
-        return 2
+    out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only, dtype=args.dtype)
     print(f"gkd export: wrote {out}")
     return 0
 

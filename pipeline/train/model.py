@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.errors import MissingInputError
 from pipeline.store.shards import staged_dir
 from pipeline.train.attention import layer_spec
 from pipeline.train.families import HFArch, check_trainable, llama3_inv_freq, read_hf_arch
@@ -219,7 +220,7 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
     """All tensors of a (possibly sharded) safetensors HF checkpoint, on CPU."""
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
+        raise MissingInputError(f"no *.safetensors in {hf_dir}")
     tensors: dict[str, Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as reader:

@@ -13,10 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError, load_config
-from pipeline.store import SchemaError, ShardError
-from pipeline.store.images import ImageError
-from pipeline.train.data import TokenizerMismatchError
+from pipeline.config import load_config
+from pipeline.errors import command
 from pipeline.train.trainer import (  # noqa: F401 - re-exported
     TrainConfig,
     check_cache_holds_loss,
@@ -34,24 +32,14 @@ from pipeline.train.trainer import (  # noqa: F401 - re-exported
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train.yaml"
 
 
+@command("gkd train")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gkd train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=None, help=f"flat YAML config (default: {DEFAULT_CONFIG.name})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides, section="train")
-    except ConfigError as e:
-        print(f"gkd train: {e}", file=sys.stderr)
-        return 2
-    from pipeline.train.checkpoint import CheckpointMismatchError
-
-    try:
-        train(cfg)
-    except (FileNotFoundError, ShardError, SchemaError, TokenizerMismatchError, ConfigError,
-            CheckpointMismatchError, ImageError) as e:
-        print(f"gkd train: {e}", file=sys.stderr)  # a bad cache/student/config: a message, not a traceback
-        return 2
+    cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides, section="train")
+    train(cfg)
     return 0
 
 

@@ -13,8 +13,10 @@ def test_kill_points_survive_and_the_table_has_its_rows(tmp_path):
     for k in res["kill"]:
         assert k["failures"] == [], k
         assert k["survived"] == k["killed"] == res["points"][k["command"]], k
+        assert k["processes_left"] == 0, k  # no engine or worker of a killed command alive after it
     table = faults.markdown({**res, "tests": {row: {"passed": 1, "failed": [], "skipped": []}
                                               for row in faults.TEST_GROUPS}})
     assert "| kill -9 points survived | score 1 / 1; generate 1 / 1; train 2 / 2 " in table
+    assert "| processes left after kill -9, per command | score 0; generate 0; train 0 |" in table
     for row in ("full-disk cases survived", "concurrent-writer cases survived", "bad inputs refused cleanly"):
         assert f"| {row} | 1 / 1 |" in table

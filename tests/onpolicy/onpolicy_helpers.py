@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.lifetime import descendants, survivors
+
 REPO = Path(__file__).resolve().parents[2]
 
 RG = "reasoning-gym:basic_arithmetic?size={size}&seed={seed}"
@@ -17,21 +19,27 @@ RG = "reasoning-gym:basic_arithmetic?size={size}&seed={seed}"
 
 def start_and_kill(cmd: list[str], cwd: Path, log: Path, ready: Callable[[], bool], timeout: float,
                    poll: float = 0.1) -> None:
-    """Run `gkd onpolicy ...` (`cmd`) in a subprocess and SIGKILL it as soon as `ready()` holds; it must still be
-    running then (its log is shown otherwise)."""
+    """Run `gkd onpolicy ...` (`cmd`) in a subprocess and SIGKILL it (the driver alone, as a user's kill -9 does) as
+    soon as `ready()` holds; it must still be running then (its log is shown otherwise). No process it started may
+    survive it (pipeline/lifetime.py): its engine, loader and stage processes die with it."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
                                 stderr=subprocess.STDOUT)
+        below: dict[int, int] = {}
         try:
             deadline = time.time() + timeout
             while proc.poll() is None and time.time() < deadline and not ready():
+                below.update(descendants(proc.pid))
                 time.sleep(poll)
             assert proc.poll() is None, log.read_text()[-3000:]
+            below.update(descendants(proc.pid))  # the moment of the kill: orphans cannot be found by parent later
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
+    left = survivors(below)
+    assert not left, f"processes of the killed command survived it: {left} (of {sorted(below)})"
 
 
 def build_models(root: Path) -> dict:

@@ -5,6 +5,7 @@ checkpoint folder byte-identical afterwards. One real 2-step run makes the check
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def test_checkpoint_of_another_student(tiny, run, other_student, tmp_path, capsy
     before = _snapshot(run)
     assert gkd(["train", *_overrides(tiny, run, student=str(other_student), train_steps=4)]) == 2
     err = capsys.readouterr().err
+    assert "Traceback" not in err, err  # one message (pipeline.errors.command)
     assert "saved from another student" in err and "num_layers: checkpoint 2, this student 1" in err, err
     assert f"resume with student={tiny['student'].resolve()}" in err and "new save_dir" in err, err
     out = tmp_path / "hf"
@@ -58,6 +60,7 @@ def test_checkpoint_of_another_lora_setting(tiny, run, capsys):
     before = _snapshot(run)
     assert gkd(["train", *_overrides(tiny, run, lora_rank=4, train_steps=4)]) == 2
     err = capsys.readouterr().err
+    assert "Traceback" not in err, err  # one message (pipeline.errors.command)
     assert f"{run}/step_0000002: checkpoint LoRA settings None differ" in err, err
     assert "lora_rank / lora_alpha / lora_targets must match the run that saved it" in err
     assert _snapshot(run) == before
@@ -88,6 +91,7 @@ def test_cache_growing_under_a_run(tiny, tmp_path, capsys):
     capsys.readouterr()
     assert gkd(["train", *_overrides(tiny, run, cache=f"[{cache}]", train_steps=4)]) == 2
     err = capsys.readouterr().err
+    assert "Traceback" not in err, err  # one message (pipeline.errors.command)
     assert "(2 shards then, 3 now: 1 added" in err and late.name in err and "new save_dir" in err, err
     assert "data_position=N" in err and _snapshot(run) == before
 
@@ -103,6 +107,7 @@ def test_checkpoint_of_another_optimizer_layout(tiny, run, capsys, monkeypatch):
     before = _snapshot(run)
     assert gkd(["train", *_overrides(tiny, run, use_distributed_optimizer="true", train_steps=4)]) == 2
     err = capsys.readouterr().err
+    assert "Traceback" not in err, err  # one message (pipeline.errors.command)
     assert f"{run}/step_0000002: optimizer state saved unsharded (use_distributed_optimizer=false)" in err, err
     assert "Resume with use_distributed_optimizer=false, or start a new save_dir" in err, err
     assert _snapshot(run) == before
@@ -116,6 +121,24 @@ def test_checkpoint_of_another_optimizer_layout(tiny, run, capsys, monkeypatch):
     assert gkd(["train", *_overrides(tiny, sharded, use_distributed_optimizer="true", tensor_model_parallel_size=2,
                                      train_steps=4)]) == 2
     err = capsys.readouterr().err
+    assert "Traceback" not in err, err  # one message (pipeline.errors.command)
     assert "distributed-optimizer state saved at tensor_model_parallel_size=1, this run has 2" in err, err
     assert "Resume with tensor_model_parallel_size=1 (any number of data-parallel ranks)" in err, err
     assert _snapshot(sharded) == before
+
+
+def test_caches_that_cannot_share_a_micro_batch(tiny, tmp_path, capsys):
+    """`gkd train "cache=[c8,c4]"` (and a top-k with a top-p cache): one message naming the caches, no traceback."""
+    from tiny_cache import random_samples, score_into_cache
+
+    samples = random_samples(4, tiny["vocab"], seed=3)
+    score_into_cache(tiny["model"], tmp_path / "c4", samples, k=4)
+    score_into_cache(tiny["model"], tmp_path / "c8p", samples, topp=0.9, min_k=2)
+    for other, pattern in (("c4", r"caches with different k \(\[4, 8\]\) cannot share a micro-batch: .*c4: k=4"),
+                           ("c8p", r"caches with different top-p settings .*cannot be read together \(.*c8p")):
+        before = _snapshot(tmp_path)
+        assert gkd(["train", *_overrides(tiny, tmp_path / "run", cache=f"[{tiny['cache']},{tmp_path / other}]")]) == 2
+        err = capsys.readouterr().err
+        assert re.search(pattern, err) and "Traceback" not in err, err
+        assert re.search(r"train from (caches of one k|one of them)", err), err
+        assert _snapshot(tmp_path) == before and not (tmp_path / "run" / "metrics.jsonl").exists()
