@@ -125,9 +125,10 @@ def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tm
     start_and_kill([sys.executable, "-m", "pipeline", "onpolicy", *args], tmp_path, tmp_path / "killed.log",
                    lambda: (out / "state.json").exists() and State.load(out).cycle >= 1, timeout=900)
     first = _actors(out)
-    # killed once cycle 0 was recorded; cycle 1's export (its weights exported by cycle 0's eval: instant) may be too
+    # killed once cycle 0 was recorded, somewhere in cycle 1: where depends on the machine's load (its export is
+    # instant, generate takes seconds; CI once got to score), and the resume below must hold from any of them
     killed = State.load(out)
-    assert len(first) == 3 and killed.cycle == 1 and killed.stage in ("export", "generate"), (killed.cycle, killed.stage)
+    assert len(first) == 3 and killed.cycle == 1 and killed.stage != "eval", (killed.cycle, killed.stage)
     assert _wait_dead(first), "the killed driver's actors outlived it"
     t0 = time.time()
     lines = run(_cfg(models, out, **_ray(ray_cluster)))
