@@ -422,7 +422,7 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
     if np.all(end - start == k + 1):  # the common case, vectorised
         idx = start[:, None] + np.arange(1, k + 1)[None, :]
         actual_lp = lp[start]
-        ranks = np.asarray(flat.ranks, dtype=np.int64)[start]
+        ranks = np.fromiter(map(flat.ranks.__getitem__, start.tolist()), np.int64, n)  # not all k + 1 per position
         if np.any(tok[start] != ids[first:]):
             raise RuntimeError("engine's actual-token entries do not match the input ids (alignment broken)")
         return {"topk_ids": tok[idx], "topk_logprobs": lp[idx], "actual_ranks": ranks, "actual_logprobs": actual_lp}

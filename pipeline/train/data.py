@@ -239,7 +239,7 @@ class ScoredLoader:
                 )
         ks = {r[1].k for r in resolved}
         if len(ks) != 1:
-            per_cache = {str(p.parent.parent): d.k for p, d in resolved}
+            per_cache = {str(r[0].parent.parent): r[1].k for r in resolved}
             raise InputError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch: "
                              f"{', '.join(f'{c}: k={k}' for c, k in per_cache.items())}; train from caches of one k "
                              "(score them with the same --topk)")
@@ -249,7 +249,7 @@ class ScoredLoader:
         tops = {(r[1].topp, r[1].min_k) for r in resolved}
         if len(tops) != 1:
             raise InputError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
-                             f"read together ({', '.join(sorted({str(p.parent.parent) for p, _ in resolved}))}); "
+                             f"read together ({', '.join(sorted({str(r[0].parent.parent) for r in resolved}))}); "
                              "train from one of them")
         self.topp, self.min_k = tops.pop()
         self._build_index(resolved, verify_checksums)
