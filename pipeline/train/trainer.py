@@ -548,7 +548,8 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    for path, desc in resolve_sources(cfg.cache):
+    # indexed: the one read of each cache's index, so a stale or foreign index is refused here, before the model
+    for path, desc, *_ in resolve_sources(cfg.cache, indexed=True):
         if desc.k > 0:
             continue
         where = path.parent.parent
