@@ -42,7 +42,7 @@ from pipeline.score.writer import BatchWriter
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store import images as image_store
-from pipeline.store.cache import DESCRIPTOR
+from pipeline.store.cache import DESCRIPTOR, SHARDS
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import (
@@ -261,7 +261,7 @@ def task_done(cache_root: Path, name: str) -> bool:
     if not marker.exists():
         return False
     parts = json.loads(marker.read_text()).get("parts", [])
-    return all(not verify_shard(cache_root / "shards" / f"{p}.parquet", "scored", checksum=False) for p in parts)
+    return all(not verify_shard(cache_root / SHARDS / f"{p}.parquet", "scored", checksum=False) for p in parts)
 
 
 # -- rows --------------------------------------------------------------------------------------------------------

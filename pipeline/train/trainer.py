@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
+from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import WriteError, atomic_write_bytes
 from pipeline.train import hf_model
@@ -552,7 +553,7 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     for path, desc, *_ in resolve_sources(cfg.cache, indexed=True):
         if desc.k > 0:
             continue
-        where = path.parent.parent
+        where = cache_root(path)
         if cfg.loss == "gkd":
             raise ConfigError(f"{where}: a k = 0 cache holds only the actual token's teacher logprob; loss=gkd "
                               f"(topk_mode={cfg.topk_mode}) needs its top-k entries. Train with loss=opd, or score "
