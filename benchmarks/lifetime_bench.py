@@ -3,10 +3,13 @@
 
     python -m benchmarks.run --only lifetime
 
-Each command runs once uninterrupted (its wall time T), then `points` times into a fresh output folder, SIGKILLed
-after a delay drawn from U(0.1 T, 0.9 T) (start-up, engines and loader workers up, final writes). While it runs,
-every process below it is recorded from /proc (pid and start time, so a reused pid is not mistaken for one of
-them); after the kill, those still alive 30 s later are its leftovers (then killed, so the next start is not slowed).
+Each command runs once uninterrupted, watched: its wall time T, and the time P at which the processes below it
+first reached their largest number (the engine, its workers, compile and spawn helpers all up). Then it runs
+`points` times into a fresh output folder, SIGKILLed after a delay drawn from U(P, 0.9 T): a kill in start-up,
+before any child exists, would prove nothing (on a loaded machine the first half of a run can be imports). While
+it runs, every process below it is recorded from /proc (pid and start time, so a reused pid is not mistaken for one
+of them); after the kill, those still alive 30 s later are its leftovers (then killed, so the next start is not
+slowed).
 The commands are the faults bench's (benchmarks/faults.py: tiny random models, the real CLI in a subprocess) and a
 2-cycle on-policy run of the on-policy tests' size (tests/onpolicy/onpolicy_helpers.py). What keeps the count at
 zero is pipeline/lifetime.py (every child watches its parent; a watchdog per command ends what third-party code
@@ -16,7 +19,6 @@ starts); whether a rerun after such a kill gives the uninterrupted output is the
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,16 +44,20 @@ def command(name: str, s: dict, out: Path) -> list[str]:
 def kills(name: str, s: dict, work: Path, points: int, seed: int) -> dict:
     """`points` kills of command `name`; the processes seen below it and those left after each."""
     log = work / f"{name}.stderr"
-    t0 = time.time()
-    ref = subprocess.run(command(name, s, work / f"{name}-ref"), env=faults.ENV, cwd=faults.ROOT,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1800)
-    if ref.returncode:
-        raise RuntimeError(f"reference {name} run failed:\n{ref.stderr[-3000:]}")
-    wall = time.time() - t0
+    t0 = time.monotonic()
+    ref = faults._start(command(name, s, work / f"{name}-ref"), log)
+    peak, peak_s = 0, 0.0
+    while ref.poll() is None:
+        if (n := len(descendants(ref.pid))) > peak:
+            peak, peak_s = n, time.monotonic() - t0
+        time.sleep(0.1)
+    wall = time.monotonic() - t0
+    if ref.wait():
+        raise RuntimeError(f"reference {name} run failed (exit {ref.returncode}); see {log}:\n{log.read_text()[-3000:]}")
     rng = random.Random(f"{seed}-{name}")
     per_kill = []
     for i in range(points):
-        delay = rng.uniform(0.1 * wall, 0.9 * wall)
+        delay = rng.uniform(min(peak_s, 0.8 * wall), 0.9 * wall)
         proc = faults._start(command(name, s, work / f"{name}-{i}"), log)
         below, until = {}, time.monotonic() + delay
         while proc.poll() is None and time.monotonic() < until:
@@ -66,7 +72,7 @@ def kills(name: str, s: dict, work: Path, points: int, seed: int) -> dict:
         left = survivors(below, wait_s=WAIT_S)
         per_kill.append({"delay_s": round(delay, 2), "seen": len(below), "left": len(left)})
     killed = [k for k in per_kill if not k.get("finished_first")]
-    return {"command": name, "reference_s": round(wall, 1), "killed": len(killed),
+    return {"command": name, "reference_s": round(wall, 1), "peak": peak, "peak_s": round(peak_s, 1), "killed": len(killed),
             "seen": sum(k["seen"] for k in killed), "left": sum(k["left"] for k in killed), "kills": per_kill}
 
 
@@ -86,8 +92,8 @@ def markdown(res: dict) -> str:
     rows = res["commands"]
     total = sum(r["left"] for r in rows)
     per = "; ".join(f"{r['command']} {r['left']}" for r in rows)
-    detail = "; ".join(f"{r['command']}: {r['killed']} kills at U(0.1, 0.9) x {r['reference_s']} s, {r['seen']} "
-                       "processes seen below it" for r in rows)
+    detail = "; ".join(f"{r['command']}: {r['killed']} kills at U({r['peak_s']}, 0.9 x {r['reference_s']}) s, at "
+                       f"most {r['peak']} processes below it, {r['seen']} seen in all" for r in rows)
     return "\n".join([
         "| measure | result | detail | goal |",
         "|---|---|---|---|",
