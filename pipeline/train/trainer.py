@@ -39,6 +39,7 @@ from pipeline.train.data import ScoredLoader, resolve_sources
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
 from pipeline.train.live_teacher import teacher_topk
+from pipeline.train.lora import LoRASpec, apply_lora, resolve_targets
 from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
 
 
@@ -198,8 +199,6 @@ class TrainConfig:
             if self.lora_alpha <= 0:
                 p.append("lora_alpha must be > 0")
             if self.backend == "megatron":  # hf (and auto, until the family is known) check them on the model
-                from pipeline.train.lora import resolve_targets
-
                 try:
                     resolve_targets(self.lora_targets)
                 except ValueError as e:
@@ -215,8 +214,6 @@ class TrainConfig:
         """The LoRASpec of this run, or None for full fine-tuning."""
         if self.lora_rank == 0:
             return None
-        from pipeline.train.lora import LoRASpec, resolve_targets
-
         return LoRASpec(self.lora_rank, self.lora_alpha, resolve_targets(self.lora_targets))
 
 
@@ -285,8 +282,6 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
         output_hidden_states(model)  # the loss applies the output layer (its weight stays in the model)
     spec = cfg.lora_spec()
     if spec is not None:
-        from pipeline.train.lora import apply_lora
-
         apply_lora(model, spec, seed=cfg.seed)  # freezes the base: DDP and the optimizer see only the adapters
     config = model.config
     config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
@@ -586,8 +581,6 @@ def train(cfg: TrainConfig) -> dict:
         raise ConfigError(f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: the hf backend ({why}) has "
                           "no tensor parallelism; train it data-parallel (torchrun) or on the Megatron backend")
     if backend == "megatron" and cfg.lora_rank:
-        from pipeline.train.lora import resolve_targets
-
         try:
             resolve_targets(cfg.lora_targets)
         except ValueError as e:
