@@ -1,0 +1,82 @@
+"""Context parallelism (pipeline/train/context_parallel.py): CP=2 == CP=1, and a sample crossing a chunk boundary
+keeps its alignment.
+
+- The split itself (no process group): every rank's zig-zag columns, put back together, are the padded micro-batch.
+- One trainer step at CP=2 (torchrun, gloo, 2 processes: CP=2 x DP=1) vs CP=1, on the same packed (and padded)
+  micro-batches whose samples cross the chunk boundaries: the same loss sums and the same gradients (HF layout)
+  under tests/tolerance.py's rule, with the fused loss (packed rows) and the unfused one with selective recompute
+  (padded rows). Both sides are the real `train_step` (Megatron's schedule, `forward_step`, `loss_func`, DDP).
+- The scoring model trained on its own cache under CP=2: loss ~ 0 per active position; the teacher rows paired one
+  position off (the classic bug): large.
+
+Run: ``python -m pytest tests/train/test_context_parallel.py`` (the torchrun test is marked distributed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tolerance import assert_layout_close
+
+from pipeline.train.context_parallel import columns, split
+from pipeline.train.data import ScoredLoader
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_split_is_the_zigzag_of_the_padded_rows(tiny):
+    """cp=3 on 32-column rows: padded to 36 (6 chunks of 6), rank r holds chunks r and 5 - r; the ranks' parts
+    put back at their columns are the padded batch, the padding being loss-free padding of its own document."""
+    mb = ScoredLoader([tiny["cache"]], micro_batch_size=2, seq_length=32, seed=0).micro_batch(0)
+    b, w = mb.input_ids.shape
+    assert w == 32
+    assert columns(12, 3, 0).tolist() == [0, 1, 10, 11] and columns(12, 3, 2).tolist() == [4, 5, 6, 7]
+    parts = [split(mb, 3, r) for r in range(3)]
+    doc_ids = parts[0][1]
+    assert doc_ids.shape == (b, 36) and torch.equal(doc_ids[:, :w], mb.doc_ids) and bool((doc_ids[:, w:] == -1).all())
+    for name in ("input_ids", "labels", "loss_mask", "teacher_ids", "teacher_logprobs", "teacher_tail", "doc_ids",
+                 "position_ids"):
+        whole = torch.empty((b, 36, *getattr(mb, name).shape[2:]), dtype=getattr(mb, name).dtype)
+        for r, (local, _) in enumerate(parts):
+            assert local.input_ids.shape == (b, 12)
+            whole[:, columns(36, 3, r)] = getattr(local, name)
+        assert torch.equal(whole[:, :w], getattr(mb, name)), name
+    assert torch.equal(parts[1][0].position_ids[0], torch.tensor([6, 7, 8, 9, 10, 11, 24, 25, 26, 27, 28, 29]))
+    padding = dataclasses.replace(mb)  # the padded columns: no loss, no label
+    whole_mask = torch.zeros(b, 36, dtype=torch.bool)
+    whole_labels = torch.zeros(b, 36, dtype=torch.long)
+    for r, (local, _) in enumerate(parts):
+        whole_mask[:, columns(36, 3, r)] = local.loss_mask
+        whole_labels[:, columns(36, 3, r)] = local.labels
+    assert not whole_mask[:, w:].any() and bool((whole_labels[:, w:] == -100).all()) and padding.tokens == mb.tokens
+
+
+@pytest.mark.distributed
+def test_cp2_matches_cp1(tiny, tmp_path):
+    worker = str(Path(__file__).with_name("_cp_worker.py"))
+    args = [str(tiny["student"]), str(tiny["model"]), str(tiny["cache"]), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, worker, *args, "1"], check=True, env=env, cwd=REPO, timeout=300)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    worker, *args, "2"], check=True, env=env, cwd=REPO, timeout=300)
+    one, two = torch.load(tmp_path / "cp1_tp1.pt"), torch.load(tmp_path / "cp2_tp1.pt")
+    for name in ("packed fused", "padded unfused recompute"):
+        a, b = one[name], two[name]
+        assert b["crossing"] > 0, name  # samples do cross the chunk boundaries
+        assert a["counts"] == b["counts"] and a["counts"][0] > 0 and a["counts"][1] > 0, name
+        assert_layout_close(b["sums"], a["sums"], f"{name} loss sums")
+        assert float(a["sums"][1]) > 0, name  # the SFT term is there to compare
+        assert_layout_close(torch.tensor(b["grad_norm"]), torch.tensor(a["grad_norm"]), f"{name} grad norm")
+        assert_layout_close(b["grads"], a["grads"], f"{name} grads")
+    for run in (one, two):
+        al = run["alignment"]
+        assert al["active"] > 50 and al["crossing"] > 0
+        assert al["loss"] < 2e-4, al  # codec quantisation only
+        assert al["shifted"] > 100 * max(al["loss"], 1e-4), al
+    assert abs(two["alignment"]["loss"] - one["alignment"]["loss"]) < 1e-5
