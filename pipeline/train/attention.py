@@ -29,6 +29,9 @@ The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_at
   in megatron-core 0.16.1 tests `qkv_format == "thd"` (RoPE, the q/k/v layout), which "sbhd" is not, and its RoPE
   length is `max_seqlen_q`, the row length, as without it. Megatron's own module refuses it (`attention=local`
   gets the mask). THD `PackedSeqParams` (Transformer Engine's varlen format) stays refused.
+- context parallelism (`TransformerConfig.context_parallel_size` > 1): the micro-batch comes as `ContextSpans`, this
+  rank's zig-zag chunks of the queries against the all-gathered keys and values, with the documents on global
+  columns (`_context_parallel`; pipeline/train/context_parallel.py); anything else is refused under CP.
 - softmax scale: `softmax_scale` or 1/sqrt(hn). Megatron's `apply_query_key_layer_scaling` divides the scores by
   the layer number and multiplies them back inside the softmax (an fp16 overflow guard), so the net scale is the same.
 - A query row whose keys are all masked: Megatron fills masked scores with -10000 and so averages every key; SDPA
