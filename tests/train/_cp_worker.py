@@ -15,21 +15,38 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-VARIANTS = {  # packed rows + the fused loss (the defaults); padded rows + the unfused loss + selective recompute
+VARIANTS = {  # packed rows + the fused loss (the defaults); padded rows + the unfused loss + selective recompute;
+    # a LoRA adapter (set to random non-zero values first: B = 0 at init would give A no gradient) + full recompute
     "packed fused": {},
     "padded unfused recompute": {"packing": False, "fused_loss": False, "recompute": "selective"},
+    "lora full recompute": {"lora_rank": 8, "recompute": "full"},
 }
 
 
-def _grads(model, tp: int) -> dict:
+def _grads(model, tp: int, spec) -> dict:
+    """This step's gradients, gathered over TP: HF layout, or peft layout for a LoRA adapter."""
     from megatron.core import parallel_state
 
+    from pipeline.train.lora import to_peft
     from pipeline.train.model import megatron_to_hf_state_dict
 
     grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     shards = [None] * tp
     dist.all_gather_object(shards, grads, group=parallel_state.get_tensor_model_parallel_group())
-    return megatron_to_hf_state_dict(shards, model.hf_arch)
+    return to_peft(shards, model.hf_arch, spec) if spec else megatron_to_hf_state_dict(shards, model.hf_arch)
+
+
+def _random_adapter(model, cfg, tp: int) -> None:
+    from megatron.core import parallel_state
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import random_peft
+
+    from pipeline.train.lora import from_peft, load_lora_state
+
+    spec = cfg.lora_spec()
+    load_lora_state(model, from_peft(random_peft(model.hf_arch, spec), model.hf_arch, spec,
+                                     parallel_state.get_tensor_model_parallel_rank(), tp))
 
 
 def _crossing(doc_ids: torch.Tensor, cp: int) -> int:
@@ -88,6 +105,8 @@ def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> 
                           tensor_model_parallel_size=tp, context_parallel_size=cp, sft_alpha=0.5, beta=0.5,
                           temperature=2.0, **kw)
         model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, Path(student))
+        if cfg.lora_rank:
+            _random_adapter(model, cfg, tp)
         it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=32, seed=cfg.seed,
                           packing=cfg.packing).iter_from(0, prefetch=0)
         micro = [next(it) for _ in range(2)]
@@ -97,7 +116,7 @@ def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> 
 
         dist.all_reduce(sums, group=parallel_state.get_context_parallel_group())
         results[name] = {"sums": sums, "counts": counts[:2].tolist(), "grad_norm": float(grad_norm),
-                         "grads": _grads(model, tp),
+                         "grads": _grads(model, tp, cfg.lora_spec()),
                          "crossing": sum(_crossing(b.doc_ids, 2) for b in micro if b.doc_ids.shape[1] % 4 == 0)}
     results["alignment"] = alignment(teacher, cache, cp, tp)
     if dist.get_rank() == 0:

@@ -2,10 +2,12 @@
 keeps its alignment.
 
 - The split itself (no process group): every rank's zig-zag columns, put back together, are the padded micro-batch.
-- One trainer step at CP=2 (torchrun, gloo, 2 processes: CP=2 x DP=1) vs CP=1, on the same packed (and padded)
-  micro-batches whose samples cross the chunk boundaries: the same loss sums and the same gradients (HF layout)
-  under tests/tolerance.py's rule, with the fused loss (packed rows) and the unfused one with selective recompute
-  (padded rows). Both sides are the real `train_step` (Megatron's schedule, `forward_step`, `loss_func`, DDP).
+- One trainer step at CP=2 (torchrun, gloo: CP=2 x DP=1 on 2 processes, and TP=2 x CP=2 on 4) vs CP=1, on the same
+  packed (and padded) micro-batches whose samples cross the chunk boundaries: the same loss sums and the same
+  gradients (HF layout; a LoRA adapter's in peft layout) under tests/tolerance.py's rule, with the fused loss (packed
+  rows), the unfused one with selective recompute (padded rows), and a LoRA adapter with full recompute. Both sides
+  are the real `train_step` (Megatron's schedule, `forward_step`, `loss_func`, DDP).
+- Through the CLI: a CP=2 run stopped and resumed from its checkpoint against a CP=1 run (losses, trained weights).
 - The scoring model trained on its own cache under CP=2: loss ~ 0 per active position; the teacher rows paired one
   position off (the classic bug): large.
 
@@ -57,16 +59,26 @@ def test_split_is_the_zigzag_of_the_padded_rows(tiny):
     assert not whole_mask[:, w:].any() and bool((whole_labels[:, w:] == -100).all()) and parts[2][0].tokens == mb.tokens
 
 
-@pytest.mark.distributed
-def test_cp2_matches_cp1(tiny, tmp_path):
+def _worker(tiny: dict, out: Path, cp: int, tp: int = 1) -> dict:
     worker = str(Path(__file__).with_name("_cp_worker.py"))
-    args = [str(tiny["student"]), str(tiny["model"]), str(tiny["cache"]), str(tmp_path)]
+    args = [worker, str(tiny["student"]), str(tiny["model"]), str(tiny["cache"]), str(out), str(cp), str(tp)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, worker, *args, "1"], check=True, env=env, cwd=REPO, timeout=300)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    worker, *args, "2"], check=True, env=env, cwd=REPO, timeout=300)
-    one, two = torch.load(tmp_path / "cp1_tp1.pt"), torch.load(tmp_path / "cp2_tp1.pt")
-    for name in ("packed fused", "padded unfused recompute"):
+    launcher = [] if cp * tp == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cp * tp)]
+    subprocess.run([sys.executable, *launcher, *args], check=True, env=env, cwd=REPO, timeout=300)
+    return torch.load(out / f"cp{cp}_tp{tp}.pt")
+
+
+@pytest.fixture(scope="module")
+def cp1(tiny, tmp_path_factory) -> dict:
+    """The CP=1 reference: one process."""
+    return _worker(tiny, tmp_path_factory.mktemp("cp1"), 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2], ids=["cp2 x dp1", "tp2 x cp2"])
+def test_cp2_matches_cp1(tiny, cp1, tp, tmp_path):
+    one, two = cp1, _worker(tiny, tmp_path, 2, tp)
+    for name in ("packed fused", "padded unfused recompute", "lora full recompute"):
         a, b = one[name], two[name]
         assert b["crossing"] > 0, name  # samples do cross the chunk boundaries
         assert a["counts"] == b["counts"] and a["counts"][0] > 0 and a["counts"][1] > 0, name
