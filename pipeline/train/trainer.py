@@ -36,7 +36,7 @@ from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import WriteError, atomic_write_bytes
-from pipeline.train import hf_model
+from pipeline.train import context_parallel, hf_model
 from pipeline.train.data import ScoredLoader, resolve_sources
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
@@ -486,12 +486,11 @@ def rank_inputs(batch, cfg: TrainConfig, model):
     if cp == 1 or hf_model.is_hf(_unwrap(model)):
         return batch, model_inputs(batch, cfg, model)
     from pipeline.train.attention import context_spans
-    from pipeline.train.context_parallel import split
 
     if batch.images and any(batch.images):
         model_inputs(batch, cfg, model)  # its refusal of images on this backend
     rank = parallel_state.get_context_parallel_rank()
-    local, doc_ids = split(batch, cp, rank)
+    local, doc_ids = context_parallel.split(batch, cp, rank)
     spans = context_spans(doc_ids, batch.packed, rank, cp, parallel_state.get_context_parallel_group())
     return local, {"position_ids": local.position_ids, "attention_mask": None, "packed_seq_params": spans}
 
