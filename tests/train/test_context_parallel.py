@@ -74,6 +74,34 @@ def cp1(tiny, tmp_path_factory) -> dict:
     return _worker(tiny, tmp_path_factory.mktemp("cp1"), 1)
 
 
+def test_context_spans_attention_matches_the_masked_kernel(single_process):
+    """`SDPAttention` on `ContextSpans` (one CP rank holding both chunks of each row, so chunk 1 continues the
+    documents chunk 0 began: the lower-right strided-mask path) equals one SDPA call with the dense block-diagonal
+    causal mask, output and q/k/v gradients, GQA (4 query heads over 2 groups)."""
+    import torch.distributed as dist
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from pipeline.train.attention import SDPAttention, context_spans
+    from pipeline.train.packing import attention_mask
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                               attention_dropout=0.0, use_cpu_initialization=True)
+    sdpa = SDPAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    doc_ids = torch.tensor([[0] * 5 + [1] * 14 + [2] * 3 + [-1] * 2, [0] * 24])  # documents cross column 12
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(24, 2, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(24, 2, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    out = sdpa(q, k, v, None, packed_seq_params=context_spans(doc_ids, True, 0, 1, dist.group.WORLD))
+    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    ref = sdpa._sdpa(qq, kk, vv, ~attention_mask(doc_ids), False).permute(2, 0, 1, 3).reshape(24, 2, 64)
+    assert_layout_close(out, ref, "output")
+    w = torch.randn(out.shape, generator=g)
+    for a, e, name in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
+                          torch.autograd.grad((ref * w).sum(), (q, k, v)), "qkv", strict=True):
+        assert_layout_close(a, e, f"d{name}")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp", [1, 2], ids=["cp2 x dp1", "tp2 x cp2"])
 def test_cp2_matches_cp1(tiny, cp1, tp, tmp_path):
