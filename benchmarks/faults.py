@@ -247,12 +247,6 @@ def markdown(res: dict) -> str:
         detail = "; ".join(f"{k['command']}: {k['groups']} output folders, kills at U(0, {k['reference_s']} s)"
                            for k in res["kill"])
         lines.append(f"| kill -9 points survived | {cells} (points killed / points whose rerun matched) | {detail} |")
-        if all("processes_left" in k for k in res["kill"]):
-            left = "; ".join(f"{k['command']} {k['processes_left']}" for k in res["kill"])
-            seen = "; ".join(f"{k['command']} {k['processes_seen']}" for k in res["kill"])
-            lines.append(f"| processes left after kill -9, per command | {left} | processes below the killed command "
-                         "(/proc, snapshot at the kill) alive 30 s after it, summed over its kill points, "
-                         f"of those seen below it ({seen}); goal 0 (pipeline/lifetime.py) |")
     for row, r in res.get("tests", {}).items():
         total = r["passed"] + len(r["failed"])
         skipped = f"; {len(r['skipped'])} skipped (needs root)" if r["skipped"] else ""

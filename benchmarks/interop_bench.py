@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.score_bench import K, prose_text
+from benchmarks.score_bench import K, prose_rows
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
 from pipeline.score.scorer import ScoreConfig, score
@@ -24,7 +24,7 @@ from pipeline.store import TeacherCache, read_cache
 from pipeline.store.export import export_plain
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.imports import ImportRequest, import_rows
-from pipeline.store.rollouts import rollout_row, write_rollouts
+from pipeline.store.rollouts import write_rollouts
 
 
 def run(work: Path | None = None, prose_tokens: int = 4_000, rounds: int = 2) -> dict:
@@ -33,10 +33,7 @@ def run(work: Path | None = None, prose_tokens: int = 4_000, rounds: int = 2) ->
     teacher = teacher_dir()
     tok = AutoTokenizer.from_pretrained(teacher)
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="gkd-bench-interop-"))
-    text, source = prose_text()
-    ids = tok(text)["input_ids"][:prose_tokens]
-    rows = [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + 1], completion_ids=ids[i + 1 : i + 256],
-                        source="dataset") for i in range(0, len(ids) - 16, 256)]
+    rows, source = prose_rows(tok, prose_tokens)
     write_rollouts(work / "rollouts" / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
     base = dict(rollouts=str(work / "rollouts"), teacher=str(teacher), topk=K, max_model_len=2048, batch_tokens=4096,
                 part_rows=8)

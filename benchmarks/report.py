@@ -42,6 +42,7 @@ SECTIONS = {  # name -> heading, in file order
     "opd": "On-policy OPD (k=0 rows) vs GKD's tail loss (k=64 rows) (issue: top-p and k=0)",
     "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",
+    "lifetime": "Processes left after kill -9: score, generate, train, on-policy (issue #35: no process outlives its command)",
     "ray": "Ray executor: on-policy wall time vs local, score workers killed (issue #32: Ray)",
     "images": "Image prompts: a vision-language teacher with and without the images (issue #31: images)",
     "distopt": "Distributed optimizer: state per rank at DP=2 (issue #33: scale)",

@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,faults,images,distopt,index,cp] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,faults,lifetime,images,distopt,index,cp] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -25,6 +25,7 @@ from benchmarks import (
     image_bench,
     index_bench,
     interop_bench,
+    lifetime_bench,
     lora_bench,
     loss_bench,
     onpolicy_bench,
@@ -91,6 +92,7 @@ SIMPLE = {
     "baselines": (baseline_bench.run, baseline_bench.markdown),
     "topp": (topp_bench.run, topp_bench.markdown),
     "faults": (faults.run, faults.markdown),
+    "lifetime": (lifetime_bench.run, lifetime_bench.markdown),  # 12 kills, 30 s apiece, and a 2-cycle on-policy run
     "distopt": (distopt_bench.run, distopt_bench.markdown),
     "ray": (ray_bench.run, ray_bench.markdown),  # the on-policy run twice + 10 killed `gkd ray score` runs: ask for it
     "images": (image_bench.run, image_bench.markdown),

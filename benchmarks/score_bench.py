@@ -61,11 +61,17 @@ def prose_text() -> tuple[str, str]:
     return "\n\n".join(parts), "Python standard library docstrings"
 
 
-def build_rollouts(out: Path, tokenizer, prose_tokens: int, math_samples: int) -> dict[str, Path]:
+def prose_rows(tokenizer, tokens: int, *, prompt: int = 1, chunk: int = 256) -> tuple[list[dict], str]:
+    """The benches' prose rollouts: the first `tokens` tokens of `prose_text` cut into samples of `chunk` tokens,
+    the first `prompt` of each its prompt; with the text's source."""
     text, source = prose_text()
-    ids = tokenizer(text)["input_ids"][:prose_tokens]
-    prose = [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + 1], completion_ids=ids[i + 1 : i + 256], source="dataset")
-             for i in range(0, len(ids) - 16, 256)]
+    ids = tokenizer(text)["input_ids"][:tokens]
+    return [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + prompt], completion_ids=ids[i + prompt : i + chunk],
+                        source="dataset") for i in range(0, len(ids) - 16, chunk)], source
+
+
+def build_rollouts(out: Path, tokenizer, prose_tokens: int, math_samples: int) -> dict[str, Path]:
+    prose, source = prose_rows(tokenizer, prose_tokens)
     import reasoning_gym
 
     math = []
@@ -331,11 +337,7 @@ def served_run(work: Path | None = None, prose_tokens: int = 6_000, rounds: int 
     teacher = teacher_dir()
     tok = AutoTokenizer.from_pretrained(teacher)
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="gkd-bench-served-"))
-    text, source = prose_text()
-    ids = tok(text)["input_ids"][:prose_tokens]
-
-    rows = [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + 1], completion_ids=ids[i + 1 : i + 256],
-                        source="dataset") for i in range(0, len(ids) - 16, 256)]
+    rows, source = prose_rows(tok, prose_tokens)
     write_rollouts(work / "rollouts" / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
     budget = 4096
     base = dict(rollouts=str(work / "rollouts"), teacher=str(teacher), topk=K, max_model_len=2048, batch_tokens=budget,

@@ -24,12 +24,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from benchmarks.score_bench import prose_text
+from benchmarks.score_bench import prose_rows
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
 from pipeline.score.scorer import ScoreConfig, score, token_batches
 from pipeline.store.fingerprint import teacher_fingerprint, teacher_fingerprint_info, tokenizer_fingerprint
-from pipeline.store.rollouts import iter_rollouts, rollout_row, rollout_shards, write_rollouts
+from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts
 
 K = 64
 PART_ROWS = 24
@@ -67,10 +67,7 @@ class Replay:
 
 
 def _rollouts(out: Path, tok, tokens: int) -> Path:
-    text, _ = prose_text()
-    ids = tok(text)["input_ids"][:tokens]
-    rows = [rollout_row(prompt_id=f"prose-{i}", prompt_ids=ids[i : i + 8], completion_ids=ids[i + 8 : i + 128],
-                        source="dataset") for i in range(0, len(ids) - 16, 128)]
+    rows, _ = prose_rows(tok, tokens, prompt=8, chunk=128)
     write_rollouts(out / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
     return out
 

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from pipeline.store import TeacherCache
 from pipeline.store import images as image_store
-from pipeline.store.cache import DESCRIPTOR
+from pipeline.store.cache import DESCRIPTOR, SHARDS
 from pipeline.store.codec import concat_encoded
 from pipeline.store.index import INDEX, rebuild
 from pipeline.store.rollouts import iter_rollouts, rollout_key, rollout_shards
@@ -94,7 +94,7 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
     the same training. Rows stay encoded: only the id column is re-indexed to the view's one id table
     (`codec.concat_encoded`), so the trainer reads bit-identical teacher rows.
     """
-    shards = view / "shards"
+    shards = view / SHARDS
     dest = shards / "view.parquet"
     if (view / "complete").exists():
         done = dest.exists() and is_complete(dest, "scored", checksum=False)  # no shard: no key of the cycle was found

@@ -42,7 +42,7 @@ from pipeline.score.writer import BatchWriter
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache
 from pipeline.store import images as image_store
-from pipeline.store.cache import DESCRIPTOR
+from pipeline.store.cache import DESCRIPTOR, SHARDS
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import (
@@ -261,7 +261,7 @@ def task_done(cache_root: Path, name: str) -> bool:
     if not marker.exists():
         return False
     parts = json.loads(marker.read_text()).get("parts", [])
-    return all(not verify_shard(cache_root / "shards" / f"{p}.parquet", "scored", checksum=False) for p in parts)
+    return all(not verify_shard(cache_root / SHARDS / f"{p}.parquet", "scored", checksum=False) for p in parts)
 
 
 # -- rows --------------------------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
     if np.all(end - start == k + 1):  # the common case, vectorised
         idx = start[:, None] + np.arange(1, k + 1)[None, :]
         actual_lp = lp[start]
-        ranks = np.asarray(flat.ranks, dtype=np.int64)[start]
+        ranks = np.fromiter(map(flat.ranks.__getitem__, start.tolist()), np.int64, n)  # not all k + 1 per position
         if np.any(tok[start] != ids[first:]):
             raise RuntimeError("engine's actual-token entries do not match the input ids (alignment broken)")
         return {"topk_ids": tok[idx], "topk_logprobs": lp[idx], "actual_ranks": ranks, "actual_logprobs": actual_lp}

@@ -49,6 +49,11 @@ ROW_GROUP_ROWS = 128  # the trainer's loader decodes whole row groups: small one
 META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
 
 
+
+def cache_root(shard: str | Path) -> Path:
+    """The cache a scored shard file belongs to: shards live in CACHE/shards/ (`TeacherCache.shard_dir`)."""
+    return Path(shard).parent.parent
+
 class CacheMismatchError(UserError, ValueError):
     """The cache was built with another teacher, tokenizer, k, logprob mode, numerics or codec."""
 

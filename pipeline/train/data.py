@@ -71,7 +71,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.errors import InputError, MissingInputError, UserError
-from pipeline.store.cache import DESCRIPTOR, Descriptor, TeacherCache
+from pipeline.store.cache import DESCRIPTOR, SHARDS, Descriptor, TeacherCache, cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
 from pipeline.store.shards import ShardError, file_sha256, verify_shard
@@ -124,7 +124,7 @@ def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
             cache = TeacherCache.open(src)
             if indexed:
                 idx = cache.index()
-                shard_dir = src.resolve() / "shards"  # once, not a realpath per shard
+                shard_dir = src.resolve() / SHARDS  # once, not a realpath per shard
                 out += [(shard_dir / f"{n}.parquet", cache.descriptor, _Indexed(
                     idx.keys[idx.row_starts[s]: idx.row_starts[s + 1]],
                     idx.num_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
@@ -140,7 +140,7 @@ def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
         elif src.suffix == ".parquet":
             if not src.exists():
                 raise ShardError(f"{src}: shard file is missing")
-            out.append((src, Descriptor.read(src.parent.parent / DESCRIPTOR)) + ((None,) if indexed else ()))
+            out.append((src, Descriptor.read(cache_root(src) / DESCRIPTOR)) + ((None,) if indexed else ()))
         else:
             raise MissingInputError(f"{src}: neither a teacher cache directory nor a .parquet shard")
     return out
@@ -225,7 +225,7 @@ class ScoredLoader:
         resolved = resolve_sources(sources, indexed=indexed)
         if not indexed:
             resolved = [(p, d, None) for p, d in resolved]
-        for where, desc in {r[0].parent.parent: r[1] for r in resolved}.items():
+        for where, desc in {cache_root(r[0]): r[1] for r in resolved}.items():
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise TokenizerMismatchError(
                     f"{where}: cache scored with tokenizer {desc.tokenizer_fingerprint}, the student's is "
@@ -239,7 +239,7 @@ class ScoredLoader:
                 )
         ks = {r[1].k for r in resolved}
         if len(ks) != 1:
-            per_cache = {str(p.parent.parent): d.k for p, d in resolved}
+            per_cache = {str(cache_root(r[0])): r[1].k for r in resolved}
             raise InputError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch: "
                              f"{', '.join(f'{c}: k={k}' for c, k in per_cache.items())}; train from caches of one k "
                              "(score them with the same --topk)")
@@ -249,7 +249,7 @@ class ScoredLoader:
         tops = {(r[1].topp, r[1].min_k) for r in resolved}
         if len(tops) != 1:
             raise InputError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
-                             f"read together ({', '.join(sorted({str(p.parent.parent) for p, _ in resolved}))}); "
+                             f"read together ({', '.join(sorted({str(cache_root(r[0])) for r in resolved}))}); "
                              "train from one of them")
         self.topp, self.min_k = tops.pop()
         self._build_index(resolved, verify_checksums)
@@ -349,7 +349,7 @@ class ScoredLoader:
         if "tags" not in pf.schema_arrow.names:
             raise ShardError(f"{path}: scored before schema 1.1, its rows carry no tags to route on; rescore it with "
                              "gkd score, or train on it with cache=[...] instead of teachers")
-        cache = path.parent.parent.resolve()
+        cache = cache_root(path).resolve()
         table = pf.read(columns=["sample_id", "tags"])
         self._route_ids.append(np.asarray(table.column("sample_id").to_pylist(), "U"))
         out = np.empty(table.num_rows, np.int64)
@@ -464,7 +464,7 @@ class ScoredLoader:
             path = self.shards[s].path
             expected = self.shards[s].nbytes
             try:
-                fix = (f"restore it, or delete it and its .ok marker, run `gkd cache index {path.parent.parent}` and "
+                fix = (f"restore it, or delete it and its .ok marker, run `gkd cache index {cache_root(path)}` and "
                        "rescore")
                 if expected is not None and path.stat().st_size != expected:
                     raise ShardError(f"{path}: size {path.stat().st_size} bytes, the cache index says {expected} "
@@ -551,7 +551,7 @@ class ScoredLoader:
                 actual=topk.actual_logprobs if self.actual else None,
                 route=None if self.route_of is None else
                 self.route_of[self._block_starts[b]: self._block_starts[b] + table.num_rows],
-                images=images, root=str(path.parent.parent),
+                images=images, root=str(cache_root(path)),
             )
             max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
             while len(self._blocks) > max_blocks:

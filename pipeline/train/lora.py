@@ -34,12 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel import (
-    copy_to_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    set_tensor_model_parallel_attributes,
-)
 
 from pipeline.store.shards import staged_dir
 
@@ -117,6 +111,12 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 
 def _hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
     x = args[0]
     out, bias = output
     group = parallel_state.get_tensor_model_parallel_group()
@@ -131,8 +131,12 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> None:
     """Freeze `model` and give every targeted layer an adapter (A: Kaiming-uniform as peft does, B: zeros).
 
     A is drawn from a generator seeded per layer over the *global* shape, then sliced, so any TP degree starts
-    from the same adapter. Call after the base weights are loaded.
+    from the same adapter. Call after the base weights are loaded. (Megatron is imported in the functions that use
+    it: the hf backend and the on-policy engine actors read this module's names without it, and it costs seconds.)
     """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     for p in model.parameters():

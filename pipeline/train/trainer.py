@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
+from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import WriteError, atomic_write_bytes
 from pipeline.train import context_parallel, hf_model
@@ -589,10 +590,11 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    for path, desc in resolve_sources(cfg.cache):
+    # indexed: the one read of each cache's index, so a stale or foreign index is refused here, before the model
+    for path, desc, *_ in resolve_sources(cfg.cache, indexed=True):
         if desc.k > 0:
             continue
-        where = path.parent.parent
+        where = cache_root(path)
         if cfg.loss == "gkd":
             raise ConfigError(f"{where}: a k = 0 cache holds only the actual token's teacher logprob; loss=gkd "
                               f"(topk_mode={cfg.topk_mode}) needs its top-k entries. Train with loss=opd, or score "

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from alignment import assert_aligned
 from tiny_models import IMAGE_TOKEN, build_qwen2_vl, draw_image
 
 from pipeline.cli import main as cli
@@ -160,17 +161,12 @@ def test_student_equals_teacher_loss_is_zero_and_a_shift_makes_it_large(vlm):
     assert set(vision) == {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
     with torch.no_grad():
         logits = model(mb.input_ids, **hf_model.inputs(mb.doc_ids, mb.position_ids, False, "sdpa"), **vision)
-    for beta in (0.0, 0.5, 1.0):
-        s, n = gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=beta, mode="tail")
-        assert n > 40 and (s / n).item() < 1e-5, beta
-        shifted = (torch.roll(mb.teacher_ids, 1, dims=1), torch.roll(mb.teacher_logprobs, 1, dims=1))
-        s2, n2 = gkd_loss(logits, *shifted, torch.roll(mb.loss_mask, 1, dims=1), beta=beta, mode="tail")
-        assert (s2 / n2).item() > 1e3 * max((s / n).item(), 1e-6), beta
+    assert_aligned(logits, mb, below=1e-5, min_positions=40, factor=1e3, floor=1e-6)
     # without the pixels (placeholders only) the same student is far from its own teacher rows
     with torch.no_grad():
         blind = model.base()(input_ids=mb.input_ids, use_cache=False).logits.float()
     s3, n3 = gkd_loss(blind, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=0.5, mode="tail")
-    assert (s3 / n3).item() > 1e3 * max((s / n).item(), 1e-6)
+    assert (s3 / n3).item() > 1e-2  # 1e3 x the aligned bound above
 
 
 def test_vlm_student_trains_with_lora_on_the_language_model(vlm, tmp_path):

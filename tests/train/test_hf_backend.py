@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from alignment import assert_aligned
 from safetensors.torch import load_file
 from tiny_cache import random_samples, score_into_cache
 from tiny_models import build_qwen35
@@ -210,19 +211,13 @@ def test_qwen35_alignment_student_equals_teacher(qwen35):
     token j paired with logits at j instead of j - 1 (the shift-by-one bug) makes it large."""
     from pipeline.train import hf_model
     from pipeline.train.data import ScoredLoader
-    from pipeline.train.loss import gkd_loss
 
     model = hf_model.build(qwen35["teacher"], fused_loss=False, trainable=False)
     mb = ScoredLoader([qwen35["cache"]], micro_batch_size=8, seq_length=64, seed=0, packing=False).micro_batch(0)
     with torch.no_grad():
         logits = model(mb.input_ids, **hf_model.inputs(mb.doc_ids, mb.position_ids, False, "sdpa"))
-    for beta in (0.0, 0.5, 1.0):
-        # the codec's 1/64-nat logprob grid only: 5.8e-4 at beta = 1 measured on this model's sharp rows
-        s, n = gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=beta, mode="tail")
-        assert n > 50 and (s / n).item() < 1e-3, beta
-        shifted = (torch.roll(mb.teacher_ids, 1, dims=1), torch.roll(mb.teacher_logprobs, 1, dims=1))
-        s2, n2 = gkd_loss(logits, *shifted, torch.roll(mb.loss_mask, 1, dims=1), beta=beta, mode="tail")
-        assert (s2 / n2).item() > 100 * max((s / n).item(), 1e-4), beta
+    # below 1e-3: the codec's 1/64-nat logprob grid only (5.8e-4 at beta = 1 measured on this model's sharp rows)
+    assert_aligned(logits, mb, below=1e-3, min_positions=50, factor=100, floor=1e-4)
 
 
 def test_qwen35_trains_through_the_cli(qwen35, tmp_path):

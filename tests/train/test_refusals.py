@@ -142,3 +142,22 @@ def test_caches_that_cannot_share_a_micro_batch(tiny, tmp_path, capsys):
         assert re.search(pattern, err) and "Traceback" not in err, err
         assert re.search(r"train from (caches of one k|one of them)", err), err
         assert _snapshot(tmp_path) == before and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cache_index_of_another_cache_before_the_model(tiny, tmp_path, capsys):
+    """`gkd train` on a cache whose index.jsonl came from another cache: refused naming the index, before the
+    student is built (no `[train] backend=` line, no metrics) and with the cache left as it was."""
+    import shutil
+
+    from tiny_cache import random_samples, score_into_cache
+
+    ours = tmp_path / "ours"
+    shutil.copytree(tiny["cache"], ours)
+    score_into_cache(tiny["model"], tmp_path / "theirs", random_samples(2, tiny["vocab"], seed=5), k=4)  # k: identity
+    shutil.copy2(tmp_path / "theirs" / "index.jsonl", ours / "index.jsonl")
+    before = _snapshot(ours)
+    assert gkd(["train", *_overrides(tiny, tmp_path / "run", cache=f"[{ours}]")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"{ours}/index.jsonl: index of another cache", err) and "Traceback" not in err, err
+    assert "[train] backend=" not in err and f"gkd cache index {ours}" in err, err
+    assert _snapshot(ours) == before and not (tmp_path / "run" / "metrics.jsonl").exists()
