@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 VARIANTS = {  # packed rows + the fused loss (the defaults); padded rows + the unfused loss + selective recompute;
-    # a LoRA adapter (set to random non-zero values first: B = 0 at init would give A no gradient) + full recompute
+    # a LoRA adapter (set to random non-zero values first: B = 0 at init would give A no gradient) + full recompute;
+# loss=opd
     "packed fused": {},
     "padded unfused recompute": {"packing": False, "fused_loss": False, "recompute": "selective"},
     "lora full recompute": {"lora_rank": 8, "recompute": "full"},
+    "opd": {"loss": "opd"},  # student-sourced rows: the sampled-token loss; dataset-sourced ones: GKD
 }
 
 

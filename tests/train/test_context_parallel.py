@@ -5,7 +5,8 @@ keeps its alignment.
 - One trainer step at CP=2 (torchrun, gloo: CP=2 x DP=1 on 2 processes, and TP=2 x CP=2 on 4) vs CP=1, on the same
   packed (and padded) micro-batches whose samples cross the chunk boundaries: the same loss sums and the same
   gradients (HF layout; a LoRA adapter's in peft layout) under tests/tolerance.py's rule, with the fused loss (packed
-  rows), the unfused one with selective recompute (padded rows), and a LoRA adapter with full recompute. Both sides
+  rows), the unfused one with selective recompute (padded rows), a LoRA adapter with full recompute, and loss=opd
+  (its sampled-token sums too). Both sides
   are the real `train_step` (Megatron's schedule, `forward_step`, `loss_func`, DDP).
 - Through the CLI: a CP=2 run stopped and resumed from its checkpoint against a CP=1 run (losses, trained weights).
 - The scoring model trained on its own cache under CP=2: loss ~ 0 per active position; the teacher rows paired one
@@ -106,7 +107,8 @@ def test_context_spans_attention_matches_the_masked_kernel(single_process):
 @pytest.mark.parametrize("tp", [1, 2], ids=["cp2 x dp1", "tp2 x cp2"])
 def test_cp2_matches_cp1(tiny, cp1, tp, tmp_path):
     one, two = cp1, _worker(tiny, tmp_path, 2, tp)
-    for name in ("packed fused", "padded unfused recompute", "lora full recompute"):
+    assert float(one["opd"]["sums"][2]) != 0 and float(one["opd"]["sums"][3]) != 0  # OPD sums to compare
+    for name in ("packed fused", "padded unfused recompute", "lora full recompute", "opd"):
         a, b = one[name], two[name]
         assert b["crossing"] > 0, name  # samples do cross the chunk boundaries
         assert a["counts"] == b["counts"] and a["counts"][0] > 0 and a["counts"][1] > 0, name
