@@ -47,6 +47,7 @@ SECTIONS = {  # name -> heading, in file order
     "images": "Image prompts: a vision-language teacher with and without the images (issue #31: images)",
     "distopt": "Distributed optimizer: state per rank at DP=2 (issue #33: scale)",
     "index": "Cache index: start-up, memory and commit cost at 10^3-10^4 shards (issue #33: scale)",
+    "cp": "Context parallelism: peak memory per rank and step time, CP=2 vs CP=1 at 16k tokens (issue #33: scale)",
 }
 @dataclass(frozen=True)
 class Stamp:

@@ -447,6 +447,21 @@ def test_distributed_optimizer_settings(tmp_path, capsys):
             r"use fsdp=true there")
 
 
+def test_context_parallel_settings(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # torchrun's processes: 3 cannot hold CP groups of 2
+    refused(tmp_path, ["train", "context_parallel_size=2", "micro_batch_size=2", "global_batch_size=2"], capsys,
+            r"context_parallel_size 2 x tensor_model_parallel_size 1 = 2 does not divide the 3 processes \(WORLD_SIZE\)",
+            r"launch a multiple of 2 processes or change context_parallel_size")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    refused(tmp_path, ["train", "context_parallel_size=2", "seq_length=30"], capsys,
+            r"seq_length 30 is not a multiple of 2 x context_parallel_size = 4", r"e\.g\. 32")
+    refused(tmp_path, ["train", "context_parallel_size=2", "attention=local"], capsys,
+            r"context_parallel_size=2 needs attention=sdpa", r"Set attention=sdpa, or context_parallel_size=1")
+    refused(tmp_path, ["train", "context_parallel_size=2", "backend=hf", f"save_dir={tmp_path / 'run'}"], capsys,
+            r"context_parallel_size=2: the hf backend .* has no context parallelism",
+            r"context_parallel_size=1 \(fsdp=true to shard it\), or on the Megatron backend")
+    assert not (tmp_path / "run").exists()
+
 # -- the catalogue is this file -----------------------------------------------------------------------------------
 
 

@@ -29,6 +29,9 @@ The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_at
   in megatron-core 0.16.1 tests `qkv_format == "thd"` (RoPE, the q/k/v layout), which "sbhd" is not, and its RoPE
   length is `max_seqlen_q`, the row length, as without it. Megatron's own module refuses it (`attention=local`
   gets the mask). THD `PackedSeqParams` (Transformer Engine's varlen format) stays refused.
+- context parallelism (`TransformerConfig.context_parallel_size` > 1): the micro-batch comes as `ContextSpans`, this
+  rank's zig-zag chunks of the queries against the all-gathered keys and values, with the documents on global
+  columns (`_context_parallel`; pipeline/train/context_parallel.py); anything else is refused under CP.
 - softmax scale: `softmax_scale` or 1/sqrt(hn). Megatron's `apply_query_key_layer_scaling` divides the scores by
   the layer number and multiplies them back inside the softmax (an fp16 overflow guard), so the net scale is the same.
 - A query row whose keys are all masked: Megatron fills masked scores with -10000 and so averages every key; SDPA
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +53,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from pipeline.train.context_parallel import gather_sequence
 from pipeline.train.packing import attention_mask
 
 Tensor = torch.Tensor
@@ -63,6 +67,29 @@ class DocumentSpans(PackedSeqParams):
     documents [start, end) in `spans[b]`, covering 0..S-1 in order (padding is a span of its own)."""
 
     spans: list[list[tuple[int, int]]] | None = None
+
+
+@dataclass
+class ContextSpans(DocumentSpans):
+    """A context-parallel micro-batch (pipeline/train/context_parallel.py): `spans` are each row's document spans
+    over the WHOLE row of `max_seqlen_q` columns (global positions), this rank holding zig-zag chunks `cp_rank`
+    and 2 * cp_size - 1 - cp_rank of it. `max_seqlen_q` is also what Megatron's RoPE takes as the sequence length
+    before it selects this rank's chunks of the position embedding (gpt_model `get_rotary_seq_len`)."""
+
+    cp_rank: int = 0
+    cp_size: int = 1
+    # The masks of query pieces that start inside a document, one per (offset, queries, keys), shared by every layer
+    # (and row) of a forward: each is an O(S) strided view (`_lower_right_mask`).
+    masks: dict = field(default_factory=dict)
+
+
+def context_spans(doc_ids: Tensor, packed: bool, cp_rank: int, cp_size: int, cp_group) -> ContextSpans:
+    """`ContextSpans` of a context-parallel micro-batch from its whole padded rows' doc_ids [B, W]: the document
+    spans of packed rows, one span per row otherwise (a padded row is causal over all its columns, as without CP)."""
+    b, w = doc_ids.shape
+    spans = document_spans(doc_ids).spans if packed else [[(0, w)] for _ in range(b)]
+    return ContextSpans(qkv_format="sbhd", max_seqlen_q=w, max_seqlen_kv=w, spans=spans, cp_group=cp_group,
+                        cp_rank=cp_rank, cp_size=cp_size)
 
 
 def document_spans(doc_ids: Tensor) -> DocumentSpans:
@@ -103,7 +130,6 @@ class SDPAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         unsupported = {
             "attention_dropout": dropout != 0.0,  # Megatron draws it from its TP-aware RNG tracker; we do not
-            "context_parallel_size": config.context_parallel_size != 1,
             "softmax_type": config.softmax_type != "vanilla",
             "window_size": config.window_size is not None,
         }
@@ -131,6 +157,14 @@ class SDPAttention(MegatronModule):
                              "pass packed rows as DocumentSpans or a block-diagonal attention_mask")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, heads, hn = query.shape
+        if isinstance(packed_seq_params, ContextSpans):
+            if attention_mask is not None or sq != key.shape[0]:
+                raise ValueError("context parallelism: self-attention over ContextSpans only, no attention_mask")
+            out = self._context_parallel(query, key, value, packed_seq_params)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
+        if self.config.context_parallel_size != 1:
+            raise ValueError("attention=sdpa under context parallelism takes its micro-batches as ContextSpans "
+                             "(pipeline/train/context_parallel.py)")
         # [s, b, n, hn] -> [b, n, s, hn]: views, no copy (the kernels take strided inputs).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if packed_seq_params is not None:
@@ -179,6 +213,47 @@ class SDPAttention(MegatronModule):
             rows.append(torch.cat([self._sdpa(qd, kd, vd, None, qd.shape[2] > 1) for qd, kd, vd in zip(
                 qr.split(lengths, dim=2), kr.split(lengths, dim=2), vr.split(lengths, dim=2), strict=True)], dim=2))
         return torch.cat(rows, dim=0)
+
+    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, ctx: ContextSpans) -> Tensor:
+        """Attention of this rank's zig-zag query chunks over the whole row's keys and values (all-gathered):
+        per row, per local chunk, per document piece in it, one SDPA call over the keys of that document up to the
+        piece's end. A piece that starts its document is plain causal; one that continues a document begun in an
+        earlier chunk sees all of that document's earlier keys and its own causally (`_lower_right_mask`)."""
+        n = ctx.cp_size
+        k_all, v_all = (gather_sequence(t, ctx.cp_group, n).permute(1, 2, 0, 3) for t in (key, value))
+        q = query.permute(1, 2, 0, 3)  # [b, np, 2c, hn]
+        c = q.shape[2] // 2
+        rows = []
+        for spans, qr, kr, vr in zip(ctx.spans, q.split(1), k_all.split(1), v_all.split(1), strict=True):
+            pieces = []
+            for chunk, qc in zip((ctx.cp_rank, 2 * n - 1 - ctx.cp_rank), qr.split(c, dim=2), strict=True):
+                lo, hi = chunk * c, (chunk + 1) * c
+                cut = [(max(s, lo), min(e, hi), s) for s, e in spans if e > lo and s < hi]
+                for (a, z, s), qd in zip(cut, qc.split([z - a for a, z, _ in cut], dim=2), strict=True):
+                    kd, vd = kr[:, :, s:z], vr[:, :, s:z]
+                    if a == s:
+                        pieces.append(self._sdpa(qd, kd, vd, None, z - a > 1))
+                    else:  # the mask wants the queries in reverse order (see _lower_right_mask)
+                        mask = _lower_right_mask(ctx.masks, a - s, z - a, q)
+                        pieces.append(self._sdpa(qd.flip(2), kd, vd, mask, False).flip(2))
+            rows.append(torch.cat(pieces, dim=2))
+        return torch.cat(rows, dim=0)
+
+
+def _lower_right_mask(cache: dict, offset: int, queries: int, q: Tensor) -> Tensor:
+    """The additive mask of `queries` queries at positions offset..offset+queries-1 of a document over its keys
+    0..offset+queries-1 (query i sees keys j <= offset + i), for the queries in REVERSE order: then entry (i', j)
+    is allowed iff i' + j <= offset + queries - 1, a function of i' + j, which is the strided view u[i' + j] of one
+    vector (strides (1, 1)). The kernels read it like a dense mask, but it costs O(offset + queries) memory, not
+    O(queries x keys): a dense [c, S] float mask per layer would outweigh the activations CP saves. SDPA's
+    `causal_lower_right` bias would materialise it on CPU."""
+    key = (offset, queries, q.dtype, q.device)
+    if key not in cache:
+        keys = offset + queries
+        u = torch.full((queries + keys - 1,), float("-inf"), dtype=q.dtype, device=q.device)
+        u[:keys] = 0.0
+        cache[key] = u.as_strided((1, 1, queries, keys), (0, 0, 1, 1))
+    return cache[key]
 
 
 def attention_inputs(doc_ids: Tensor, packed: bool, backend: str) -> dict:

@@ -13,9 +13,9 @@ CPU generator, and whose tensor factories map `device="cuda"` to the CPU. Nothin
 scoped to a single call, is described below).
 Every patched call would have raised on this machine, so no working behaviour changes either.
 
-Four spots are not module-level `torch` lookups and get function-level patches instead: the RNG tracker's
+Five spots are not module-level `torch` lookups and get function-level patches instead: the RNG tracker's
 state helpers, grad clipping's `param.grad.type() == 'torch.cuda.FloatTensor'` assert, the `.cuda()` in the
-tied-embedding setup under pipeline parallelism, and the `param.type()` sort of their parameters in the bf16 optimizer and the
+tied-embedding setup under pipeline parallelism, RoPE's pinned-memory `.cuda()` chunk index under context parallelism, and the `param.type()` sort of their parameters in the bf16 optimizer and the
 distributed optimizer. One patch is for speed, not for CUDA: the frozen-weight linear's backward (LoRA students) as a 2-D GEMM,
 see `_patch_frozen_linear`. Known limit: sequence parallelism needs Transformer Engine (docs/dependencies.md); the distributed
 optimizer's checkpoint needs the format and state handling of pipeline/train/checkpoint.py (not a CUDA matter). On CPU the tracker's
@@ -226,6 +226,18 @@ def _with_cuda_type_names(cls: type, why: str) -> None:
     cls.__init__ = __init__
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """rope_utils.get_pos_emb_on_this_cp_rank (L48) without its pinned-memory index and `.cuda()`: the same zig-zag
+    selection (chunks r and 2N-1-r of 2N along `seq_dim`, context_parallel.py), on the embedding's device."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    size, rank = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[(seq_dim + 1):])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
+
+
 def _patch_param_type_checks(optimizer_mod: types.ModuleType, distrib_mod: types.ModuleType) -> None:
     """Two optimizers sort their parameters by `param.type()` against CUDA type names only, so CPU parameters are
     refused: Float16OptimizerWithFloat16Params.__init__ (optimizer.py L671-L700, bf16 mixed precision) and
@@ -257,6 +269,10 @@ def apply_cpu_compat() -> bool:
     _patch_frozen_linear(importlib.import_module("megatron.core.tensor_parallel.layers"))
     _patch_param_type_checks(importlib.import_module("megatron.core.optimizer.optimizer"),
                              importlib.import_module("megatron.core.optimizer.distrib_optimizer"))
+    # Context parallelism's RoPE chunk selection; rotary_pos_embedding imports it by name (L26), so rebind it there too.
+    for name in ("megatron.core.models.common.embeddings.rope_utils",
+                 "megatron.core.models.common.embeddings.rotary_pos_embedding"):
+        importlib.import_module(name).get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     # optimizer.py imports the clip function by name (L50), so rebind it there as well as at its source.
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32

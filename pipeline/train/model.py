@@ -94,6 +94,8 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        # attention=sdpa gathers K/V over the CP ranks (context_parallel.py); Megatron's RoPE picks their chunks
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -29,10 +29,11 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None or value == "" else int(value)
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
-    """Initialise torch.distributed and Megatron's TP/PP/DP groups, then seed Megatron's RNG tracker.
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
+    """Initialise torch.distributed and Megatron's TP/CP/PP/DP groups, then seed Megatron's RNG tracker.
 
-    The data-parallel size is whatever is left: world_size / (tp * pp). Idempotent for the process group
+    The data-parallel size is whatever is left: world_size / (tp * cp * pp); `cp` context-parallel ranks share one
+    data-parallel replica's micro-batches, each holding its chunks of every sequence (context_parallel.py). Idempotent for the process group
     (an existing one is reused, e.g. one a test harness created), but the Megatron groups are rebuilt so
     tp/pp take effect. Why the seed goes through Megatron: its tracker gives TP ranks different dropout / init
     streams and DP ranks identical ones, which is what makes TP=2 reproduce TP=1.
@@ -55,11 +56,12 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
         else:
             raise RuntimeError(f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun")
     world_size = dist.get_world_size()
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+    if world_size % (tp * cp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp)
     mpu_random.model_parallel_cuda_manual_seed(seed)
 
 

@@ -10,6 +10,9 @@ Normalisation: every micro-batch's loss is its SUM over active positions divided
 positions of the step (all micro-batches, all data-parallel ranks), counted before the step, so the per-token loss
 does not depend on how the global batch is split. Hence `calculate_per_token_loss=True` (the schedule leaves the
 loss as returned and DDP sums gradients instead of averaging) and a finalize hook that does not rescale again.
+Context parallelism (context_parallel.py) keeps this rule: the counts are taken on the whole micro-batches (all CP
+ranks of a replica hold the same), each CP rank's loss sums its own chunks' positions, and both the reported sums and
+DDP's gradient sum run over the data-parallel x context-parallel group.
 
 Resume: `gkd train` with the same save_dir continues from `save_dir/latest` (model, optimizer, LR scheduler, RNG,
 data position) and reproduces an uninterrupted run bit-for-bit on CPU.
@@ -34,7 +37,7 @@ from pipeline.config import ConfigError, to_dict
 from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import WriteError, atomic_write_bytes
-from pipeline.train import hf_model
+from pipeline.train import context_parallel, hf_model
 from pipeline.train.data import ScoredLoader, resolve_sources
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
@@ -100,6 +103,11 @@ class TrainConfig:
     fsdp: bool = False
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
     tensor_model_parallel_size: int = 1
+    # Context parallelism (pipeline/train/context_parallel.py; Megatron backend, attention=sdpa): each sequence split
+    # over this many ranks in zig-zag chunks, keys and values all-gathered for attention, for sequences whose
+    # activations do not fit one device. World = tensor_model_parallel_size x context_parallel_size x data-parallel;
+    # seq_length must be a multiple of 2 x context_parallel_size.
+    context_parallel_size: int = 1
     # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
     # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/attention.py.
     attention: str = "sdpa"
@@ -123,21 +131,36 @@ class TrainConfig:
     def validate(self) -> list[str]:
         p = []
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps", "save_interval",
-                     "tensor_model_parallel_size", "window_rows"):
+                     "tensor_model_parallel_size", "context_parallel_size", "window_rows"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1, got {getattr(self, name)}")
         # torchrun's WORLD_SIZE is known before any process group exists: check the data-parallel split now
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        tp = max(1, self.tensor_model_parallel_size)
+        tp, cp = max(1, self.tensor_model_parallel_size), max(1, self.context_parallel_size)
         if world % tp:
             p.append(f"tensor_model_parallel_size {tp} does not divide the {world} processes (WORLD_SIZE); launch a "
                      f"multiple of {tp} processes or change tensor_model_parallel_size")
-        rows = max(1, self.micro_batch_size) * max(1, world // tp)
+        elif world % (tp * cp):
+            p.append(f"context_parallel_size {cp} x tensor_model_parallel_size {tp} = {tp * cp} does not divide the "
+                     f"{world} processes (WORLD_SIZE); launch a multiple of {tp * cp} processes or change "
+                     "context_parallel_size")
+        dp = max(1, world // (tp * cp))
+        rows = max(1, self.micro_batch_size) * dp
         if self.global_batch_size % rows:
             p.append(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                     f"{self.micro_batch_size} x data-parallel size {world // tp} (WORLD_SIZE {world} / "
-                     f"tensor_model_parallel_size {tp}) = {rows}; set global_batch_size to a multiple of {rows}, "
+                     f"{self.micro_batch_size} x data-parallel size {dp} (WORLD_SIZE {world} / "
+                     f"tensor_model_parallel_size {tp}{f' / context_parallel_size {cp}' if cp > 1 else ''}) = {rows}; "
+                     f"set global_batch_size to a multiple of {rows}, "
                      f"e.g. {max(rows, self.global_batch_size // rows * rows)}")
+        if cp > 1 and self.seq_length % (2 * cp):
+            up = -(-self.seq_length // (2 * cp)) * 2 * cp
+            p.append(f"seq_length {self.seq_length} is not a multiple of 2 x context_parallel_size = {2 * cp} (each "
+                     f"sequence is cut into {2 * cp} zig-zag chunks); set seq_length to a multiple of {2 * cp}, e.g. "
+                     f"{up}")
+        if cp > 1 and self.attention == "local":
+            p.append(f"context_parallel_size={cp} needs attention=sdpa (its keys and values are gathered over the "
+                     "context-parallel ranks); Megatron's attention=local has context parallelism only through "
+                     "Transformer Engine. Set attention=sdpa, or context_parallel_size=1")
         if not 0.0 <= self.beta <= 1.0:
             p.append("beta must be in [0, 1]")
         if self.temperature <= 0:
@@ -449,6 +472,25 @@ def model_inputs(batch, cfg: TrainConfig, model) -> dict:
     return {"position_ids": batch.position_ids, **attention_inputs(batch.doc_ids, batch.packed, cfg.attention)}
 
 
+def rank_inputs(batch, cfg: TrainConfig, model):
+    """(the part of `batch` this rank computes, the model's forward keywords): the whole micro-batch and
+    `model_inputs`; under context parallelism this rank's zig-zag chunks (`context_parallel.split`) and the whole
+    rows' document spans (`attention.ContextSpans`). The step's counts are taken before, on whole micro-batches."""
+    from megatron.core import parallel_state
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1 or hf_model.is_hf(_unwrap(model)):
+        return batch, model_inputs(batch, cfg, model)
+    from pipeline.train.attention import context_spans
+
+    if batch.images and any(batch.images):
+        model_inputs(batch, cfg, model)  # its refusal of images on this backend
+    rank = parallel_state.get_context_parallel_rank()
+    local, doc_ids = context_parallel.split(batch, cp, rank)
+    spans = context_spans(doc_ids, batch.packed, rank, cp, parallel_state.get_context_parallel_group())
+    return local, {"position_ids": local.position_ids, "attention_mask": None, "packed_seq_params": spans}
+
+
 def score_live(teacher, batch, attn: dict, cfg: TrainConfig, student_vocab: int):
     """The micro-batch with its teacher rows computed now by the frozen live teacher, at its loss positions: the
     top-k and tail the score stage would have stored, unquantised (pipeline/train/live_teacher.py). `attn`: the
@@ -470,8 +512,7 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
     `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
 
-    batch = next(data_iterator).to(_device())
-    attn = model_inputs(batch, cfg, model)
+    batch, attn = rank_inputs(next(data_iterator).to(_device()), cfg, model)
     if teacher is not None:
         batch = score_live(teacher, batch, attn, cfg, vocab_size)
     # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
@@ -580,6 +621,10 @@ def train(cfg: TrainConfig) -> dict:
     if backend == "hf" and cfg.tensor_model_parallel_size > 1:
         raise ConfigError(f"tensor_model_parallel_size={cfg.tensor_model_parallel_size}: the hf backend ({why}) has "
                           "no tensor parallelism; train it data-parallel (torchrun) or on the Megatron backend")
+    if backend == "hf" and cfg.context_parallel_size > 1:
+        raise ConfigError(f"context_parallel_size={cfg.context_parallel_size}: the hf backend ({why}) has no context "
+                          "parallelism (it is Megatron's attention=sdpa module's); train this student with "
+                          "context_parallel_size=1 (fsdp=true to shard it), or on the Megatron backend")
     if backend == "megatron" and cfg.lora_rank:
         try:
             resolve_targets(cfg.lora_targets)
@@ -589,7 +634,7 @@ def train(cfg: TrainConfig) -> dict:
     if resume is not None and backend == "megatron":  # before any process group: a layout it cannot load into
         checkpoint.check_optimizer_layout(resume, checkpoint.read_meta(resume), cfg.use_distributed_optimizer,
                                           cfg.tensor_model_parallel_size)
-    init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed)
+    init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed, cp=cfg.context_parallel_size)
     try:
         return _train(cfg, backend, why)
     finally:
@@ -653,10 +698,11 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
               f"{', LoRA ' + str(model.lora_spec.to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
-              f"dp={dp} tp={cfg.tensor_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
+              f"dp={dp} tp={cfg.tensor_model_parallel_size} cp={cfg.context_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
 
     batches = loader.iter_from(position, prefetch=cfg.prefetch)
-    dp_group = parallel_state.get_data_parallel_group()
+    # The loss sums: each context-parallel rank's over its own chunks (context_parallel.py), so over DP x CP.
+    sums_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     last: dict = {}
     steps_this_run = 0
     state_bytes = 0
@@ -675,7 +721,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
             position = micro[-1].end
 
             sums = torch.stack([r["sums"] for r in reports]).sum(0)
-            dist.all_reduce(sums, group=dp_group)
+            dist.all_reduce(sums, group=sums_group)
             jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
             sft = (sums[1] / max(counts[1].item(), 1.0)).item()
             opd = (sums[2] / max(counts[0].item(), 1.0)).item()
