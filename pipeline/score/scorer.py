@@ -645,8 +645,9 @@ class InProcessTeacher:
             yield batch, [out.prompt_logprobs for out in outputs]
 
 
-def check_expansion(row: dict, teacher_ids: Sequence[int], image_token: int) -> None:
-    """The teacher engine's sequence (its processor's expansion of the images) against the stored one."""
+def check_expansion(row: dict, teacher_ids: Sequence[int], image_token: int, by: str = "engine") -> None:
+    """The teacher engine's sequence (its processor's expansion of the images) against the stored one; `by` names
+    who expanded them (the in-process engine, or a served teacher's server)."""
     ours = np.asarray(row["engine_ids"])
     theirs = np.asarray(list(teacher_ids))
     if len(ours) == len(theirs) and np.array_equal(ours, theirs):
@@ -654,7 +655,7 @@ def check_expansion(row: dict, teacher_ids: Sequence[int], image_token: int) -> 
     mine = [n for _, n in image_store.runs(ours, image_token)]
     seen = [n for _, n in image_store.runs(theirs, image_token)]
     raise TeacherOutputError(
-        f"sample {row['sample_id']}: the teacher engine expanded its images to {seen} placeholder tokens "
+        f"sample {row['sample_id']}: the teacher's {by} expanded its images to {seen} placeholder tokens "
         f"({len(theirs)} tokens in all), the rollout holds {mine} ({len(ours)}): the student's and the teacher's "
         "processors differ (version, max_pixels/min_pixels, template); nothing of this part was written")
 

@@ -269,7 +269,7 @@ class ServedTeacher:
     def __init__(self, url: str, model: str | None, k: int, *, inflight_tokens: int = 16384, concurrency: int = 16,
                  retries: int = 12, timeout_s: float = 600.0, api_key_env: str | None = None,
                  logprob_mode: str = "raw_logprobs", image_token: int | None = None, image_root: Path | None = None,
-                 check_expansion: Callable[[dict, Sequence[int], int], None] | None = None) -> None:
+                 check_expansion: Callable[[dict, Sequence[int], int, str], None] | None = None) -> None:
         problems = url_problems(url)
         if problems:
             raise ServedTeacherError(problems[0])
@@ -436,7 +436,7 @@ class ServedTeacher:
             return flat_from_json(self._complete(ids.tolist()), ids, self.k)
         pixels = image_store.load(self.image_root, row["images"], sample=row["sample_id"])
         out, expanded = self._generate(image_store.collapse(ids, self.image_token), [png_bytes(p) for p in pixels])
-        self.check_expansion(row, expanded, self.image_token)
+        self.check_expansion(row, expanded, self.image_token, "server")
         return flat_from_json(out, ids, self.k)
 
     # -- the engine the score loop drives --------------------------------------------------------------------------
