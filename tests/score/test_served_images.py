@@ -11,6 +11,8 @@ endpoint, a server whose processor expands the images differently) are in tests/
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,9 @@ import pytest
 from tiny_models import IMAGE_TOKEN, build_qwen2_vl, draw_image
 
 from pipeline.cli import main as cli
+from pipeline.score.scorer import ScoreConfig, score
 from pipeline.score.served import PROBE_IMAGE, PROBE_LEN, LocalServer
-from pipeline.store import TeacherCache, read_cache
+from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store import images as image_store
 from pipeline.store.rollouts import iter_rollouts, rollout_shards
 
@@ -39,6 +42,12 @@ ROWS = [  # (question, answer, images): rows 0 and 1 are the same ids with other
 ]
 
 
+def _server(model: Path, log: Path) -> LocalServer:
+    return LocalServer(model, log, name=NAME, max_logprobs=K, max_model_len=MAX_LEN + 1, kv_cache_gib=0.05,
+                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                       extra=["--enable-scale-out", "--limit-mm-per-prompt", json.dumps({"image": 2})])
+
+
 def _score_args(rollouts: Path, cache: Path, teacher: Path, *extra: str) -> list[str]:
     return ["score", "--rollouts", str(rollouts), "--cache", str(cache), "--teacher", str(teacher), "--topk", str(K),
             f"max_model_len={MAX_LEN}", "dtype=float32", "enforce_eager=true", "kv_cache_gib=0.05",
@@ -56,9 +65,7 @@ def vlm(tmp_path_factory) -> dict:
     assert cli(["import", "--dataset", str(src), "--prompt-field", "question", "--response-field", "answer",
                 "--image-field", "images", "--tokenizer", str(teacher), "--out", str(root / "rollouts")]) == 0
     assert cli(_score_args(root / "rollouts", root / "local", teacher)) == 0
-    with LocalServer(teacher, root / "server.log", name=NAME, max_logprobs=K, max_model_len=MAX_LEN + 1,
-                     kv_cache_gib=0.05, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-                     extra=["--enable-scale-out", "--limit-mm-per-prompt", json.dumps({"image": 2})]) as server:
+    with _server(teacher, root / "server.log") as server:
         assert cli(_score_args(root / "rollouts", root / "served", teacher, "--teacher-url", server.url,
                                "--teacher-model", NAME)) == 0
     return {"root": root, "teacher": teacher, "rollouts": root / "rollouts"}
@@ -105,3 +112,30 @@ def test_the_pixels_reach_the_server_another_image_gives_other_scores(vlm):
     assert gap > 1e-2
     for s in (a, d):  # and each is the in-process teacher's score of its own image
         assert float(np.abs(s.actual_logprobs - local[s.sample_id].actual_logprobs).max()) <= TOLERANCE
+
+
+def test_another_vision_tower_behind_the_same_name_is_another_teacher(vlm, tmp_path):
+    """The same language model and name with other vision weights: the text probe cannot tell them apart, the probe
+    image can, so scoring into the first server's cache is refused before the cache is touched."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(vlm["teacher"], other)
+    weights = load_file(other / "model.safetensors")
+    gen = torch.Generator().manual_seed(7)
+    for name, w in weights.items():
+        if name.startswith("visual.") and w.is_floating_point():
+            weights[name] = w + 0.5 * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    cache = vlm["root"] / "served"
+    before = {p: p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()}
+    with _server(other, tmp_path / "server.log") as server:
+        with pytest.raises(CacheMismatchError, match="the served teacher is not the one this cache was scored with") as e:
+            score(ScoreConfig(rollouts=str(vlm["rollouts"]), cache=str(cache), teacher=str(vlm["teacher"]), topk=K,
+                              max_model_len=MAX_LEN, codec="exact-f32", teacher_url=server.url, teacher_model=NAME))
+    # the largest difference is past the text probe's PROBE_LEN - 1 values: in the probe image's part
+    position = int(re.search(r"\(position (\d+):", str(e.value)).group(1))
+    print(f"\n[served-vlm] another vision tower: {str(e.value).split('differ from the cache')[1][:60]}")
+    assert position > PROBE_LEN - 1
+    assert {p: p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()} == before
