@@ -31,11 +31,12 @@ with the server's message and the server flag or variable that fixes it (`_expla
 
 Identity: a remote teacher's weights cannot be hashed. Its fingerprint is the served model name plus the teacher's
 logprobs of a fixed probe sequence (`probe_ids`), each rounded to PROBE_QUANTUM nat, so a different model behind
-the same URL and name gets another fingerprint. A vision-language teacher's probe also holds a fixed synthetic
-image (`probe_image`) between the probe ids, so a teacher with another vision tower gets another fingerprint. Rounding alone would let float noise near a rounding boundary flip
-a value, so the raw probe is also recorded in cache.json (`teacher_probe`) and a later run against that cache
-compares its own probe to it within PROBE_TOLERANCE instead (`reconcile_probe`): within it, the run takes the
-cache's fingerprint; outside it, the run is refused before the cache is touched.
+the same URL and name gets another fingerprint; a vision-language teacher's probe is scored a second time with a
+fixed synthetic image (`probe_image`) in the middle, so another vision tower gets another fingerprint too. Rounding
+alone would let float noise near a rounding boundary flip a value, so the raw probe is also recorded in cache.json
+(`teacher_probe`) and a later run against that cache compares its own probe to it within PROBE_TOLERANCE instead
+(`reconcile_probe`): within it, the run takes the cache's fingerprint; outside it, the run is refused before the
+cache is touched.
 """
 
 from __future__ import annotations
