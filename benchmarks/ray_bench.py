@@ -12,7 +12,9 @@
   (OUT/ray/driver.jsonl), so a ratio that misses the goal shows whether the extra cost is per run or per cycle.
 - `| ray score worker kills survived |`: `gkd ray score --num-shards 4` on the score bench's kind of rollouts (a tiny
   teacher, as benchmarks/faults.py does), the worker of a running task SIGKILLed at a seeded random moment of the
-  run (benchmarks/faults.py's rule: uniform over the uninterrupted run's wall time); survived = the command exits 0
+  run (benchmarks/faults.py's rule: uniform over the uninterrupted run's wall time), or as soon after it as one is
+  alive (none between a task's end and the next one's start), a run that ends first run again at the same fraction of
+  its own wall time (up to RETRIES times); survived = the command exits 0
   with every task done, the cache verifies, each key once and every row equal to an unsharded run's. Goal N / N.
 """
 
@@ -35,6 +37,7 @@ ENGINE = ["enforce_eager=true", "kv_cache_gib=0.05", "dtype=float32", "max_model
           "batch_tokens=16"]
 SHARDS = 4
 ROWS = 64
+RETRIES = 2  # runs of one kill point that may end before a worker is killed (each then run again, see score_kills)
 
 
 def _gkd(*argv: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -215,13 +218,21 @@ def score_kills(work: Path, points: int = 10, seed: int = 0) -> dict:
         if clean.returncode != 0:
             raise RuntimeError(clean.stderr[-3000:])
         for p in range(points):
-            cache = work / f"kill-{p}"
-            at = rng.uniform(0.1, 0.9) * span
-            proc = subprocess.Popen(cmd(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                    cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)})
-            time.sleep(at)
-            killed, waited = _kill_a_live_worker(proc, rng)
-            _, err = proc.communicate(timeout=1800)
+            frac, length = rng.uniform(0.1, 0.9), span
+            for attempt in range(RETRIES + 1):
+                # a run that ended before its drawn moment (faster than the uninterrupted one: the machine's load
+                # changed) is a point not measured: drawn again at the same fraction of that run's own duration
+                cache = work / (f"kill-{p}" if attempt == 0 else f"kill-{p}-again-{attempt}")
+                at = frac * length
+                t1 = time.perf_counter()
+                proc = subprocess.Popen(cmd(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                time.sleep(at)
+                killed, waited = _kill_a_live_worker(proc, rng)
+                _, err = proc.communicate(timeout=1800)
+                if killed is not None or attempt == RETRIES:
+                    break
+                length = time.perf_counter() - t1
             keys = []
             if (cache / "cache.json").exists():
                 import pyarrow.parquet as pq
@@ -231,8 +242,8 @@ def score_kills(work: Path, points: int = 10, seed: int = 0) -> dict:
             ok = (proc.returncode == 0 and len(keys) == len(set(keys)) == ROWS and TeacherCache.open(cache).verify() == []
                   and _rows(cache) == want)
             out["runs"].append({"at_s": round(at, 1), "waited_s": round(waited, 2), "killed_pid": killed,
-                                "exit": proc.returncode, "survived": ok,
-                                "error": None if ok else err[-500:]})
+                                "runs_ended_before_a_kill": attempt if killed is not None else attempt + 1,
+                                "exit": proc.returncode, "survived": ok, "error": None if ok else err[-500:]})
     finally:
         ray.shutdown()
     out["killed"] = sum(1 for r in out["runs"] if r["killed_pid"])
@@ -267,7 +278,8 @@ def markdown(r: dict) -> str:
         f" | {on['cycles']} on-policy cycles of the on-policy bench; goal ≤ 1.15× |",
         f"| ray score worker kills survived | **{k['survived']} / {k['killed']}** | - | {k['uninterrupted_s']} s "
         f"uninterrupted | `gkd ray score --num-shards {k['shards']}`, kill -9 of a running task's worker at "
-        f"{k['points']} seeded points ({k['killed']} killed: at each point the bench waits for a live worker); "
+        f"{k['points']} seeded points ({k['killed']} killed: at each point the bench waits for a live worker, and "
+        f"runs again a run that ended first: {sum(r.get('runs_ended_before_a_kill', 0) for r in k['runs'])} such); "
         "equal to an unsharded run row by row; goal N / N |",
         "",
         *(f"The {name} row is kept from an earlier run: measured by {r[part]['measured']}." for part, name in
