@@ -78,6 +78,20 @@ def old_sections(path: Path) -> dict[str, str]:
     return {name: block for block, name in found}
 
 
+def stored_raw(block: str) -> dict:
+    """The raw results of a section as `section` wrote them, each top-level part stamped with the section's
+    `measured` line (so a part kept while another is re-measured still says which run measured it)."""
+    raw = re.search(r"```json\n(.*?)\n```", block, flags=re.S)
+    if raw is None:
+        return {}
+    stamp = re.search(r"^_Measured by (.*)\._$", block, flags=re.M)
+    out = json.loads(raw.group(1))
+    for part in out.values():
+        if isinstance(part, dict) and stamp is not None:
+            part.setdefault("measured", stamp.group(1))
+    return out
+
+
 def write_benchmarks(path: Path, sections: dict[str, str]) -> str:
     """Write BENCHMARKS.md from its sections (in SECTIONS order); returns the text."""
     text = "\n".join([

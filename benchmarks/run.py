@@ -35,7 +35,7 @@ from benchmarks import (
     topp_bench,
     train_bench,
 )
-from benchmarks.report import SECTIONS, Stamp, old_sections, section, write_benchmarks
+from benchmarks.report import SECTIONS, Stamp, old_sections, section, stored_raw, write_benchmarks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--only", default=DEFAULT, help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--loss-tokens", type=int, default=4096)
     ap.add_argument("--onpolicy-cycles", type=int, default=6, help="cycles (of 2 steps) per run in the onpolicy bench")
+    ap.add_argument("--ray-parts", default="onpolicy,kills",
+                    help="with --only ray: re-measure these parts of the ray section (onpolicy ~50 min on 2 cores, "
+                         "kills ~25 min); a part left out keeps its stored raw results and says when they were measured")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary work folder (caches, checkpoints)")
     args = ap.parse_args()
@@ -57,7 +60,11 @@ def main() -> int:
         ap.error(f"--only: unknown {sorted(only - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
     command = "python -m benchmarks.run" + (f" --only {args.only}" if args.only != DEFAULT else "") + (
         f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "") + (
-        f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "")
+        f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "") + (
+        f" --ray-parts {args.ray_parts}" if args.ray_parts != "onpolicy,kills" else "")
+    parts = set(args.ray_parts.split(","))
+    if parts - set(ray_bench.PARTS) or not parts:
+        ap.error(f"--ray-parts: choose from {','.join(ray_bench.PARTS)}, got {args.ray_parts!r}")
     out = Path(args.out)
     sections = old_sections(out)
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
@@ -68,7 +75,7 @@ def main() -> int:
             if name not in only:
                 continue
             stamp = Stamp.now(command)  # the machine's load before this section, not after it
-            res, body = _measure(name, args, work, results)
+            res, body = _measure(name, args, work, results, sections)
             sections[name] = section(name, body, res, stamp)
             text = write_benchmarks(out, sections)  # after each section: a later failure keeps what was measured
     finally:
@@ -94,15 +101,20 @@ SIMPLE = {
     "faults": (faults.run, faults.markdown),
     "lifetime": (lifetime_bench.run, lifetime_bench.markdown),  # 12 kills, 30 s apiece, and a 2-cycle on-policy run
     "distopt": (distopt_bench.run, distopt_bench.markdown),
-    "ray": (ray_bench.run, ray_bench.markdown),  # the on-policy run twice + 10 killed `gkd ray score` runs: ask for it
     "images": (image_bench.run, image_bench.markdown),
     "index": (index_bench.run, index_bench.markdown),
     "cp": (cp_bench.run, cp_bench.markdown),
 }
 
 
-def _measure(name: str, args: argparse.Namespace, work: Path, results: dict[str, dict]) -> tuple[dict, str]:
+def _measure(name: str, args: argparse.Namespace, work: Path, results: dict[str, dict],
+             sections: dict[str, str]) -> tuple[dict, str]:
     """Run one section; returns its raw results and its markdown."""
+    if name == "ray":
+        parts = [p for p in ray_bench.PARTS if p in args.ray_parts.split(",")]
+        kept = {} if len(parts) == len(ray_bench.PARTS) else stored_raw(sections.get("ray", ""))
+        res = ray_bench.run(work / "ray", args.onpolicy_cycles, parts=parts, kept=kept)
+        return res, ray_bench.markdown(res)
     if name in SIMPLE:
         run, markdown = SIMPLE[name]
         res = run(work / name)

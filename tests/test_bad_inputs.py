@@ -3,7 +3,8 @@
 Every case checks the same four things: a non-zero exit; a message naming the file, the field or value, and the
 fix; no traceback (pipeline.errors.command prints a refusal as one message); and nothing already on disk harmed (every file there before is byte-identical after, no temporary or partial
 file is left). No model is trained and no engine is started: every refusal comes before that work, which is the
-point (a bad input must fail in seconds). The trainer's checkpoint cases need a real checkpoint and live in
+point (a bad input must fail in seconds); the exception is the served vision-language teacher's two cases, refusals
+of a real vLLM server's answers, which start one tiny server each. The trainer's checkpoint cases need a real checkpoint and live in
 tests/train/test_refusals.py.
 """
 
@@ -565,3 +566,38 @@ def test_image_missing_from_the_rollouts_folder(tmp_path, vlm, capsys):
     victim.unlink()
     refused(tmp_path, _vlm_score(tmp_path, tmp_path / "rollouts", vlm["model"]), capsys,
             rf"images/{victim.name}: image \(sample \w+\) is missing", "copy the rollouts' images/ folder")
+
+
+# -- gkd score --teacher-url with image rollouts: the two cases need the server's own answer, so they start one
+# real vLLM server of the tiny Qwen2-VL each (~25 s on 2 cores), the only engines this module starts ------------
+
+
+def test_a_served_vlm_teacher_without_the_token_endpoint_or_with_another_processor(tmp_path, tmp_path_factory, vlm,
+                                                                                  capsys):
+    """A server started without --enable-scale-out has no token-in endpoint, which the images go through: refused
+    at the probe, before the cache is touched. A server whose processor expands the images to fewer placeholders
+    (another max_pixels in its folder) than the rollouts and the local teacher folder hold: refused at the first
+    answer, naming the sample and both expansions, nothing stored."""
+    import shutil
+
+    from pipeline.score.served import LocalServer
+
+    work = tmp_path_factory.mktemp("served-vlm-refusals")
+    other = work / "teacher"
+    shutil.copytree(vlm["model"], other)
+    config = json.loads((other / "processor_config.json").read_text())
+    config["image_processor"]["size"]["longest_edge"] = 28 * 28 * 4
+    (other / "processor_config.json").write_text(json.dumps(config))
+    limit = ["--limit-mm-per-prompt", json.dumps({"image": 2})]
+    kw = dict(name="vl", max_logprobs=4, max_model_len=129, kv_cache_gib=0.05,
+              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    with LocalServer(vlm["model"], work / "plain.log", extra=limit, **kw) as server:
+        refused(tmp_path, _vlm_score(tmp_path, vlm["rollouts"], vlm["model"], "--teacher-url", server.url), capsys,
+                r"/inference/v1/generate: the server refused the request \(HTTP 403\)",
+                "restart it with that flag", "--enable-scale-out")
+    assert not (tmp_path / "cache").exists()
+    with LocalServer(other, work / "other.log", extra=["--enable-scale-out", *limit], **kw) as server:
+        refused(tmp_path, _vlm_score(tmp_path, vlm["rollouts"], vlm["model"], "--teacher-url", server.url), capsys,
+                r"sample \w+: the teacher's server expanded its images to \[[0-5], [0-5]\] placeholder tokens .*, "
+                r"the rollout holds \[6, 6\]", "processors differ", "nothing of this part was written")
+    assert not list((tmp_path / "cache" / "shards").glob("*.parquet"))

@@ -523,7 +523,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         if llm is not None:
             raise ConfigError("teacher_url: a served teacher scores through its server, not an engine passed to score()")
         served, teacher_fp, probe, teacher_name, engine_name = _served_teacher(cfg, teacher, tokenizer, vocab_size,
-                                                                              engine_len)
+                                                                              engine_len, image_token)
     else:
         scheme = cache_fingerprint_scheme(cfg.cache)
         teacher_fp = teacher_fingerprint(teacher, scheme)  # from the fingerprint record when the files are unchanged
@@ -562,11 +562,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     have = cache.keys()
     todo = [r for r in rows if r["key"] not in have]
     pictured = [r for r in todo if r.get("images")]
-    if pictured:
-        if served is not None:
-            raise ConfigError(f"teacher_url: {len(pictured)} rollout(s) carry images, which the served teacher does "
-                              "not take yet (it would see the placeholders without the pixels); score them with an "
-                              "in-process engine (no --teacher-url)")
+    if pictured:  # a served teacher's server expands them too: checked again per row against its answer
         check_image_alignment(pictured, teacher, image_token, Path(cfg.rollouts))
     counts["cached"] = len(rows) - len(todo)
     prior_parts = sorted(p.name[: -len(".parquet")] for p in cache.shard_dir.glob(f"{name}-p*.parquet") if read_marker(p))
@@ -649,8 +645,9 @@ class InProcessTeacher:
             yield batch, [out.prompt_logprobs for out in outputs]
 
 
-def check_expansion(row: dict, teacher_ids: Sequence[int], image_token: int) -> None:
-    """The teacher engine's sequence (its processor's expansion of the images) against the stored one."""
+def check_expansion(row: dict, teacher_ids: Sequence[int], image_token: int, by: str = "engine") -> None:
+    """The teacher engine's sequence (its processor's expansion of the images) against the stored one; `by` names
+    who expanded them (the in-process engine, or a served teacher's server)."""
     ours = np.asarray(row["engine_ids"])
     theirs = np.asarray(list(teacher_ids))
     if len(ours) == len(theirs) and np.array_equal(ours, theirs):
@@ -658,7 +655,7 @@ def check_expansion(row: dict, teacher_ids: Sequence[int], image_token: int) -> 
     mine = [n for _, n in image_store.runs(ours, image_token)]
     seen = [n for _, n in image_store.runs(theirs, image_token)]
     raise TeacherOutputError(
-        f"sample {row['sample_id']}: the teacher engine expanded its images to {seen} placeholder tokens "
+        f"sample {row['sample_id']}: the teacher's {by} expanded its images to {seen} placeholder tokens "
         f"({len(theirs)} tokens in all), the rollout holds {mine} ({len(ours)}): the student's and the teacher's "
         "processors differ (version, max_pixels/min_pixels, template); nothing of this part was written")
 
@@ -721,12 +718,15 @@ def open_teacher_engine(cfg: ScoreConfig, model_dir: str | Path, engine_len: int
                        max_logprobs=cfg.topk, logprobs_mode=cfg.logprob_mode)
 
 
-def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int):
+def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int,
+                    image_token: int | None = None):
     """The served teacher's engine and identity (score/served.py), checked against the server and against an
-    existing cache before the cache is touched: (engine, fingerprint, probe, descriptor teacher, engine name)."""
+    existing cache before the cache is touched: (engine, fingerprint, probe, descriptor teacher, engine name). A
+    vision-language teacher sends rollouts' images with their ids, its expansion checked as in process."""
     served = ServedTeacher(cfg.teacher_url, cfg.teacher_model, cfg.topk, inflight_tokens=cfg.served_inflight_tokens,
                            concurrency=cfg.served_concurrency, retries=cfg.served_retries,
-                           timeout_s=cfg.served_timeout_s, api_key_env=cfg.teacher_api_key_env)
+                           timeout_s=cfg.served_timeout_s, api_key_env=cfg.teacher_api_key_env,
+                           image_token=image_token, image_root=Path(cfg.rollouts), check_expansion=check_expansion)
     info = served.describe(vocab_size, tokenizer)
     served_len = info["max_model_len"]
     if served_len is not None and int(served_len) < engine_len:

@@ -9,6 +9,16 @@ object keyed by token-id strings: the actual token with its true rank plus ranks
 token is itself in the top K) is turned into the flat layout of an in-process engine (`flat_from_json`) and goes
 through the same `extract` (docs/dependencies.md, "OpenAI-compatible server").
 
+Rollouts with images go to vLLM's token-in endpoint instead, `POST /inference/v1/generate` (the server must run
+with `--enable-scale-out`): `token_ids` are the rollout's ids with each image's placeholder run collapsed to one
+token, as the in-process teacher sends them, `content_parts` the images as PNG data URLs of the pixels the
+in-process teacher and the student decode (`image_store.load`, re-encoded losslessly, so the server's own decoding
+of RGBA or EXIF-rotated files cannot differ), `sampling_params` asks for the prompt logprobs, and
+`return_token_ids` returns the server's expansion of the placeholders, checked against the rollout's token for
+token before its logprobs are read (`check_expansion`, the score stage's one rule). /v1/completions takes no images,
+and /v1/chat/completions renders its own prompt from messages through the chat template, so neither can score the
+rollout's exact ids with pixels (docs/dependencies.md, "OpenAI-compatible server").
+
 Requests go through the `openai` client (what vLLM's own examples, TRL's and verl's server clients use): vLLM's
 `prompt_logprobs` rides in `extra_body` and comes back among the answer's extra fields. The client sends the API
 key as a bearer token (read from the variable --teacher-api-key-env names, else OPENAI_API_KEY, else VLLM_API_KEY:
@@ -21,16 +31,20 @@ with the server's message and the server flag or variable that fixes it (`_expla
 
 Identity: a remote teacher's weights cannot be hashed. Its fingerprint is the served model name plus the teacher's
 logprobs of a fixed probe sequence (`probe_ids`), each rounded to PROBE_QUANTUM nat, so a different model behind
-the same URL and name gets another fingerprint. Rounding alone would let float noise near a rounding boundary flip
-a value, so the raw probe is also recorded in cache.json (`teacher_probe`) and a later run against that cache
-compares its own probe to it within PROBE_TOLERANCE instead (`reconcile_probe`): within it, the run takes the
-cache's fingerprint; outside it, the run is refused before the cache is touched.
+the same URL and name gets another fingerprint; a vision-language teacher's probe is scored a second time with a
+fixed synthetic image (`probe_image`) in the middle, so another vision tower gets another fingerprint too. Rounding
+alone would let float noise near a rounding boundary flip a value, so the raw probe is also recorded in cache.json
+(`teacher_probe`) and a later run against that cache compares its own probe to it within PROBE_TOLERANCE instead
+(`reconcile_probe`): within it, the run takes the cache's fingerprint; outside it, the run is refused before the
+cache is touched.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
+import io
 import json
 import os
 import ssl
@@ -40,7 +54,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +64,7 @@ import openai
 
 from pipeline.engine import on_cpu
 from pipeline.errors import UserError
+from pipeline.store import images as image_store
 from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
 from pipeline.store.fingerprint import _digest
 
@@ -71,6 +86,10 @@ CA_BUNDLE_ENV = "SSL_CERT_FILE"
 SECRET_WORDS = ("key", "token", "secret", "password", "auth", "sig")  # query parameters refused in a teacher_url
 # vLLM writes -inf logprobs as -9999.0 in JSON (clamp_prompt_logprobs); mapped back so check_finite sees them.
 CLAMPED_LOGPROB = -9999.0
+# vLLM's token-in endpoint (at the server root, behind --api-key like /v1): token ids plus raw images
+GENERATE_PATH = "/inference/v1/generate"
+SCALE_OUT_FLAG = "--enable-scale-out"  # the server flag that mounts it (without it: HTTP 403 naming the flag)
+PROBE_IMAGE = "synthetic-56x56-v1"  # the probe image's name in the fingerprint: change it when probe_image changes
 
 
 class ServedTeacherError(UserError, RuntimeError):
@@ -126,11 +145,31 @@ def probe_ids(vocab_size: int) -> list[int]:
     return [(7 + 7919 * i) % vocab_size for i in range(PROBE_LEN)]
 
 
-def probe_fingerprint(model: str, ids: list[int], logprobs: list[float]) -> str:
-    """The served teacher's fingerprint: name, probe ids and the probe's actual-token logprobs in PROBE_QUANTUM steps."""
+def probe_image() -> bytes:
+    """The vision-language probe's image: 56x56 px (Qwen-VL's default min_pixels, so no processor enlarges it)
+    of a fixed pattern, as PNG; the same bytes on every run and machine."""
+    from PIL import Image
+
+    y, x, c = np.mgrid[0:56, 0:56, 0:3]
+    pixels = ((x * 7 + y * 13 + c * 101 + (x * y) % 17) % 256).astype(np.uint8)
+    return png_bytes(Image.fromarray(pixels, "RGB"))
+
+
+def png_bytes(image) -> bytes:
+    """A decoded image as PNG (lossless: the server decodes exactly these pixels)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def probe_fingerprint(model: str, ids: list[int], logprobs: list[float], image: str | None = None) -> str:
+    """The served teacher's fingerprint: name, probe ids and the probe's actual-token logprobs in PROBE_QUANTUM steps
+    (a vision-language teacher's: `image` names the probe image, whose positions' logprobs follow the text's)."""
     h = _digest()
     steps = [round(v / PROBE_QUANTUM) for v in logprobs]
     h.update(f"served|{model}|{json.dumps(ids)}|{PROBE_QUANTUM}|{json.dumps(steps)}".encode())
+    if image is not None:
+        h.update(f"|image|{image}".encode())
     return h.hexdigest()
 
 
@@ -230,7 +269,8 @@ class ServedTeacher:
 
     def __init__(self, url: str, model: str | None, k: int, *, inflight_tokens: int = 16384, concurrency: int = 16,
                  retries: int = 12, timeout_s: float = 600.0, api_key_env: str | None = None,
-                 logprob_mode: str = "raw_logprobs") -> None:
+                 logprob_mode: str = "raw_logprobs", image_token: int | None = None, image_root: Path | None = None,
+                 check_expansion: Callable[[dict, Sequence[int], int, str], None] | None = None) -> None:
         problems = url_problems(url)
         if problems:
             raise ServedTeacherError(problems[0])
@@ -241,6 +281,9 @@ class ServedTeacher:
         self.concurrency = concurrency
         self.retries = retries
         self.logprob_mode = logprob_mode
+        # a vision-language teacher: its placeholder token, where the rollouts' images are, and the score stage's
+        # check of the server's expansion against the rollout's (raises, naming the sample and both counts)
+        self.image_token, self.image_root, self.check_expansion = image_token, image_root, check_expansion
         key, self.key_source = api_key_from_env(api_key_env)
         self.key_sent = key is not None
         self.key_env = api_key_env
@@ -286,7 +329,13 @@ class ServedTeacher:
 
     def _explain(self, url: str, code: int, message: str) -> str:
         fix = "check the request settings against the server's flags (docs/dependencies.md, 'OpenAI-compatible server')"
-        if code in (401, 403):
+        if SCALE_OUT_FLAG in message:
+            fix = (f"the images of a vision-language teacher's rollouts go to vLLM's token-in endpoint "
+                   f"({GENERATE_PATH}), which the server mounts only with {SCALE_OUT_FLAG}: restart it with that flag")
+        elif "may be provided in one prompt" in message:
+            fix = ("restart the server with --limit-mm-per-prompt '{\"image\": N}', N the most images of a rollout "
+                   "(or score with max_images_per_prompt at the server's limit to refuse larger rows before scoring)")
+        elif code in (401, 403):
             var = self.key_env or "OPENAI_API_KEY (or VLLM_API_KEY)"
             sent = (f"the key in {self.key_source} is not one it accepts" if self.key_sent else
                     f"no key was sent: {self.key_source} is not set")
@@ -319,6 +368,15 @@ class ServedTeacher:
         out = self._complete(ids)
         flat = flat_from_json(out, np.asarray(ids), self.k)
         logprobs = [float(v) for v in flat.logprobs[flat.start_indices[1:]]]  # the actual tokens' (entry 0)
+        image = None
+        if self.image_token is not None:  # the probe ids again with the probe image in the middle
+            half = len(ids) // 2
+            image_ids = [t for t in ids[:half] if t != self.image_token] + [self.image_token] + \
+                [t for t in ids[half:] if t != self.image_token]
+            out, expanded = self._generate(image_ids, [probe_image()])
+            flat = flat_from_json(out, np.asarray(expanded), self.k)
+            logprobs += [float(v) for v in flat.logprobs[flat.start_indices[1:]]]
+            image = PROBE_IMAGE
         text = "The quick brown fox: 12 + 7 = 19."
         local = tokenizer(text, add_special_tokens=False)["input_ids"]
         remote = self._post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False},
@@ -333,8 +391,10 @@ class ServedTeacher:
             version = "?"
         probe = {"model": self.model, "ids": json.dumps(ids), "logprobs": json.dumps(logprobs),
                  "quantum": str(PROBE_QUANTUM), "tolerance": str(PROBE_TOLERANCE)}
+        if image is not None:
+            probe["image"] = image
         return {"max_model_len": served[self.model].get("max_model_len"), "version": version, "probe": probe,
-                "fingerprint": probe_fingerprint(self.model, ids, logprobs)}
+                "fingerprint": probe_fingerprint(self.model, ids, logprobs, image)}
 
     def _complete(self, ids: list[int]) -> list:
         """One rollout's prompt logprobs: a completion of max_tokens 1 with vLLM's `prompt_logprobs` request field
@@ -350,6 +410,36 @@ class ServedTeacher:
                 "`python -m vllm.entrypoints.openai.api_server` (README, 'A served teacher')")
         return out
 
+    def _generate(self, ids: list[int], images: list[bytes]) -> tuple[list, list[int]]:
+        """One prompt with images through vLLM's token-in endpoint: `ids` with one placeholder token per image (vLLM
+        expands each with the teacher's processor, as in process), the images as PNG data URLs. Returns the
+        answer's prompt_logprobs and the server's expanded prompt ids."""
+        body = {"model": self.model, "token_ids": list(ids), "return_token_ids": True,
+                "content_parts": [{"type": "image_url",
+                                   "url": "data:image/png;base64," + base64.b64encode(data).decode("ascii")}
+                                  for data in images],
+                "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": self.k,
+                                    "detokenize": False}}
+        answer = self._post(GENERATE_PATH, body, root=True)
+        out, expanded = answer.get("prompt_logprobs"), answer.get("prompt_token_ids")
+        if out is None or expanded is None:
+            raise ServedTeacherError(
+                f"{self._root()}{GENERATE_PATH}: the answer holds no 'prompt_logprobs'/'prompt_token_ids', which "
+                "scoring images needs (vLLM's token-in endpoint): serve the teacher with vLLM "
+                f"`python -m vllm.entrypoints.openai.api_server ... {SCALE_OUT_FLAG}` (README, 'A served teacher')")
+        return out, [int(t) for t in expanded]
+
+    def _score_row(self, row: dict) -> FlatLogprobs:
+        """One rollout's flat prompt logprobs: text through /v1/completions, images through the token-in endpoint
+        (the server's expansion checked against the rollout's before its logprobs are read)."""
+        ids = np.asarray(row["engine_ids"], np.int64)
+        if not row.get("images"):
+            return flat_from_json(self._complete(ids.tolist()), ids, self.k)
+        pixels = image_store.load(self.image_root, row["images"], sample=row["sample_id"])
+        out, expanded = self._generate(image_store.collapse(ids, self.image_token), [png_bytes(p) for p in pixels])
+        self.check_expansion(row, expanded, self.image_token, "server")
+        return flat_from_json(out, ids, self.k)
+
     # -- the engine the score loop drives --------------------------------------------------------------------------
     def score_batches(self, batches: Iterable[list[dict]]) -> Iterator[tuple[list[dict], list[FlatLogprobs]]]:
         """Yield each batch with its rows' flat prompt logprobs, in order, while up to `inflight_tokens` tokens of
@@ -358,12 +448,12 @@ class ServedTeacher:
         cond = threading.Condition()
         inflight = [0]
 
-        def one(ids: np.ndarray) -> FlatLogprobs:
+        def one(row: dict) -> FlatLogprobs:
             try:
-                return flat_from_json(self._complete(ids.tolist()), ids, self.k)
+                return self._score_row(row)
             finally:
                 with cond:
-                    inflight[0] -= len(ids)
+                    inflight[0] -= len(row["engine_ids"])
                     cond.notify_all()
 
         queue: deque[tuple[list[dict], list[Future]]] = deque()
@@ -376,7 +466,7 @@ class ServedTeacher:
                     with cond:  # a row longer than the bound goes alone
                         cond.wait_for(lambda n=len(ids): inflight[0] == 0 or inflight[0] + n <= self.inflight_tokens)
                         inflight[0] += len(ids)
-                    futures.append(pool.submit(one, ids))
+                    futures.append(pool.submit(one, r))
                     while queue and all(f.done() for f in queue[0][1]):
                         done, fs = queue.popleft()
                         yield done, [f.result() for f in fs]
