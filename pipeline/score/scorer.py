@@ -706,9 +706,6 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     return summary
 
 
-TEACHER_TOKENIZER = "teacher_tokenizer"  # CACHE/teacher_tokenizer/: a cross-tokenizer cache's own copy
-
-
 def cross_tokenizers(cfg: ScoreConfig, tokenizer, tok_fp: str, teacher: Path) -> CrossTokenizer:
     """The student's tokenizer of a cross-tokenizer task, checked before any work: another tokenizer than the
     teacher's, and both decoding deterministically (store/align.py `check_decode`)."""
@@ -734,7 +731,7 @@ def store_teacher_tokenizer(root: Path, tokenizer) -> None:
     import shutil
     import tempfile
 
-    target = root / TEACHER_TOKENIZER
+    target = root / align.TEACHER_TOKENIZER
     if target.exists():
         return
     staged = Path(tempfile.mkdtemp(prefix=".teacher_tokenizer.", dir=root))

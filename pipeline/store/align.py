@@ -31,6 +31,7 @@ import numpy as np
 
 from pipeline.errors import UserError
 
+TEACHER_TOKENIZER = "teacher_tokenizer"  # CACHE/teacher_tokenizer/: a cross-tokenizer cache's copy of it
 # A sentence with spaces, digits, punctuation, a newline and multi-byte characters: what the decode check probes.
 DECODE_PROBE = "The answer is 12.  Zwölf, ×4 = 48?\nYes — 日本 ok"
 
