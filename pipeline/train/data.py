@@ -495,8 +495,9 @@ class ScoredLoader:
         end, row_of, offsets = self.plan(start)
         sel = np.flatnonzero(row_of // self.B == q)
         rows = self.sample_rows(start, len(row_of))[sel]
-        return assemble(self._fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
-                        seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
+        mb = assemble(self._fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
+                      seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
+        return self._with_xtok(mb)
 
     # -- reading ----------------------------------------------------------------------------------------------
     def _file(self, s: int) -> tuple[pq.ParquetFile, Decoder]:
@@ -644,14 +645,19 @@ class ScoredLoader:
         fetched = self._fetch(rows)
         mb = assemble(fetched, row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
                       k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
-        if self.cross:
-            mb.xtok_matched, mb.xtok_teacher_vocab = self.xtok_matched, self.xtok_teacher_vocab
+        mb = self._with_xtok(mb)
         if any(block.images is not None for block, _ in fetched):
             if self.packing:
                 raise ShardError(f"{fetched[0][0].root}: rows with images cannot be packed (a vision-language "
                                  "student computes its own positions per row); train with packing=false")
             mb.images = [[(block.root, h) for h in (block.images[r] if block.images is not None else None) or ()]
                          for block, r in fetched]
+        return mb
+
+    def _with_xtok(self, mb: MicroBatch) -> MicroBatch:
+        """A cross-tokenizer micro-batch carries the vocabulary map's student side and the teacher's vocabulary."""
+        if self.cross:
+            mb.xtok_matched, mb.xtok_teacher_vocab = self.xtok_matched, self.xtok_teacher_vocab
         return mb
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:

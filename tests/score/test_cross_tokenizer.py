@@ -158,9 +158,11 @@ def test_a_one_to_one_spans_teacher_row_equals_the_same_tokenizer_row(xtok):
     assert compared > 10
 
 
-def test_cache_stats_report_the_alignment_and_same_tokenizer_caches_are_unchanged(xtok):
-    stats = TeacherCache.open(xtok["root"] / "c-cross").stats()
-    a = stats["alignment"]
+def test_cache_stats_report_the_alignment_and_same_tokenizer_caches_are_unchanged(xtok, capsys):
+    from pipeline.cli import main as gkd
+
+    assert gkd(["cache", "stats", str(xtok["root"] / "c-cross"), "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)["alignment"]
     rows = [r for p in TeacherCache.open(xtok["root"] / "c-cross").shard_paths() for r in pq.read_table(p).to_pylist()]
     ns = np.concatenate([np.diff(r["span_student"]) for r in rows])
     nt = np.concatenate([np.diff(r["span_teacher"]) for r in rows])

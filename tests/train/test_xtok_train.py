@@ -39,8 +39,9 @@ def xt(tmp_path_factory):
 
 
 def _loader(xt, **kw):
-    return ScoredLoader([xt["cache"]], micro_batch_size=4, seq_length=SEQ, seed=0, vocab_size=len(xt["s_tok"]),
-                        tokenizer_fingerprint=tokenizer_fingerprint(xt["s_tok"]), xtok_map=xt["vmap"], **kw)
+    args = dict(micro_batch_size=4, seq_length=SEQ, seed=0, vocab_size=len(xt["s_tok"]),
+                tokenizer_fingerprint=tokenizer_fingerprint(xt["s_tok"]), xtok_map=xt["vmap"])
+    return ScoredLoader([xt["cache"]], **{**args, **kw})
 
 
 def test_loader_puts_the_merged_teacher_row_at_each_span_head(xt):
@@ -111,3 +112,26 @@ def test_first_step_loss_equals_the_definition_on_the_students_own_forward(xt, t
     on = mb.sft_mask
     ce = -lsm.gather(-1, mb.labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)[on]
     assert metrics[0]["sft"] == pytest.approx(float(ce.mean()), abs=1e-3)
+
+
+def test_packed_layout_equals_the_padded_one_sample_by_sample(xt):
+    """Packed rows (several samples per row, the trainer's default) carry each sample's heads, span pointers and
+    merged teacher rows exactly as one sample per row does, shifted to its columns."""
+    packed = _loader(xt, packing=True, rows_per_step=4).micro_batch(0)
+    padded = _loader(xt, micro_batch_size=len(xt["rows"])).micro_batch(0)
+    assert packed.xtok_matched is not None and packed.samples > packed.input_ids.shape[0]  # really packed
+    where = {tuple(padded.input_ids[i, :int((padded.doc_ids[i] >= 0).sum())].tolist()): i
+             for i in range(padded.samples)}
+    wp, wq = packed.input_ids.shape[1], padded.input_ids.shape[1]
+    for r in range(packed.input_ids.shape[0]):
+        for d in range(int(packed.doc_ids[r].max()) + 1):
+            cols = np.flatnonzero(packed.doc_ids[r].numpy() == d)
+            o, n = int(cols[0]), len(cols)
+            i = where[tuple(packed.input_ids[r, o:o + n].tolist())]
+            assert packed.loss_mask[r, o:o + n].tolist() == padded.loss_mask[i, :n].tolist()
+            assert packed.sft_mask[r, o:o + n].tolist() == padded.sft_mask[i, :n].tolist()
+            torch.testing.assert_close(packed.teacher_logprobs[r, o:o + n], padded.teacher_logprobs[i, :n])
+            assert torch.equal(packed.teacher_ids[r, o:o + n], padded.teacher_ids[i, :n])
+            sp, sq = packed.span_head[r, o:o + n], padded.span_head[i, :n]
+            assert torch.equal(sp >= 0, sq >= 0)
+            assert torch.equal(sp[sp >= 0] - (r * wp + o), sq[sq >= 0] - i * wq)
