@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,faults,images,distopt,index] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,faults,images,distopt,index,xtok] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -32,13 +32,14 @@ from benchmarks import (
     scorework_bench,
     topp_bench,
     train_bench,
+    xtok_bench,
 )
 from benchmarks.report import SECTIONS, Stamp, old_sections, section, write_benchmarks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
+DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,xtok"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -94,6 +95,7 @@ SIMPLE = {
     "ray": (ray_bench.run, ray_bench.markdown),  # the on-policy run twice + 10 killed `gkd ray score` runs: ask for it
     "images": (image_bench.run, image_bench.markdown),
     "index": (index_bench.run, index_bench.markdown),
+    "xtok": (xtok_bench.run, xtok_bench.markdown),
 }
 
 
