@@ -239,7 +239,7 @@ class ScoredLoader:
         kinds = {r[1].cross_tokenizer for r in resolved}
         if len(kinds) != 1:
             raise InputError("cross-tokenizer and same-tokenizer caches cannot be read together ("
-                             + ", ".join(sorted({str(p.parent.parent) for p, _ in resolved})) + "): train from one kind")
+                             + ", ".join(sorted({str(r[0].parent.parent) for r in resolved})) + "): train from one kind")
         # A cross-tokenizer cache (store/align.py): rows in the teacher's tokens with spans, laid out in the
         # student's (batch.student_layout); `xtok_map` maps teacher ids to student ids (GOLD; None: ULD).
         self.cross, self.xtok_map = kinds.pop(), xtok_map
