@@ -85,3 +85,70 @@ def train_tiny(student: Path, cache: Path, save: Path, steps: int) -> list[dict]
                 train_steps=steps, warmup_steps=1, save_interval=steps, save_dir=str(save), progress=False)
     assert cli(["train", *[f"{k}={v}" for k, v in args.items()]]) == 0
     return [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines()]
+
+
+XTOK_PROMPTS = ["What is three times four?", "Say something about the fox.", "Seven plus five?",
+                "Explain distillation.", "Count to twenty.", "Tell me about caches.", "What does the teacher do?",
+                "Name some numbers."]
+XTOK_ANSWERS = ["The answer is twelve.", "The quick brown fox jumps over the lazy dog.", "Seven plus five is twelve.",
+                "Knowledge distillation trains a small model to match a large one: 3 × 4 = 12.",
+                "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20.",
+                "A teacher scores the rollouts once; many students learn from the cache.",
+                "It scores the rollouts once, and the students learn from the cache.",
+                "Questions and answers, prompts and completions, tokens and logits."]
+
+
+def xtok_rollouts(student_tok, n: int = len(XTOK_PROMPTS), source: str = "dataset") -> list[dict]:
+    """Chat rollouts in the student's tokens (its template applied once, as gkd import does)."""
+    from pipeline.store.rollouts import rollout_row
+
+    rows = []
+    for i in range(n):
+        q, a = XTOK_PROMPTS[i % len(XTOK_PROMPTS)], XTOK_ANSWERS[i % len(XTOK_ANSWERS)]
+        text = student_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=False)
+        rows.append(rollout_row(prompt_id=f"x{i}", prompt_ids=student_tok(text, add_special_tokens=False).input_ids,
+                                completion_ids=student_tok(a + "<|im_end|>", add_special_tokens=False).input_ids,
+                                source=source))
+    return rows
+
+
+def score_cross_into_cache(teacher_dir: Path, student_dir: Path, cache_dir: Path, rollouts: list[dict], *,
+                           k: int = K, codec: str = "exact-f32") -> TeacherCache:
+    """What `gkd score cross_tokenizer=true` stores (its own row builder, score/scorer.py cross_row), with the
+    teacher's rows from a plain transformers forward on the teacher's tokens instead of vLLM."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.score.scorer import CrossTokenizer, cross_row, store_teacher_tokenizer
+    from pipeline.store.codec import params as codec_params
+    from pipeline.store.schema import load_schema
+
+    student, teacher = AutoTokenizer.from_pretrained(student_dir), AutoTokenizer.from_pretrained(teacher_dir)
+    cross = CrossTokenizer(student, teacher, tokenizer_fingerprint(student), tokenizer_fingerprint(teacher))
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    desc = Descriptor(teacher_fingerprint=teacher_fingerprint(teacher_dir), tokenizer_fingerprint=cross.teacher_fp,
+                      k=k, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size, codec=codec_params(codec),
+                      student_tokenizer_fingerprint=cross.student_fp, schema_version=load_schema("scored").version)
+    cache = TeacherCache.create_or_open(cache_dir, desc)
+    store_teacher_tokenizer(cache.root, teacher)
+    rows = []
+    for r in rollouts:
+        extra = cross_row(r, cross)
+        assert not isinstance(extra, str), extra
+        ids, p = extra["input_ids"], extra["first_scored"]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.as_tensor(ids[None], dtype=torch.long)).logits[0].float(), -1)
+        dist = lp[p - 1: len(ids) - 1]
+        top = dist.topk(k, dim=-1)
+        actual = torch.as_tensor(ids[p:], dtype=torch.long)
+        actual_lp = dist.gather(1, actual[:, None])[:, 0]
+        student_ids = r["prompt_ids"] + r["completion_ids"]
+        rows.append({**r, **extra,
+                     "key": content_key(desc.teacher_fingerprint, student_ids, len(r["prompt_ids"]), k,
+                                        desc.logprob_mode, cross=cross.key),
+                     "topk_ids": top.indices.numpy().astype(np.int32),
+                     "topk_logprobs": top.values.numpy().astype(np.float32),
+                     "actual_ranks": ((dist > actual_lp[:, None]).sum(1) + 1).numpy().astype(np.int32),
+                     "actual_logprobs": actual_lp.numpy().astype(np.float32)})
+    cache.write_shard("scored-xtok-00000", rows)
+    return cache

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.assets import teacher_dir
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -318,3 +320,19 @@ def build_family(family: str, out_dir: str | Path, *, seed: int = 0, **kw) -> Pa
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def smollm2_tokenizer(out_dir: str | Path):
+    """The embedded teacher's real tokenizer (SmolLM2, vocab 49,152: pipeline/assets.py) saved into out_dir."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher_dir())
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def build_smollm2_tiny(out_dir: str | Path, *, seed: int = 0, scale: float = 30.0, max_pos: int = 256) -> Path:
+    """A tiny random Llama (hidden 64, one head of 64: vLLM's CPU attention) with the real SmolLM2 tokenizer."""
+    tok = smollm2_tokenizer(out_dir)
+    return build_llama(out_dir, vocab_size=len(tok), hidden=64, heads=1, kv_heads=1, seed=seed, scale=scale,
+                       max_pos=max_pos)

@@ -40,7 +40,7 @@ from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe, url_problems
 from pipeline.score.writer import BatchWriter
 from pipeline.slurm.arrays import array_spec, task_index
-from pipeline.store import Descriptor, TeacherCache
+from pipeline.store import Descriptor, TeacherCache, align
 from pipeline.store import images as image_store
 from pipeline.store.cache import DESCRIPTOR, SHARDS
 from pipeline.store.codec import CodecError, check_top_p
@@ -55,7 +55,7 @@ from pipeline.store.fingerprint import (
 )
 from pipeline.store.locks import FileLock
 from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards, rollout_tokenizer
-from pipeline.store.schema import check_arrow_schema
+from pipeline.store.schema import check_arrow_schema, load_schema
 from pipeline.store.shards import ShardError, WriteError, atomic_write_bytes, read_marker, verify_shard
 
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
@@ -120,6 +120,12 @@ class ScoreConfig:
     # the engine scores the next; 0: all of that in the engine's thread, between its calls (same shards, slower)
     write_queue: int = 2
     engine_extra: dict = field(default_factory=dict)
+    # Cross-tokenizer scoring (pipeline/store/align.py): rollouts tokenized by another tokenizer than the teacher's
+    # are decoded to text, retokenized by the teacher and stored per teacher token with character spans and the
+    # alignment to the student's tokens (scored schema 1.3). Opt-in: without it such rollouts are refused.
+    cross_tokenizer: bool = False
+    student_tokenizer: str | None = None  # a folder with the rollouts' tokenizer (its fingerprint must be theirs)
+    on_mismatch: str = "skip"  # a sample whose text does not round-trip: skip (reported, counted) | error
 
     @property
     def resolved_min_k(self) -> int | None:
@@ -165,6 +171,18 @@ class ScoreConfig:
                          "served_timeout_s > 0")
         elif self.teacher_model is not None:
             p.append("teacher_model names a served model: pass teacher_url too (--teacher-url http://HOST:PORT/v1)")
+        if self.on_mismatch not in ("skip", "error"):
+            p.append(f"on_mismatch must be 'skip' or 'error', got {self.on_mismatch!r}")
+        if self.cross_tokenizer:
+            if not self.student_tokenizer:
+                p.append("cross_tokenizer=true needs student_tokenizer=DIR (the folder of the tokenizer the rollouts "
+                         "were made with: the student's)")
+            if self.score_prompt:
+                p.append("cross_tokenizer=true scores completions only: drop score_prompt")
+            if self.teacher_url:
+                p.append("cross_tokenizer=true scores with an in-process teacher only: drop teacher_url")
+        elif self.student_tokenizer:
+            p.append("student_tokenizer is read with cross_tokenizer=true only: add it, or drop student_tokenizer")
         for key in sorted(set(self.engine_extra) & set(_OWN_KEYS)):
             p.append(f"engine_extra.{key}: set the score key {key.replace('logprobs_mode', 'logprob_mode')} instead")
         return p
@@ -202,9 +220,19 @@ def check_engine_numerics(llm, numerics: dict[str, str]) -> None:
         raise ConfigError("the engine passed to score() does not score as configured: " + "; ".join(wrong))
 
 
-def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: Path) -> None:
-    """Refuse rollouts whose ids come from another tokenizer than the teacher's, or that do not say which one:
-    the same vocab size with another mapping passes the vocab-range check and poisons the cache silently."""
+def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: Path,
+                            student_tokenizer: str | None = None) -> None:
+    """Refuse rollouts whose ids come from another tokenizer than the teacher's (or, cross-tokenizer, than the
+    configured student tokenizer's), or that do not say which one: the same vocab size with another mapping passes
+    the vocab-range check and poisons the cache silently."""
+    if student_tokenizer is not None:
+        wrong = [f"{p} ({rollout_tokenizer(p)})" for p in paths if rollout_tokenizer(p) != student_tokenizer]
+        if wrong:
+            raise ScoreInputError(
+                f"{len(wrong)} rollout shard(s) were not tokenized by student_tokenizer ({student_tokenizer}): "
+                f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; point student_tokenizer at the folder of "
+                "the tokenizer that made them")
+        return
     other, unknown = [], []
     for p in paths:
         try:
@@ -222,7 +250,9 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
         raise ScoreInputError(
             f"{len(other)} rollout shard(s) were tokenized by another tokenizer than the teacher's ({teacher}: "
             f"{teacher_tokenizer}): {', '.join(other[:5])}{' ...' if len(other) > 5 else ''}; the teacher scores "
-            "token ids, so rollouts must be tokenized with its tokenizer (the student's must be the same one)"
+            "token ids, so rollouts must be tokenized with its tokenizer (the student's must be the same one), or "
+            "scored across tokenizers: cross_tokenizer=true student_tokenizer=DIR (docs/architecture.md, "
+            "\"Cross-tokenizer distillation\")"
         )
     if unknown:
         raise ScoreInputError(
@@ -267,9 +297,37 @@ def task_done(cache_root: Path, name: str) -> bool:
 # -- rows --------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class CrossTokenizer:
+    """A cross-tokenizer score task's two tokenizers (pipeline/store/align.py) and their fingerprints."""
+
+    student: Any
+    teacher: Any
+    student_fp: str
+    teacher_fp: str
+    mismatched: list[str] = field(default_factory=list)  # "sample: why" of the rows that do not round-trip
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.teacher_fp, self.student_fp)
+
+
+def cross_row(r: dict, cross: CrossTokenizer) -> dict | str:
+    """A rollout as a cross-tokenizer row's fields (teacher ids as input_ids, spans), or why it cannot be one."""
+    got = align.retokenize(cross.student, cross.teacher, r["prompt_ids"], r["completion_ids"])
+    if isinstance(got, str):
+        return got
+    student_ids = np.asarray(r["prompt_ids"] + r["completion_ids"], np.int32)
+    return {"input_ids": got.teacher_ids.astype(np.int32), "first_scored": got.teacher_first,
+            "engine_ids": got.teacher_ids, "engine_first": got.teacher_first,
+            "student_ids": student_ids, "student_first": len(r["prompt_ids"]),
+            "teacher_char_ends": got.teacher_ends, "student_char_ends": got.student_ends,
+            "span_student": got.span_student, "span_teacher": got.span_teacher}
+
+
 def select_rows(
     cfg: ScoreConfig, rollouts: list[Path], teacher_fp: str, shard: int, vocab_size: int, max_len: int, counts: dict,
-    image_token: int | None = None,
+    image_token: int | None = None, cross: CrossTokenizer | None = None,
 ) -> list[dict]:
     """This task's rows, deduplicated by content key; bad input refused (or skipped and counted) before any work.
     `max_len` is the longest sequence the engine can score.
@@ -298,9 +356,25 @@ def select_rows(
             if problem:
                 pictured.append(f"sample {r['sample_id']}: {problem}")
                 continue
+        if cross is not None and (teacher_prompt is not None or r.get("images")):
+            raise ScoreInputError(f"sample {r['sample_id']}: cross_tokenizer=true scores text rollouts without a "
+                                  "privileged teacher prompt or images; score those with a same-tokenizer teacher")
         key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode, teacher_prompt=teacher_prompt,
-                          images=r.get("images"))
+                          images=r.get("images"), cross=None if cross is None else cross.key)
         if assign_shard(key, cfg.num_shards) != shard or key in rows:
+            continue
+        if cross is not None:  # the teacher's tokens of the rollout's text, its spans (store/align.py)
+            extra = cross_row(r, cross)
+            if isinstance(extra, str):
+                cross.mismatched.append(f"sample {r['sample_id']}: {extra}")
+                counts["no_round_trip"] = counts.get("no_round_trip", 0) + 1
+                continue
+            if len(extra["engine_ids"]) > max_len:
+                if cfg.on_overlong == "skip":
+                    counts["overlong"] = counts.get("overlong", 0) + 1
+                    continue
+                overlong.append(r["sample_id"])
+            rows[key] = {**r, "key": key, **extra}
             continue
         engine_ids, engine_first = ids, first
         if teacher_prompt is not None:
@@ -315,6 +389,11 @@ def select_rows(
             overlong.append(r["sample_id"])
         rows[key] = {**r, "key": key, "input_ids": ids.astype(np.int32), "first_scored": first,
                      "engine_ids": engine_ids, "engine_first": engine_first}
+    if cross is not None and cross.mismatched and cfg.on_mismatch == "error":
+        raise ScoreInputError(
+            f"{cfg.rollouts}: {len(cross.mismatched)} rollout(s) do not round-trip through the text (decode, then "
+            "encode gives other ids, so no exact alignment exists): " + "; ".join(cross.mismatched[:5])
+            + (" ..." if len(cross.mismatched) > 5 else "") + "; pass on_mismatch=skip to skip and report them")
     if privileged:
         raise ScoreInputError(
             f"{len(privileged)} rollout(s) carry a teacher_prompt_ids that "
@@ -501,7 +580,8 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     paths = rollout_shards(cfg.rollouts)
     if not paths:
         raise ScoreInputError(f"{cfg.rollouts}: no complete rollout shards (*.parquet with a .ok marker)")
-    check_rollout_tokenizer(paths, tok_fp, teacher)
+    cross = cross_tokenizers(cfg, tokenizer, tok_fp, teacher) if cfg.cross_tokenizer else None
+    check_rollout_tokenizer(paths, tok_fp, teacher, None if cross is None else cross.student_fp)
     numerics = scoring_numerics(cfg)
     if llm is not None:
         check_engine_numerics(llm, numerics)
@@ -547,8 +627,12 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         min_k=cfg.resolved_min_k,
         teacher_probe=probe,
         fingerprint_scheme=scheme,
+        **({} if cross is None else {"student_tokenizer_fingerprint": cross.student_fp,
+                                     "schema_version": load_schema("scored").version}),
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
+    if cross is not None:
+        store_teacher_tokenizer(cache.root, tokenizer)
 
     tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
     name = task_name(tag, shard, cfg.num_shards)
@@ -558,7 +642,10 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         return {"done_before": True, "teacher_forwards": 0}
 
     counts: dict[str, int] = {}
-    rows = select_rows(cfg, paths, teacher_fp, shard, vocab_size, engine_len - 1, counts, image_token)
+    rows = select_rows(cfg, paths, teacher_fp, shard, vocab_size, engine_len - 1, counts, image_token, cross)
+    if cross is not None and cross.mismatched:  # reported per sample (on_mismatch=skip; error raised above)
+        print(f"[score] {len(cross.mismatched)} rollout(s) skipped, their text does not round-trip: "
+              + "; ".join(cross.mismatched[:10]) + (" ..." if len(cross.mismatched) > 10 else ""), file=sys.stderr)
     have = cache.keys()
     todo = [r for r in rows if r["key"] not in have]
     pictured = [r for r in todo if r.get("images")]
@@ -568,6 +655,8 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     prior_parts = sorted(p.name[: -len(".parquet")] for p in cache.shard_dir.glob(f"{name}-p*.parquet") if read_marker(p))
 
     summary = {"task": name, "rows": len(rows), "scored": 0, "tokens": 0, "teacher_forwards": 0, "skipped": counts}
+    if cross is not None:
+        summary["mismatched"] = cross.mismatched
     parts = list(prior_parts)
     if todo:
         stack = contextlib.ExitStack()
@@ -611,6 +700,45 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         + ("" if todo else " — no rows assigned to this task" if not rows else " — everything was already cached")
     )
     return summary
+
+
+def cross_tokenizers(cfg: ScoreConfig, tokenizer, tok_fp: str, teacher: Path) -> CrossTokenizer:
+    """The student's tokenizer of a cross-tokenizer task, checked before any work: another tokenizer than the
+    teacher's, and both decoding deterministically (store/align.py `check_decode`)."""
+    from transformers import AutoTokenizer
+
+    path = Path(cfg.student_tokenizer)
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise ConfigError(f"student_tokenizer: {path} holds no tokenizer (tokenizer.json); pass the student's model "
+                          "or tokenizer folder")
+    student = AutoTokenizer.from_pretrained(path)
+    student_fp = tokenizer_fingerprint(student)
+    if student_fp == tok_fp:
+        raise ConfigError(f"cross_tokenizer=true, but student_tokenizer {path} is the teacher's tokenizer ({teacher}): "
+                          "the rows would be plain same-tokenizer rows; drop cross_tokenizer and student_tokenizer")
+    align.check_decode(student, f"student_tokenizer {path}")
+    align.check_decode(tokenizer, f"teacher tokenizer {teacher}")
+    return CrossTokenizer(student, tokenizer, student_fp, tok_fp)
+
+
+def store_teacher_tokenizer(root: Path, tokenizer) -> None:
+    """Keep the teacher's tokenizer in a cross-tokenizer cache (written once, staged and renamed): the trainer
+    builds the vocabulary map from it and the student's, so the cache is enough without the teacher's folder."""
+    import shutil
+    import tempfile
+
+    target = root / align.TEACHER_TOKENIZER
+    if target.exists():
+        return
+    staged = Path(tempfile.mkdtemp(prefix=".teacher_tokenizer.", dir=root))
+    try:
+        tokenizer.save_pretrained(staged)
+        staged.rename(target)
+    except OSError:
+        if not target.exists():  # another task won the race: theirs is the same tokenizer (the descriptor says)
+            raise
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 class InProcessTeacher:

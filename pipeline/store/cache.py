@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import MissingInputError, UserError
-from pipeline.store import codec, images
+from pipeline.store import align, codec, images
 from pipeline.store import index as shard_index
 from pipeline.store.fingerprint import FINGERPRINT_SCHEME
 from pipeline.store.locks import FileLock
@@ -47,6 +47,9 @@ COMMIT_LOCK = ".commit.lock"  # held around cache.json creation and each add_row
 COMMIT_WAIT_S = 600.0  # a commit takes milliseconds; this long means a holder hangs (e.g. a stalled filesystem)
 ROW_GROUP_ROWS = 128  # the trainer's loader decodes whole row groups: small ones bound its memory
 META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
+# a cross-tokenizer row's own columns (scored 1.3, pipeline/store/align.py)
+CROSS_COLUMNS = ["student_ids", "student_first", "teacher_char_ends", "student_char_ends", "span_student",
+                 "span_teacher"]
 
 
 
@@ -68,7 +71,8 @@ class Descriptor:
     vocab_size: int = 0
     engine: str = ""
     codec: dict = field(default_factory=codec.params)
-    schema_version: str = field(default_factory=lambda: load_schema("scored").version)
+    # the scored version of the shards: a same-tokenizer cache writes no sparse (cross-tokenizer) field, so 1.2
+    schema_version: str = field(default_factory=lambda: load_schema("scored").written(set()).version)
     # Engine settings that change the stored logprobs (score/scorer.py `scoring_numerics`); None = not recorded.
     numerics: dict | None = None
     # Top-p (variable-k) cache: per position the fewest entries with mass >= topp, >= min_k, <= k; None = fixed k.
@@ -85,9 +89,17 @@ class Descriptor:
     # descriptor 1.5) or a served teacher (fingerprinted by its probe). A run computes its teacher's fingerprint the
     # way the cache it writes to did, so an old cache keeps its keys.
     fingerprint_scheme: int | None = FINGERPRINT_SCHEME
+    # A cross-tokenizer cache (pipeline/store/align.py): the rollouts' (student's) tokenizer; tokenizer_fingerprint
+    # is then the teacher's. None: one tokenizer for both (and cache.json is written without the field).
+    student_tokenizer_fingerprint: str | None = None
 
     # What must agree for two producers to share one cache (the rest is informational).
-    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")
+    IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics",
+                "student_tokenizer_fingerprint")
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        return self.student_tokenizer_fingerprint is not None
 
     @classmethod
     def read(cls, path: Path) -> Descriptor:
@@ -112,7 +124,9 @@ class Descriptor:
         return cls(**{f["name"]: data.get(f["name"]) for f in schema.fields})  # absent `since` fields: None
 
     def write(self, path: Path) -> None:
-        data = {"descriptor_version": load_schema("descriptor").version, **asdict(self)}
+        schema = load_schema("descriptor")
+        fields = {k: v for k, v in asdict(self).items() if v is not None or k not in schema.sparse}
+        data = {"descriptor_version": schema.written(set(fields) & schema.sparse).version, **fields}
         atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
     def mismatches(self, other: Descriptor) -> list[str]:
@@ -331,6 +345,14 @@ class TeacherCache:
                 "images": pa.array([r.get("images") or None for r in rows], pa.list_(pa.string())),
             }
         )
+        if d.cross_tokenizer:  # scored 1.3's sparse columns: only a cross-tokenizer cache has (and needs) them
+            for column in CROSS_COLUMNS:
+                values = [r[column] for r in rows]
+                if column == "student_first":
+                    table = table.append_column(column, pa.array([int(v) for v in values], pa.int32()))
+                else:
+                    table = table.append_column(column, pa.array([np.asarray(v, np.int32) for v in values],
+                                                                 pa.list_(pa.int32())))
         scored_tokens = int(sum(len(e[2]) for e in enc_rows))
         return write_shard(
             self.shard_dir / f"{name}.parquet", table, "scored", extra={"scored_tokens": scored_tokens, **(extra or {})},
@@ -415,7 +437,19 @@ class TeacherCache:
             "engine": d.engine,
             "numerics": d.numerics,
             "codec": d.codec.get("name"),
+            **({"student_tokenizer_fingerprint": d.student_tokenizer_fingerprint,
+                "alignment": self.alignment_stats()} if d.cross_tokenizer else {}),
         }
+
+    def alignment_stats(self) -> dict:
+        """A cross-tokenizer cache's alignment (store/align.py `span_stats`): share of student tokens in 1:1 spans,
+        mean span length per side. Reads the two span columns of every shard (not the top-k data)."""
+        spans_s, spans_t = [], []
+        for p in self.shard_paths():
+            table = pq.read_table(p, columns=["span_student", "span_teacher"])
+            spans_s += [np.asarray(v, np.int64) for v in table.column("span_student").to_pylist()]
+            spans_t += [np.asarray(v, np.int64) for v in table.column("span_teacher").to_pylist()]
+        return align.span_stats(spans_s, spans_t)
 
     def verify(self, *, decode: bool = True) -> list[str]:
         """Every problem in the cache, each naming its file: descriptor, markers, checksums, schema, codec, keys."""

@@ -122,12 +122,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_scored: int, k: int, mode: str,
-                teacher_prompt: Sequence[int] | np.ndarray | None = None, images: Sequence[str] | None = None) -> str:
+                teacher_prompt: Sequence[int] | np.ndarray | None = None, images: Sequence[str] | None = None,
+                cross: tuple[str, str] | None = None) -> str:
     """Key of one scored row: the same tokens scored by the same teacher the same way always get the same key.
     `teacher_prompt` (OPSD): the teacher saw these ids instead of token_ids[:first_scored]; it is part of the key,
     so the same completion scored with and without the privileged context are two rows (None: the plain key).
     `images`: the content hashes of the prompt's images (pipeline/store/images.py), in placeholder order: the same
-    tokens with another image are another row (None or empty: a text-only key, unchanged)."""
+    tokens with another image are another row (None or empty: a text-only key, unchanged). `cross` (a
+    cross-tokenizer cache, store/align.py): (teacher tokenizer, student tokenizer) fingerprints; token_ids and
+    first_scored are then the student's, whose text the teacher's tokenization is a function of."""
     h = _digest()
     h.update(f"{teacher_fp}|{int(first_scored)}|{int(k)}|{mode}|".encode())
     h.update(np.ascontiguousarray(token_ids, dtype="<i4").tobytes())
@@ -137,6 +140,8 @@ def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_sc
         h.update(tp.tobytes())
     if images:
         h.update(f"|images|{len(images)}|{','.join(images)}".encode())
+    if cross is not None:
+        h.update(f"|cross|{cross[0]}|{cross[1]}".encode())
     return h.hexdigest()
 
 

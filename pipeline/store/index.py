@@ -52,9 +52,15 @@ class IndexError(ShardError):  # noqa: A001 - a ShardError (the CLI's exit-2 fam
     """The cache index belongs to another cache or is unreadable; the message names the file and the fix."""
 
 
+_ALWAYS = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics")
+
+
 def identity(descriptor) -> str:
     """What the index must agree with: the descriptor's identity fields and codec (cache.py `Descriptor.IDENTITY`)."""
-    fields = {name: getattr(descriptor, name) for name in descriptor.IDENTITY}
+    # a field that is None is left out, so a field added later (student_tokenizer_fingerprint) keeps older caches'
+    # identity, and their index files, as they were
+    fields = {name: getattr(descriptor, name) for name in descriptor.IDENTITY
+              if getattr(descriptor, name) is not None or name in _ALWAYS}
     fields["codec"] = (descriptor.codec or {}).get("name")
     return hashlib.blake2b(json.dumps(fields, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 

@@ -4,7 +4,9 @@ The JSON files are the single source of truth: the Arrow schemas the writers use
 are both built from them. A file records `kind/version` in its Parquet key-value metadata; a reader refuses an
 unknown *major* version (a minor bump only adds nullable fields, which old readers can ignore). A field with a
 `since` version may be absent from files of an older minor version: readers take it as null, and writers fill it
-with nulls when the rows do not carry it.
+with nulls when the rows do not carry it. A `sparse` field (scored 1.3's cross-tokenizer columns) is instead left
+out where the rows do not carry it, and the file is tagged with the newest version among the fields it does hold
+(`Schema.written`): files without it stay byte for byte what the older minor version wrote.
 """
 
 from __future__ import annotations
@@ -65,6 +67,22 @@ class Schema:
     @property
     def names(self) -> list[str]:
         return [f["name"] for f in self.fields]
+
+    @property
+    def sparse(self) -> set[str]:
+        """Fields written only where set: a file without them is tagged with the older minor version."""
+        return {f["name"] for f in self.fields if f.get("sparse")}
+
+    def written(self, names: set[str] | list[str]) -> Schema:
+        """The schema of a file holding these of the sparse fields (all others always): the sparse fields left out
+        and the version the newest field it holds came with (the schema's own when every sparse field is there)."""
+        leave = self.sparse - set(names)
+        if not leave:
+            return self
+        fields = tuple(f for f in self.fields if f["name"] not in leave)
+        versions = [f"{self.major}.0"] + [f["since"] for f in fields if "since" in f]
+        version = max(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
+        return Schema(kind=self.kind, version=version, fields=fields)
 
     @property
     def optional(self) -> set[str]:

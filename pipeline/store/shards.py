@@ -190,6 +190,7 @@ def write_shard(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     schema = load_schema(kind)
+    schema = schema.written(set(table.column_names) & schema.sparse)  # sparse fields only where the rows set them
     try:
         for name in schema.optional - set(table.column_names):  # rows of an older minor version: nulls
             table = table.append_column(schema.arrow.field(name), pa.nulls(table.num_rows, schema.arrow.field(name).type))

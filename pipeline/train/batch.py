@@ -43,6 +43,12 @@ class MicroBatch:
     # Image rows (scored schema 1.2, padded rows only): each row's images as (cache root, content hash), in placeholder
     # order; the trainer turns them into the student processor's pixel inputs (hf_model.vision_inputs). None: text.
     images: list[list[tuple[str, str]]] | None = None
+    # Cross-tokenizer rows (loss=uld|gold, train/xtok_loss.py): loss_mask marks span heads only; span_head [B, S] is,
+    # at a span's other positions, the flat index (row * S + column) of its head, -1 elsewhere. teacher_ids at the
+    # heads are student ids of matched entries (-1: unmatched); xtok_matched is the vocabulary map's student side.
+    span_head: torch.Tensor | None = None
+    xtok_matched: torch.Tensor | None = None  # bool [student vocab]; None: ULD (no map)
+    xtok_teacher_vocab: int = 0
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The tensors moved to `device` (a no-op on CPU)."""
@@ -69,6 +75,56 @@ class Block:
     route: np.ndarray | None = None  # int64 [rows]: routed teacher index of each row; None: no routing
     images: list | None = None  # per row: its images' content hashes (or None); None: no row has any
     root: str = ""  # the cache root the block's shard belongs to (where images/ is)
+    # cross-tokenizer rows (student layout, `student_layout`): per position 0 at a span head, else how many
+    # positions back its head is; and at heads the span's student length
+    member_back: np.ndarray | None = None
+    span_len: np.ndarray | None = None
+
+
+def student_layout(keys: list[str], is_dataset: np.ndarray, row_offsets: np.ndarray, tids: np.ndarray,
+                   tlp: np.ndarray, tail: np.ndarray, valid: np.ndarray | None, actual: np.ndarray,
+                   student_ids: list[np.ndarray], student_first: np.ndarray, span_student: list[np.ndarray],
+                   span_teacher: list[np.ndarray], vmap: np.ndarray | None, root: str = "") -> Block:
+    """Decoded cross-tokenizer rows (teacher rows per teacher token) -> a block in the student's tokens: at each
+    span's head (its first student token) the teacher row of the span's first teacher token, merged over the span
+    (log-probabilities + Σ of the later teacher tokens' actual logprobs, each floored at log 1e-8: TRL's observed
+    merge, train/xtok_loss.py); ids mapped through `vmap` (teacher id -> student id, -1 unmatched; None: all -1)."""
+    k = tids.shape[1]
+    floor = np.log(1e-8)
+    lens = np.asarray([len(x) - int(f) for x, f in zip(student_ids, student_first, strict=True)], np.int64)
+    total = int(lens.sum())
+    o_ids = np.zeros((total, k), np.int32)
+    o_lp = np.zeros((total, k), np.float32)
+    o_valid = np.zeros((total, k), bool)
+    o_tail = np.full(total, -np.inf, np.float32)
+    back = np.zeros(total, np.int64)
+    span_len = np.zeros(total, np.int64)
+    out_off = np.concatenate([[0], np.cumsum(lens)])
+    for j in range(len(keys)):
+        ss, st = np.asarray(span_student[j], np.int64), np.asarray(span_teacher[j], np.int64)
+        lo, hi = int(row_offsets[j]), int(row_offsets[j + 1])
+        a = np.maximum(actual[lo:hi].astype(np.float64), floor)
+        cs = np.concatenate([[0.0], np.cumsum(a)])
+        c = cs[st[1:]] - cs[st[:-1] + 1]  # the span's later teacher tokens
+        first = lo + st[:-1]
+        base = out_off[j]
+        heads = base + ss[:-1]
+        ids = tids[first].astype(np.int64)
+        o_ids[heads] = -1 if vmap is None else vmap[ids]
+        o_lp[heads] = tlp[first] + c[:, None]
+        o_tail[heads] = tail[first] + c
+        o_valid[heads] = True if valid is None else valid[first]
+        g = np.repeat(np.arange(len(ss) - 1), np.diff(ss))
+        back[base: base + lens[j]] = np.arange(lens[j]) - ss[:-1][g]
+        span_len[heads] = np.diff(ss)
+    o_lp[~o_valid] = -np.inf
+    seqs = [np.asarray(x, np.int64) for x in student_ids]
+    return Block(
+        token_offsets=np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64),
+        tokens=np.concatenate(seqs) if seqs else np.zeros(0, np.int64),
+        first_scored=np.asarray(student_first, np.int64), is_dataset=is_dataset, keys=keys, row_offsets=out_off,
+        topk_ids=o_ids, topk_logprobs=o_lp, tail=o_tail, valid=o_valid, folded=np.zeros(total, bool), root=root,
+        member_back=back, span_len=span_len)
 
 
 def fold_past_vocab(ids: np.ndarray, lps: np.ndarray, tail: np.ndarray, vocab_size: int) -> tuple:
@@ -108,6 +164,8 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
     in_row = np.zeros(B, np.int32)
     routed = any(blk.route is not None for blk, _ in fetched)
     route = np.full((B, width), -1, np.int64) if routed else None
+    cross = any(blk.member_back is not None for blk, _ in fetched)
+    span_head = np.full((B, width), -1, np.int64) if cross else None
     folded = 0
     for (blk, j), r, o, n in zip(fetched, row_of.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
         a = blk.token_offsets[j]
@@ -135,6 +193,13 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
             else:
                 t_valid[r, t0:t1] = blk.valid[lo + q0 : lo + q1]
                 folded += int(blk.folded[lo + q0 : lo + q1].sum())
+            if blk.member_back is not None:  # heads are the KD positions; a span cut by seq_length is dropped
+                pos = np.arange(t0, t1)
+                mb = blk.member_back[lo + q0 : lo + q1]
+                whole = (mb == 0) & (pos + blk.span_len[lo + q0 : lo + q1] <= t1)
+                mask[r, t0:t1] = whole
+                members = np.flatnonzero((mb > 0) & whole[np.maximum(pos - mb - t0, 0)])
+                span_head[r, pos[members]] = r * width + pos[members] - mb[members]
     gaps = ~mask  # exactly the positions the loop did not write
     t_ids[gaps], t_lp[gaps], t_valid[gaps] = 0, 0.0, False
     # x_{t+1} where t and t+1 belong to the same sample: no label crosses a sample boundary or enters padding
@@ -162,4 +227,5 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         truncated=int((full > S).sum()),
         folded_positions=folded,
         teacher_route=None if route is None else torch.from_numpy(route),
+        span_head=None if span_head is None else torch.from_numpy(span_head),
     )

@@ -75,7 +75,7 @@ from pipeline.store.cache import DESCRIPTOR, SHARDS, Descriptor, TeacherCache, c
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
 from pipeline.store.shards import ShardError, file_sha256, verify_shard
-from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab
+from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab, student_layout
 from pipeline.train.packing import pack, row_offsets
 
 __all__ = ["IGNORE_INDEX", "MicroBatch", "ScoredLoader", "TokenizerMismatchError", "benchmark"]
@@ -146,6 +146,16 @@ def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
     return out
 
 
+def _student_lengths(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(completion length, prompt length) of each cross-tokenizer row in the student's tokens."""
+    try:
+        t = pq.read_table(path, columns=["student_ids", "student_first"])
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: cannot read its cross-tokenizer columns ({e})") from e
+    first = t.column("student_first").to_numpy().astype(np.int64)
+    return pc.list_value_length(t.column("student_ids")).to_numpy().astype(np.int64) - first, first
+
+
 def _resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str | None) -> list[tuple[Path, None]]:
     """Rollout directories (all complete shards) or shard files, for a live teacher; each must record the student's
     tokenizer (a rollout tokenized by another one would be trained on the wrong tokens)."""
@@ -191,6 +201,7 @@ class ScoredLoader:
         route_key: str = "data_source",
         on_unrouted: str = "error",
         use_index: bool = True,
+        xtok_map: np.ndarray | None = None,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
@@ -225,7 +236,32 @@ class ScoredLoader:
         resolved = resolve_sources(sources, indexed=indexed)
         if not indexed:
             resolved = [(p, d, None) for p, d in resolved]
+        kinds = {r[1].cross_tokenizer for r in resolved}
+        if len(kinds) != 1:
+            raise InputError("cross-tokenizer and same-tokenizer caches cannot be read together ("
+                             + ", ".join(sorted({str(cache_root(r[0])) for r in resolved})) + "): train from one kind")
+        # A cross-tokenizer cache (store/align.py): rows in the teacher's tokens with spans, laid out in the
+        # student's (batch.student_layout); `xtok_map` maps teacher ids to student ids (GOLD; None: ULD).
+        self.cross, self.xtok_map = kinds.pop(), xtok_map
+        self.xtok_matched = None
+        self.xtok_teacher_vocab = 0
+        if self.cross:
+            self.actual = True  # the span merge reads the later teacher tokens' actual logprobs
+            self.xtok_teacher_vocab = max(r[1].vocab_size for r in resolved)
+            if xtok_map is not None:
+                import torch
+
+                matched = np.zeros(int(vocab_size or (xtok_map.max() + 1)), bool)
+                matched[xtok_map[(xtok_map >= 0) & (xtok_map < len(matched))]] = True
+                self.xtok_matched = torch.from_numpy(matched)
         for where, desc in {cache_root(r[0]): r[1] for r in resolved}.items():
+            if desc.cross_tokenizer:
+                if tokenizer_fingerprint is not None and desc.student_tokenizer_fingerprint != tokenizer_fingerprint:
+                    raise TokenizerMismatchError(
+                        f"{where}: cross-tokenizer cache of rollouts tokenized with {desc.student_tokenizer_fingerprint}, "
+                        f"the student's tokenizer is {tokenizer_fingerprint}; score the student's own rollouts "
+                        "(gkd score cross_tokenizer=true student_tokenizer=STUDENT)")
+                continue
             if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
                 raise TokenizerMismatchError(
                     f"{where}: cache scored with tokenizer {desc.tokenizer_fingerprint}, the student's is "
@@ -279,6 +315,8 @@ class ScoredLoader:
         for path, desc, ix in resolved:
             if ix is not None:
                 key, num, first, rg, nrows = ix.keys, ix.num_scored, ix.first_scored, ix.row_groups, len(ix.keys)
+                if desc is not None and desc.cross_tokenizer:  # the student's lengths lay the samples out
+                    num, first = _student_lengths(path)
                 self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]),
                                           desc is not None and self.vocab_size is not None
                                           and desc.vocab_size > self.vocab_size, ix.nbytes,
@@ -308,6 +346,8 @@ class ScoredLoader:
                     table = pf.read(columns=["key", "num_scored", "first_scored"])
                     key, num = table.column("key"), table.column("num_scored").to_numpy()
                     first = table.column("first_scored").to_numpy()
+                    if desc is not None and desc.cross_tokenizer:
+                        num, first = _student_lengths(path)
                     if self.route_names:
                         route_rows.append(self._route(pf, path))
             except (pa.ArrowException, OSError) as e:
@@ -455,8 +495,9 @@ class ScoredLoader:
         end, row_of, offsets = self.plan(start)
         sel = np.flatnonzero(row_of // self.B == q)
         rows = self.sample_rows(start, len(row_of))[sel]
-        return assemble(self._fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
-                        seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
+        mb = assemble(self._fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
+                      seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
+        return self._with_xtok(mb)
 
     # -- reading ----------------------------------------------------------------------------------------------
     def _file(self, s: int) -> tuple[pq.ParquetFile, Decoder]:
@@ -537,6 +578,11 @@ class ScoredLoader:
                 raise ShardError(f"{path}: {e}") from e
             if not np.array_equal(np.diff(offsets), first + num_scored):
                 raise ShardError(f"{path}: row group {rg}: len(input_ids) != first_scored + num_scored")
+            if self.cross:
+                self._blocks[b] = self._student_block(pf, rg, path, table, is_dataset, topk)
+                self._trim_blocks()
+                self._blocks.move_to_end(b)
+                return self._blocks[b]
             tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
             if self.shards[s].fold:
                 tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
@@ -553,11 +599,31 @@ class ScoredLoader:
                 self.route_of[self._block_starts[b]: self._block_starts[b] + table.num_rows],
                 images=images, root=str(cache_root(path)),
             )
-            max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
-            while len(self._blocks) > max_blocks:
-                self._blocks.popitem(last=False)
+            self._trim_blocks()
         self._blocks.move_to_end(b)
         return self._blocks[b]
+
+    def _trim_blocks(self) -> None:
+        max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
+        while len(self._blocks) > max_blocks:
+            self._blocks.popitem(last=False)
+
+    def _student_block(self, pf: pq.ParquetFile, rg: int, path: Path, table: pa.Table, is_dataset: np.ndarray,
+                       topk) -> Block:
+        """A cross-tokenizer row group in the student's tokens (batch.student_layout)."""
+        try:
+            t = pf.read_row_group(rg, columns=["student_ids", "student_first", "span_student", "span_teacher"],
+                                  use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{path}: row group {rg}: cannot read its cross-tokenizer columns ({e})") from e
+        valid = topk.valid()
+        return student_layout(
+            table.column("key").to_pylist(), is_dataset, topk.offsets, topk.topk_ids, topk.topk_logprobs,
+            topk.tail_logprobs, valid, topk.actual_logprobs,
+            [np.asarray(x, np.int64) for x in t.column("student_ids").to_pylist()],
+            t.column("student_first").to_numpy().astype(np.int64),
+            t.column("span_student").to_pylist(), t.column("span_teacher").to_pylist(), self.xtok_map,
+            root=str(cache_root(path)))
 
     def _fetch(self, rows: np.ndarray) -> list[tuple[Block, int]]:
         """(decoded block, row within it) for the given global rows, in their given order."""
@@ -579,12 +645,19 @@ class ScoredLoader:
         fetched = self._fetch(rows)
         mb = assemble(fetched, row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
                       k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
+        mb = self._with_xtok(mb)
         if any(block.images is not None for block, _ in fetched):
             if self.packing:
                 raise ShardError(f"{fetched[0][0].root}: rows with images cannot be packed (a vision-language "
                                  "student computes its own positions per row); train with packing=false")
             mb.images = [[(block.root, h) for h in (block.images[r] if block.images is not None else None) or ()]
                          for block, r in fetched]
+        return mb
+
+    def _with_xtok(self, mb: MicroBatch) -> MicroBatch:
+        """A cross-tokenizer micro-batch carries the vocabulary map's student side and the teacher's vocabulary."""
+        if self.cross:
+            mb.xtok_matched, mb.xtok_teacher_vocab = self.xtok_matched, self.xtok_teacher_vocab
         return mb
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:

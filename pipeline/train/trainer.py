@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
+from pipeline.store import align
 from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import WriteError, atomic_write_bytes
@@ -44,6 +46,7 @@ from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, outp
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.lora import LoRASpec, apply_lora, resolve_targets
 from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.xtok_loss import fused_xtok_loss, gold_weights
 
 
 @dataclass
@@ -84,7 +87,13 @@ class TrainConfig:
     # opd: sampled-token on-policy distillation on student-sourced rows (pipeline/train/loss.py `opd_loss`: reads
     # only the actual token's teacher logprob, so any k works, k = 0 included); dataset-sourced rows in the same run
     # get the GKD loss above (refused on a k = 0 cache, which has no top-k for them).
+    # uld | gold: cross-tokenizer distillation from a cross-tokenizer cache (gkd score cross_tokenizer=true):
+    # pipeline/train/xtok_loss.py, over the aligned spans; gold also matches equal token strings of both
+    # vocabularies (JSD there, beta below) and weighs the parts gold_matched_weight / gold_unmatched_weight (null
+    # both: TRL's adaptive weights, matched ids / teacher vocabulary). Fused output layer only, no TP.
     loss: str = "gkd"
+    gold_matched_weight: float | None = None
+    gold_unmatched_weight: float | None = None
     beta: float = 0.5  # 0 forward KL, 1 reverse KL, else generalised JSD
     temperature: float = 1.0
     topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
@@ -167,8 +176,20 @@ class TrainConfig:
             p.append("temperature must be > 0")
         if self.topk_mode not in ("tail", "renorm"):
             p.append("topk_mode must be tail or renorm")
-        if self.loss not in ("gkd", "opd"):
-            p.append(f"loss must be gkd or opd, got {self.loss!r}")
+        if self.loss not in ("gkd", "opd", "uld", "gold"):
+            p.append(f"loss must be gkd, opd, uld or gold, got {self.loss!r}")
+        if self.loss in ("uld", "gold"):
+            if self.teacher_live is not None:
+                p.append(f"loss={self.loss} reads a cross-tokenizer cache; teacher_live scores in the student's tokens")
+            if not self.fused_loss:
+                p.append(f"loss={self.loss} runs in the fused output layer only: drop fused_loss=false")
+            if self.tensor_model_parallel_size > 1:
+                p.append(f"loss={self.loss} sorts the student's whole vocabulary on one rank: use "
+                         "tensor_model_parallel_size=1 (data parallelism works)")
+            if self.teachers:
+                p.append(f"loss={self.loss} reads one cross-tokenizer cache: drop teachers (routing)")
+        if (self.gold_matched_weight is None) != (self.gold_unmatched_weight is None):
+            p.append("gold_matched_weight and gold_unmatched_weight are set together (both null: adaptive weights)")
         if self.loss == "opd" and self.teacher_live is not None:
             p.append("loss=opd reads the cached actual-token teacher logprobs; teacher_live computes a top-k only")
         if self.attention not in ("sdpa", "local"):
@@ -420,6 +441,17 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         kd_mask, opd_mask = batch.sft_mask & mask, mask & ~batch.sft_mask
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
     opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
+    if cfg.loss in ("uld", "gold"):  # cross-tokenizer spans (xtok_loss.py): SFT on every completion position
+        matched = batch.xtok_matched
+        weights = gold_weights(int(matched.sum()) if matched is not None else 0, batch.xtok_teacher_vocab,
+                               cfg.gold_matched_weight, cfg.gold_unmatched_weight)
+        out = fused_xtok_loss(
+            output_tensor, output_weight(gpt), batch.labels, mask, batch.span_head, batch.teacher_ids,
+            batch.teacher_logprobs, batch.teacher_valid, batch.teacher_tail, kind=cfg.loss, matched=matched,
+            weights=weights, beta=cfg.beta, sft_mask=batch.sft_mask if cfg.sft_alpha > 0 else None,
+            kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size)
+        sums = torch.stack([x.detach().double() for x in (out.kd_sum, out.sft_sum, opd_sum, opd_kl)])
+        return out.loss, out.kd_count, sums
     if cfg.fused_loss:
         out = fused_gkd_loss(
             output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
@@ -586,7 +618,9 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     import pyarrow.parquet as pq
 
     # indexed: the one read of each cache's index, so a stale or foreign index is refused here, before the model
-    for path, desc, *_ in resolve_sources(cfg.cache, indexed=True):
+    sources = [(p, d) for p, d, *_ in resolve_sources(cfg.cache, indexed=True)]
+    check_cross_tokenizer(cfg, sources)
+    for path, desc in sources:
         if desc.k > 0:
             continue
         where = cache_root(path)
@@ -599,6 +633,48 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
             raise ConfigError(f"{path}: {dataset} dataset-sourced row(s); loss=opd trains them with the GKD loss "
                               f"(topk_mode={cfg.topk_mode}), which needs top-k entries, and this cache has k = 0. "
                               "Score them into a top-k cache, or leave them out")
+
+def check_cross_tokenizer(cfg: TrainConfig, sources: list) -> None:
+    """Before any work: loss=uld|gold needs a cross-tokenizer cache (spans, scored schema 1.3) and tokenizers that
+    decode deterministically; a cross-tokenizer cache needs loss=uld|gold."""
+    from transformers import AutoTokenizer
+
+    cross = [d for _, d in sources if d.cross_tokenizer]
+    root = cache_root(sources[0][0]) if sources else Path(str(cfg.cache))
+    if cfg.loss not in ("uld", "gold"):
+        if cross:
+            raise ConfigError(f"{root}: a cross-tokenizer cache (rows in the teacher's tokens, with spans); train "
+                              "it with loss=gold (or loss=uld)")
+        return
+    if len(cross) < len(sources):
+        student = AutoTokenizer.from_pretrained(str(student_dir(cfg)))
+        desc = next(d for _, d in sources if not d.cross_tokenizer)
+        if desc.tokenizer_fingerprint == tokenizer_fingerprint(student):
+            raise ConfigError(f"{root}: a same-tokenizer cache (the student's tokenizer is the teacher's): loss="
+                              f"{cfg.loss} is for other tokenizers; this is plain GKD, train with loss=gkd")
+        raise ConfigError(
+            f"{root}: this cache has no spans (scored without cross_tokenizer, or before scored schema 1.3), so its "
+            f"teacher rows cannot be aligned to the student's tokens; rescore the rollouts into a new cache: gkd score "
+            f"--rollouts ROLLOUTS --cache NEW_CACHE --teacher TEACHER cross_tokenizer=true student_tokenizer="
+            f"{student_dir(cfg)}")
+    student = AutoTokenizer.from_pretrained(str(student_dir(cfg)))
+    align.check_decode(student, f"student tokenizer {student_dir(cfg)}")
+    align.check_decode(AutoTokenizer.from_pretrained(str(root / align.TEACHER_TOKENIZER)),
+                       f"teacher tokenizer {root / align.TEACHER_TOKENIZER}")
+
+
+def xtok_map(cfg: TrainConfig, tokenizer) -> np.ndarray | None:
+    """The vocabulary map (store/align.py), built once from the student's tokenizer and the cache's copy of the
+    teacher's: loss=gold; None for loss=uld (no entry is matched)."""
+    from transformers import AutoTokenizer
+
+    if cfg.loss != "gold":
+        return None
+    sources = resolve_sources(cfg.cache)
+    root, desc = cache_root(sources[0][0]), sources[0][1]
+    return align.vocab_map(tokenizer, AutoTokenizer.from_pretrained(str(root / align.TEACHER_TOKENIZER)),
+                           desc.vocab_size)
+
 
 # MicroBatch counters summed over a step (all ranks) for the metrics: positions = real + padding tokens.
 _DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
@@ -670,6 +746,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
         window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
         live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
         routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
+        xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in ("uld", "gold") else None,
     )
 
     step, position = 0, 0

@@ -161,3 +161,66 @@ def test_cache_index_of_another_cache_before_the_model(tiny, tmp_path, capsys):
     assert re.search(rf"{ours}/index.jsonl: index of another cache", err) and "Traceback" not in err, err
     assert "[train] backend=" not in err and f"gkd cache index {ours}" in err, err
     assert _snapshot(ours) == before and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# -- cross-tokenizer distillation (loss=uld|gold, docs/architecture.md "Cross-tokenizer distillation") ---------------
+
+
+@pytest.fixture(scope="module")
+def xtok(tiny, tmp_path_factory) -> dict:
+    """A cross-tokenizer cache for the run's student (its rollouts scored by a SmolLM2-vocabulary teacher), and a
+    same-tokenizer cache of that teacher (rows in its own tokens, no spans)."""
+    from tiny_cache import random_samples, score_cross_into_cache, score_into_cache, xtok_rollouts
+    from tiny_models import build_smollm2_tiny
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("xtok-refusals")
+    teacher = build_smollm2_tiny(root / "teacher")
+    rows = xtok_rollouts(AutoTokenizer.from_pretrained(tiny["student"]), n=4)
+    score_cross_into_cache(teacher, tiny["student"], root / "cross", rows)
+    score_into_cache(teacher, root / "plain", random_samples(4, 49152))
+    return {"cross": root / "cross", "plain": root / "plain", "root": root}
+
+
+def _refused(tiny, tmp_path, capsys, **kw) -> str:
+    save = tmp_path / "run"
+    assert gkd(["train", *_overrides(tiny, save, **kw)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert not (save / "metrics.jsonl").exists() and not list(save.glob("step_*"))  # before any step
+    return err
+
+
+def test_gold_on_a_same_tokenizer_cache(tiny, tmp_path, capsys):
+    err = _refused(tiny, tmp_path, capsys, loss="gold")
+    assert str(tiny["cache"]) in err and "same-tokenizer cache" in err and "plain GKD, train with loss=gkd" in err, err
+
+
+def test_gold_on_a_cache_without_spans(tiny, xtok, tmp_path, capsys):
+    before = _snapshot(xtok["plain"])
+    err = _refused(tiny, tmp_path, capsys, loss="uld", cache=f"[{xtok['plain']}]")
+    assert str(xtok["plain"]) in err and "has no spans" in err, err
+    assert "gkd score --rollouts ROLLOUTS --cache NEW_CACHE" in err and "cross_tokenizer=true" in err, err
+    assert _snapshot(xtok["plain"]) == before
+
+
+def test_gkd_on_a_cross_tokenizer_cache(tiny, xtok, tmp_path, capsys):
+    err = _refused(tiny, tmp_path, capsys, cache=f"[{xtok['cross']}]")
+    assert str(xtok["cross"]) in err and "cross-tokenizer cache" in err and "loss=gold" in err, err
+
+
+def test_tokenizer_whose_decode_is_not_deterministic(tiny, xtok, tmp_path, capsys):
+    import json
+    import shutil
+
+    # the same vocabulary and merges (the same fingerprint, so the cache's check passes), a decoder that strips a
+    # leading space: decoded pieces no longer concatenate to the decoded whole
+    student = tmp_path / "student"
+    shutil.copytree(tiny["student"], student)
+    spec = json.loads((student / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [spec["decoder"],
+                                                         {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    (student / "tokenizer.json").write_text(json.dumps(spec))
+    err = _refused(tiny, tmp_path, capsys, loss="gold", cache=f"[{xtok['cross']}]", student=str(student))
+    assert f"student tokenizer {student}" in err and "decode is not deterministic and concatenative" in err, err
+    assert "byte-level" in err, err

@@ -1,0 +1,268 @@
+"""Cross-tokenizer losses from the cache: ULD and GOLD over aligned spans (`loss=uld|gold`).
+
+A cross-tokenizer cache (pipeline/store/align.py) stores teacher rows per teacher token and the aligned spans of each
+completion. The loader (train/data.py) lays a sample out in the STUDENT's tokens and puts, at the first student
+position of each span (its *head*, predicting the span's first student token), the teacher's row of the span's first
+teacher token, merged over the span; the span's other student positions (*members*) point at their head
+(`MicroBatch.span_head`). Merging is TRL's "observed" strategy (`ULDLoss._merge_probabilities_with_alignment_groups`):
+
+    merged(v) = p(first token = v | context) · Π_{later tokens j of the span} max(p(x_j | x_<j), 1e-8)
+
+for the teacher from the cache (top-k at the span's first teacher token; the later tokens' actual logprobs), for the
+student from its own logits (head row's softmax; members' label probabilities). Per span, with s = the student's merged
+vector (full student vocabulary) and t = the teacher's (top-k entries + tail mass τ, both scaled by the same factor):
+
+- **ULD** (Boizard et al. 2024; TRL `ULDLoss`, `uld_use_hybrid_loss=False`): Wasserstein-1 between the sorted
+  vectors, which for this cost is the L1 distance of the descending sorts: Σ_r |s_(r) − t_(r)|. The cache knows the
+  teacher's first k sorted entries only, so the rest is one bin: ours = Σ_{r≤k} |s_(r) − t_(r)| + |Σ_{r>k} s_(r) − τ|.
+  Bound (triangle inequality, A = Σ_{r>k} s_(r)): ours ≤ full ≤ ours + 2·min(A, τ); equal when τ = 0 (full rows).
+- **GOLD** (TRL's hybrid ULD, `uld_use_hybrid_loss=True`): the vocabulary map (teacher id → the student id of the same
+  token string) splits both vocabularies. Matched ids: TRL's generalized JSD on the (unnormalised) probabilities,
+  clamped at 1e-8, summed over the matched student ids; a matched id outside the teacher's top-k gets teacher
+  probability 0 (clamped). Unmatched: the sorted L1 as in ULD, over unmatched entries only, the teacher's whole tail τ
+  as the one bin. Weighted w_m = matched ids / teacher vocab, w_u = 1 − w_m (TRL's adaptive weights), or
+  `gold_matched_weight`/`gold_unmatched_weight`. Bound for 0 < β < 1, C = log(1/min(β, 1−β)): |full_u − ours_u| ≤ 2τ
+  and |full_m − ours_m| ≤ C·Σ_{v matched, not in the top-k} ((1−β)·max(s_v, 1e-8) + β·max(t_v, 1e-8)) ≤
+  C·((1−β)·(S_out + n·1e-8) + β·(τ + n·1e-8)) (each elementwise JSD term lies in [0, C·m_v], m_v the mixture mass).
+
+Normalisation: the sum over spans divided by the global count of spans (the KD count); TRL divides each sample's sum
+by its span count and averages over samples, the same for one sample. SFT (GKD's mix, `sft_alpha`): CE over every
+student completion position of dataset rows, as in plain GKD.
+
+Fused (the only path: no `[tokens, vocab]` logits): three passes over chunks of rows, each computing `[chunk, V]`
+logits and consuming them: (1) members' label logprobs → each span's student factor; (2) heads: the span loss and
+its gradient w.r.t. the head's logits (autograd inside the chunk, through the sort) and w.r.t. the factor;
+(3) members and SFT rows: the factor's gradient times (onehot − softmax), and CE's softmax − onehot. ∂h and ∂W are
+formed per chunk as in fused_loss.py; backward only scales them. TP is not supported (the sort needs the whole
+vocabulary on one rank).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from pipeline.train.fused_loss import CHUNK_BYTES, FusedOut
+
+EPS = 1e-8  # TRL's clamp of probabilities (token factors and the JSD's logs)
+LOG_EPS = math.log(EPS)
+
+
+def gold_weights(matched: int, teacher_vocab: int, matched_weight: float | None = None,
+                 unmatched_weight: float | None = None) -> tuple[float, float]:
+    """(w_m, w_u): the configured pair, else TRL's adaptive one (matched ids / teacher vocabulary)."""
+    if matched_weight is not None:
+        return float(matched_weight), float(unmatched_weight)
+    w = matched / max(1, teacher_vocab)
+    return w, 1.0 - w
+
+
+def _sorted_l1(s: Tensor, t: Tensor, t_on: Tensor, tail: Tensor) -> Tensor:
+    """Σ_{r<q} |s_(r) − t_(r)| + |Σ_{r≥q} s_(r) − τ| per row; s [n, V] (entries out of play are 0), t [n, k] with
+    t_on marking its q entries in play (the rest 0), tail τ [n]."""
+    width = max(s.shape[-1], t.shape[-1])
+    ss = torch.sort(s, dim=-1, descending=True).values
+    if ss.shape[-1] < width:
+        ss = torch.nn.functional.pad(ss, (0, width - ss.shape[-1]))
+    tt = torch.sort(torch.where(t_on, t, 0.0), dim=-1, descending=True).values
+    q = t_on.sum(-1)
+    r = torch.arange(width, device=s.device)
+    head = r.unsqueeze(0) < q.unsqueeze(-1)  # [n, width]
+    tt = torch.nn.functional.pad(tt, (0, width - tt.shape[-1]))
+    known = torch.where(head, (ss - tt).abs(), 0.0).sum(-1)
+    rest = torch.where(head, 0.0, ss).sum(-1)
+    return known + (rest - tail).abs()
+
+
+def _jsd_terms(s: Tensor, t: Tensor, beta: float) -> Tensor:
+    """TRL's generalized JSD (GOLDTrainer.generalized_jsd_loss, logits_are_probs=True), elementwise."""
+    ls, lt = s.clamp_min(EPS).log(), t.clamp_min(EPS).log()
+    if beta == 0:
+        return lt.exp() * (lt - ls)
+    if beta == 1:
+        return ls.exp() * (ls - lt)
+    mix = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+    return beta * lt.exp() * (lt - mix) + (1 - beta) * ls.exp() * (ls - mix)
+
+
+def span_divergence(z: Tensor, logc: Tensor, t_lp: Tensor, t_sid: Tensor, t_valid: Tensor, t_tail: Tensor, *,
+                    kind: str, matched: Tensor | None = None, weights: tuple[float, float] = (0.0, 1.0),
+                    beta: float = 0.5, n_vocab: int | None = None) -> Tensor:
+    """Per span (row): ULD or GOLD between the student's merged vector softmax(z)·exp(logc) over its vocabulary and
+    the teacher's merged top-k (logprobs t_lp, student ids t_sid (-1: unmatched), t_valid) and tail (log, merged).
+    `matched`: bool [V] of the student ids in the vocabulary map (GOLD). `n_vocab`: columns past it are padding."""
+    if n_vocab is not None and n_vocab < z.shape[-1]:
+        z = z[:, :n_vocab]
+        matched = None if matched is None else matched[:n_vocab]
+    dtype = torch.promote_types(z.dtype, torch.float32)
+    s = torch.softmax(z.to(dtype), -1) * logc.to(dtype).exp().unsqueeze(-1)
+    t = torch.where(t_valid, t_lp.to(dtype).exp(), 0.0)
+    tail = t_tail.to(dtype).exp()
+    if kind == "uld":
+        return _sorted_l1(s, t, t_valid, tail)
+    w_m, w_u = weights
+    is_m = t_valid & (t_sid >= 0)
+    dense = torch.zeros_like(s).scatter_add_(1, torch.where(is_m, t_sid, 0).long(), torch.where(is_m, t, 0.0))
+    jsd = torch.where(matched.unsqueeze(0), _jsd_terms(s, dense, beta), 0.0).sum(-1)
+    unmatched = _sorted_l1(torch.where(matched.unsqueeze(0), 0.0, s), t, t_valid & (t_sid < 0), tail)
+    return w_m * jsd + w_u * unmatched
+
+
+def xtok_rows(span_head: Tensor, mask: Tensor, sft_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Flat row indices: heads (KD positions), members (with a head), SFT-only rows (neither)."""
+    heads = mask.reshape(-1).nonzero().squeeze(-1)
+    sh = span_head.reshape(-1)
+    members = (sh >= 0).nonzero().squeeze(-1)
+    extra = torch.zeros_like(sh, dtype=torch.bool)
+    if sft_mask is not None:
+        extra = sft_mask.reshape(-1) & (sh < 0) & ~mask.reshape(-1)
+    return heads, members, extra.nonzero().squeeze(-1)
+
+
+def xtok_loss_reference(logits: Tensor, labels: Tensor, mask: Tensor, span_head: Tensor, teacher_ids: Tensor,
+                        teacher_logprobs: Tensor, teacher_valid: Tensor, teacher_tail: Tensor, *, kind: str,
+                        matched: Tensor | None = None, weights: tuple[float, float] = (0.0, 1.0), beta: float = 0.5,
+                        vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """(Σ over spans of the divergence, span count) on full logits [..., V]: the plain autograd definition the
+    fused pass is tested against (and that `fused_loss: false` would run)."""
+    v = logits.shape[-1]
+    z = logits.reshape(-1, v).to(torch.promote_types(logits.dtype, torch.float32))
+    y = labels.reshape(-1)
+    heads, members, _ = xtok_rows(span_head, mask, None)
+    logc = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+    if members.numel():
+        zm = z[members]
+        if vocab_size is not None and vocab_size < v:
+            zm = zm[:, :vocab_size]
+        lp = (zm.gather(1, y[members].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(zm, -1)).clamp_min(LOG_EPS)
+        logc = logc.index_add(0, span_head.reshape(-1)[members], lp)
+    k = teacher_ids.shape[-1]
+    d = span_divergence(z[heads], logc[heads], teacher_logprobs.reshape(-1, k)[heads],
+                        teacher_ids.reshape(-1, k)[heads].long(), teacher_valid.reshape(-1, k)[heads],
+                        teacher_tail.reshape(-1)[heads], kind=kind, matched=matched, weights=weights, beta=beta,
+                        n_vocab=vocab_size)
+    return d.sum(), torch.tensor(heads.numel(), device=z.device)
+
+
+class _FusedXtok(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, heads, members, extra, head_of, y, sft_on, teacher, opts):
+        t_lp, t_sid, t_valid, t_tail = teacher
+        kind, matched, weights, beta, n_vocab, chunk, kd_weight, sft_weight = opts
+        v_local = weight.shape[0]
+        n_valid = v_local if n_vocab is None else min(n_vocab, v_local)
+        cdtype = torch.promote_types(hidden.dtype, torch.float32)
+        want_h, want_w = hidden.requires_grad, weight.requires_grad
+        grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if want_w else None
+        n_rows = hidden.shape[0]
+        logc = torch.zeros(n_rows, dtype=cdtype, device=hidden.device)
+        g_logc = torch.zeros(n_rows, dtype=cdtype, device=hidden.device)
+        kd_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
+        sft_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
+
+        def logits(rows: Tensor) -> Tensor:
+            z = (hidden[rows].to(weight.dtype) @ weight.t()).to(cdtype)
+            return z[:, :n_valid] if n_valid < v_local else z
+
+        def apply(rows: Tensor, gz: Tensor) -> None:
+            if n_valid < v_local:
+                gz = torch.nn.functional.pad(gz, (0, v_local - n_valid))
+            if want_h:
+                grad_h[rows] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if want_w:
+                grad_w.add_(gz.t().to(weight.dtype) @ hidden[rows].to(weight.dtype))
+
+        # (1) members: label logprobs -> each span's student factor log c (clamped as TRL's 1e-8)
+        for s in range(0, members.numel(), chunk):
+            rows = members[s:s + chunk]
+            z = logits(rows)
+            lp = z.gather(1, y[rows].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
+            logc.index_add_(0, head_of[rows], lp.clamp_min(LOG_EPS))
+            del z
+        # (2) heads: the span divergence and its gradients w.r.t. the head's logits and the factor (+ CE)
+        for s in range(0, heads.numel(), chunk):
+            rows = heads[s:s + chunk]
+            with torch.enable_grad():
+                z = logits(rows).detach().requires_grad_()
+                lc = logc[rows].detach().requires_grad_()
+                d = span_divergence(z, lc, t_lp[rows], t_sid[rows], t_valid[rows], t_tail[rows], kind=kind,
+                                    matched=matched, weights=weights, beta=beta)
+                total = kd_weight * d.sum()
+                on = sft_on[rows]
+                ce = torch.where(on, torch.logsumexp(z, -1) - z.gather(1, y[rows].unsqueeze(-1)).squeeze(-1), 0.0)
+                total = total + sft_weight * ce.sum()
+                gz, gl = torch.autograd.grad(total, [z, lc])
+            kd_sum += d.detach().sum()
+            sft_sum += ce.detach().sum()
+            g_logc[rows] = gl  # d total / d log c of each span (kd_weight included)
+            if want_h or want_w:
+                apply(rows, gz)
+            del z, gz
+        # (3) members and SFT-only rows: ∂(kd_weight·D)/∂log c · ∂log c/∂z = g·(onehot − softmax) where unclamped
+        rest = torch.cat([members, extra]).sort().values
+        for s in range(0, rest.numel(), chunk):
+            rows = rest[s:s + chunk]
+            z = logits(rows)
+            lse = torch.logsumexp(z, -1)
+            zy = z.gather(1, y[rows].unsqueeze(-1)).squeeze(-1)
+            on = sft_on[rows]
+            ce = torch.where(on, lse - zy, 0.0)
+            sft_sum += ce.sum()
+            if not (want_h or want_w):
+                continue
+            hd = head_of[rows]
+            live = (hd >= 0) & (zy - lse > LOG_EPS)
+            g = torch.where(live, g_logc[hd.clamp_min(0)], 0.0)  # d total / d log p(y)
+            coef = sft_weight * on.to(cdtype) - g  # total = ... + g·log p(y) − ... ; CE = −log p(y)
+            gz = torch.softmax(z, -1).mul_(coef.unsqueeze(-1))
+            gz.scatter_add_(1, y[rows].unsqueeze(-1), (-coef).unsqueeze(-1))
+            apply(rows, gz)
+            del z, gz
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.have = (want_h, want_w)
+        ctx.weight_dtype = weight.dtype
+        return kd_weight * kd_sum + sft_weight * sft_sum, kd_sum, sft_sum
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_kd, _g_sft):
+        saved = list(ctx.saved_tensors)
+        want_h, want_w = ctx.have
+        grad_h = saved.pop(0) if want_h else None
+        grad_w = saved.pop(0) if want_w else None
+        if grad_h is not None:
+            grad_h = grad_h * g_loss.to(grad_h.dtype)
+        if grad_w is not None:
+            grad_w = (grad_w * g_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+        return (grad_h, grad_w) + (None,) * 8
+
+
+def fused_xtok_loss(hidden: Tensor, weight: Tensor, labels: Tensor, mask: Tensor, span_head: Tensor,
+                    teacher_ids: Tensor, teacher_logprobs: Tensor, teacher_valid: Tensor, teacher_tail: Tensor, *,
+                    kind: str, matched: Tensor | None = None, weights: tuple[float, float] = (0.0, 1.0),
+                    beta: float = 0.5, sft_mask: Tensor | None = None, kd_weight: float = 1.0,
+                    sft_weight: float = 0.0, vocab_size: int | None = None, chunk_size: int | None = None) -> FusedOut:
+    """ULD/GOLD over aligned spans (and SFT CE) of ``logits = hidden · weightᵀ`` without materialising them.
+    ``mask``: span heads (KD positions); ``span_head``: per position the flat index of its span's head (members),
+    -1 elsewhere; teacher arrays [..., k] at the heads (ids: the student id of a matched entry, -1 unmatched)."""
+    if kind not in ("uld", "gold"):
+        raise ValueError(f"kind must be 'uld' or 'gold', got {kind!r}")
+    if kind == "gold" and matched is None:
+        raise ValueError("kind='gold' needs the matched student ids (the vocabulary map)")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    k = teacher_ids.shape[-1]
+    heads, members, extra = xtok_rows(span_head, mask, sft_mask)
+    y = torch.where(labels.reshape(-1) >= 0, labels.reshape(-1), 0).long()
+    sft_on = sft_mask.reshape(-1) if sft_mask is not None else torch.zeros_like(mask.reshape(-1))
+    teacher = (teacher_logprobs.reshape(-1, k), teacher_ids.reshape(-1, k).long(), teacher_valid.reshape(-1, k),
+               teacher_tail.reshape(-1))
+    # several [chunk, V] float32 buffers live at once inside a chunk (sort, JSD): an eighth of fused_loss's rows
+    chunk = chunk_size or int(min(256, max(8, CHUNK_BYTES // (32 * max(1, weight.shape[0])))))
+    loss, kd_sum, sft_sum = _FusedXtok.apply(
+        h, weight, heads, members, extra, span_head.reshape(-1), y, sft_on, teacher,
+        (kind, matched, weights, float(beta), vocab_size, chunk, float(kd_weight), float(sft_weight)))
+    zero = torch.zeros((), dtype=kd_sum.dtype, device=h.device)
+    return FusedOut(loss, kd_sum.detach(), torch.tensor(heads.numel(), device=h.device), sft_sum.detach(),
+                    torch.tensor(int(sft_on.sum()), device=h.device), zero, zero, torch.tensor(0, device=h.device))

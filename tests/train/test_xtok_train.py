@@ -1,0 +1,137 @@
+"""`gkd train loss=gold|uld` from a cross-tokenizer cache (rows in the SmolLM2 teacher's tokens, a student with a
+byte-level BPE trained in the test): the loader's student layout against the teacher's own forward, and the first
+step's loss against the plain definition (train/xtok_loss.py `xtok_loss_reference`) on a transformers forward of
+the student."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_cache import build_tiny, score_cross_into_cache, xtok_rollouts
+
+from pipeline.store import align
+from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.train.data import ScoredLoader
+from pipeline.train.xtok_loss import gold_weights, xtok_loss_reference
+
+SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def xt(tmp_path_factory):
+    from tiny_models import build_smollm2_tiny
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("xtrain")
+    teacher = build_smollm2_tiny(root / "teacher")
+    student = build_tiny(root / "student")
+    s_tok, t_tok = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
+    rows = xtok_rollouts(s_tok)
+    score_cross_into_cache(teacher, student, root / "cache", rows)
+    vmap = align.vocab_map(s_tok, t_tok, len(t_tok))
+    return dict(root=root, teacher=teacher, student=student, s_tok=s_tok, t_tok=t_tok, rows=rows, vmap=vmap,
+                cache=root / "cache")
+
+
+def _loader(xt, **kw):
+    args = dict(micro_batch_size=4, seq_length=SEQ, seed=0, vocab_size=len(xt["s_tok"]),
+                tokenizer_fingerprint=tokenizer_fingerprint(xt["s_tok"]), xtok_map=xt["vmap"])
+    return ScoredLoader([xt["cache"]], **{**args, **kw})
+
+
+def test_loader_puts_the_merged_teacher_row_at_each_span_head(xt):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(xt["teacher"], dtype=torch.float64).eval()
+    mb = _loader(xt).micro_batch(0)
+    by_ids = {tuple(r["prompt_ids"] + r["completion_ids"]): r for r in xt["rows"]}
+    assert mb.span_head is not None and mb.xtok_teacher_vocab == len(xt["t_tok"])
+    width = mb.input_ids.shape[1]
+    for i in range(mb.samples):
+        n = int((mb.doc_ids[i] >= 0).sum())
+        r = by_ids[tuple(mb.input_ids[i, :n].tolist())]
+        got = align.retokenize(xt["s_tok"], xt["t_tok"], r["prompt_ids"], r["completion_ids"])
+        ss, st, ps, pt = got.span_student, got.span_teacher, len(r["prompt_ids"]), got.teacher_first
+        with torch.no_grad():
+            lt = torch.log_softmax(teacher(torch.as_tensor(got.teacher_ids[None])).logits[0], -1)
+        heads = ps - 1 + ss[:-1]
+        assert np.flatnonzero(mb.loss_mask[i].numpy()).tolist() == heads.tolist()
+        assert mb.sft_mask[i, ps - 1: n - 1].all() and int(mb.sft_mask[i].sum()) == n - ps
+        for g in range(len(ss) - 1):
+            members = np.arange(heads[g] + 1, ps - 1 + ss[g + 1])
+            assert (mb.span_head[i, members] == i * width + heads[g]).all()
+            row = lt[pt + st[g] - 1]  # the teacher's distribution of the span's first teacher token
+            later = sum(max(float(lt[pt + j - 1, got.teacher_ids[pt + j]]), math.log(1e-8))
+                        for j in range(st[g] + 1, st[g + 1]))
+            top = torch.topk(row, 8)
+            np.testing.assert_allclose(mb.teacher_logprobs[i, heads[g]].numpy(), (top.values + later).numpy(),
+                                       atol=2e-5)
+            assert mb.teacher_ids[i, heads[g]].tolist() == xt["vmap"][top.indices.numpy()].tolist()
+            tail = math.log1p(-float(top.values.exp().sum())) + later
+            assert float(mb.teacher_tail[i, heads[g]]) == pytest.approx(tail, abs=1e-3)  # 1 - Σp: ill-conditioned
+        assert (mb.span_head[i][~mb.sft_mask[i]] == -1).all()
+
+
+def _train(xt, save: Path, **kw) -> list[dict]:
+    from pipeline.cli import main as cli
+
+    args = dict(student=str(xt["student"]), cache=f"[{xt['cache']}]", micro_batch_size=2, global_batch_size=2,
+                seq_length=SEQ, train_steps=2, warmup_steps=1, save_interval=2, save_dir=str(save), progress=False,
+                packing=False, **kw)
+    assert cli(["train", *[f"{k}={v}" for k, v in args.items()]]) == 0
+    return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind", ["gold", "uld"])
+def test_first_step_loss_equals_the_definition_on_the_students_own_forward(xt, tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    metrics = _train(xt, tmp_path / kind, loss=kind, sft_alpha=0.5)
+    assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
+    # step 1 (lr 0 in warmup: the initial student) by hand, padded layout: row i is the step's sample i at offset 0
+    loader = ScoredLoader([xt["cache"]], micro_batch_size=2, seq_length=SEQ, seed=1234, vocab_size=len(xt["s_tok"]),
+                          tokenizer_fingerprint=tokenizer_fingerprint(xt["s_tok"]),
+                          xtok_map=xt["vmap"] if kind == "gold" else None, rows_per_step=2)
+    mb = next(loader.iter_from(0, prefetch=0))
+    model = AutoModelForCausalLM.from_pretrained(xt["student"], dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(mb.input_ids).logits  # padding sits after each sample: causal, so it changes nothing before
+    matched = mb.xtok_matched
+    weights = gold_weights(int(matched.sum()) if matched is not None else 0, mb.xtok_teacher_vocab)
+    total, count = xtok_loss_reference(logits, mb.labels, mb.loss_mask, mb.span_head, mb.teacher_ids,
+                                       mb.teacher_logprobs.double(), mb.teacher_valid, mb.teacher_tail.double(),
+                                       kind=kind, matched=matched, weights=weights, beta=0.5)
+    # fp32 Megatron forward vs fp64 transformers: ~1e-5 per logit; a misaligned span or row is off by far more
+    assert metrics[0]["jsd"] == pytest.approx(float(total / count), abs=1e-3)
+    lsm = torch.log_softmax(logits, -1)
+    on = mb.sft_mask
+    ce = -lsm.gather(-1, mb.labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)[on]
+    assert metrics[0]["sft"] == pytest.approx(float(ce.mean()), abs=1e-3)
+
+
+def test_packed_layout_equals_the_padded_one_sample_by_sample(xt):
+    """Packed rows (several samples per row, the trainer's default) carry each sample's heads, span pointers and
+    merged teacher rows exactly as one sample per row does, shifted to its columns."""
+    packed = _loader(xt, packing=True, rows_per_step=4).micro_batch(0)
+    padded = _loader(xt, micro_batch_size=len(xt["rows"])).micro_batch(0)
+    assert packed.xtok_matched is not None and packed.samples > packed.input_ids.shape[0]  # really packed
+    where = {tuple(padded.input_ids[i, :int((padded.doc_ids[i] >= 0).sum())].tolist()): i
+             for i in range(padded.samples)}
+    wp, wq = packed.input_ids.shape[1], padded.input_ids.shape[1]
+    for r in range(packed.input_ids.shape[0]):
+        for d in range(int(packed.doc_ids[r].max()) + 1):
+            cols = np.flatnonzero(packed.doc_ids[r].numpy() == d)
+            o, n = int(cols[0]), len(cols)
+            i = where[tuple(packed.input_ids[r, o:o + n].tolist())]
+            assert packed.loss_mask[r, o:o + n].tolist() == padded.loss_mask[i, :n].tolist()
+            assert packed.sft_mask[r, o:o + n].tolist() == padded.sft_mask[i, :n].tolist()
+            torch.testing.assert_close(packed.teacher_logprobs[r, o:o + n], padded.teacher_logprobs[i, :n])
+            assert torch.equal(packed.teacher_ids[r, o:o + n], padded.teacher_ids[i, :n])
+            sp, sq = packed.span_head[r, o:o + n], padded.span_head[i, :n]
+            assert torch.equal(sp >= 0, sq >= 0)
+            assert torch.equal(sp[sp >= 0] - (r * wp + o), sq[sq >= 0] - i * wq)
