@@ -223,6 +223,8 @@ class ScoredLoader:
         self._routes = {n: Path(routes[n]).resolve() for n in self.route_names}
         if routes:
             sources = sorted({str(v) for v in self._routes.values()})
+        # A cross-tokenizer cache (store/align.py) sets these below; rollouts for a live teacher are never one.
+        self.cross, self.xtok_map, self.xtok_matched, self.xtok_teacher_vocab = False, None, None, 0
         if self.live:
             resolved = [(p, d, None) for p, d in _resolve_rollouts(sources, tokenizer_fingerprint)]
             self.k = int(live_k)
@@ -243,8 +245,6 @@ class ScoredLoader:
         # A cross-tokenizer cache (store/align.py): rows in the teacher's tokens with spans, laid out in the
         # student's (batch.student_layout); `xtok_map` maps teacher ids to student ids (GOLD; None: ULD).
         self.cross, self.xtok_map = kinds.pop(), xtok_map
-        self.xtok_matched = None
-        self.xtok_teacher_vocab = 0
         if self.cross:
             self.actual = True  # the span merge reads the later teacher tokens' actual logprobs
             self.xtok_teacher_vocab = max(r[1].vocab_size for r in resolved)
