@@ -18,6 +18,7 @@ no-op. Rows go to tasks by a hash of their content key, so identical sequences a
 
 from __future__ import annotations
 
+import array
 import contextlib
 import hashlib
 import json
@@ -485,16 +486,25 @@ def token_batches(rows: list[dict], budget: int) -> list[list[dict]]:
     return batches
 
 
+def _array(values, code: str, dtype) -> np.ndarray:
+    """A vLLM output list (Python ints or floats) as an array: through `array.array`, ~25 % faster than
+    `np.asarray` on lists (the same C casts; measured 19 vs 25 ns an entry), the larger part of this stage's
+    per-token work at k=64 (k + 1 ids and logprobs per position)."""
+    if isinstance(values, list):
+        return np.frombuffer(array.array(code, values), dtype)
+    return np.asarray(values, dtype=dtype)
+
+
 def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
     """vLLM flat prompt logprobs of one sequence -> arrays for positions first..L-1.
 
     Each position j >= 1 holds entry 0 = the actual token x_j with its true rank, then ranks 1..k. (Should an
     engine drop the duplicate when x_j is itself in the top-k, the position has k entries and x_j is found there.)
     """
-    start = np.asarray(flat.start_indices[first:], dtype=np.int64)
-    end = np.asarray(flat.end_indices[first:], dtype=np.int64)
-    tok = np.asarray(flat.token_ids, dtype=np.int64)
-    lp = np.asarray(flat.logprobs, dtype=np.float32)
+    start = _array(flat.start_indices[first:], "q", np.int64)
+    end = _array(flat.end_indices[first:], "q", np.int64)
+    tok = _array(flat.token_ids, "q", np.int64)
+    lp = _array(flat.logprobs, "f", np.float32)
     n = len(ids) - first
     if len(start) != n or np.any(end - start < k):
         raise RuntimeError(f"engine returned {len(start)} positions / short top-k rows; expected {n} x {k}+1")

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zstandard
 
-from pipeline.store.codec_kernels import CodecError, lookup
+from pipeline.store.codec_kernels import CodecError, get_escape_kernel, get_quantise_kernel, lookup
 from pipeline.store.codec_kernels import escape_decode as _escape_decode
 
 if TYPE_CHECKING:
@@ -147,8 +147,24 @@ class EncodedRows:
     footer: dict[bytes, bytes]
 
 
-def _quantise(lp: np.ndarray, where: str) -> np.ndarray:
-    """Logprobs -> nearest grid index (int64); -inf -> sentinel."""
+def _quantise(lp: np.ndarray, where: str, use_kernel: bool = True) -> np.ndarray:
+    """Logprobs -> nearest grid index (int64); -inf -> sentinel. One numba pass (codec_kernels.py) where numba is
+    there, else `quantise_numpy`; both refuse NaN and positive logprobs with the same message."""
+    kernel = get_quantise_kernel() if use_kernel else None
+    if kernel is None:
+        return quantise_numpy(lp, where)
+    lp = np.asarray(lp)
+    if lp.dtype not in (np.float32, np.float64):
+        lp = lp.astype(np.float64)
+    flat = np.ascontiguousarray(lp).reshape(-1)
+    out = np.empty(flat.size, np.int64)
+    if kernel(flat, _GRID, _NEG_INF_Q, MIN_LOGPROB, out) >= 0:
+        return quantise_numpy(lp, where)  # raises, naming the problem
+    return out.reshape(lp.shape)
+
+
+def quantise_numpy(lp: np.ndarray, where: str) -> np.ndarray:
+    """`_quantise` in whole-array numpy passes: the fallback without numba, and the kernel's reference."""
     lp = np.asarray(lp, dtype=np.float64)
     if np.isnan(lp).any():
         raise CodecError(f"{where}: NaN logprob; the teacher produced an invalid distribution")
@@ -239,28 +255,30 @@ def encode(
 
         return exact_codec.encode(rows, k=k, vocab_size=vocab_size)
     checked = [check_row(r, row, k=k, vocab_size=vocab_size) for r, row in enumerate(rows)]
-    norm = _normalise(checked, k, topp, min_k)
-
-    all_ids = np.concatenate([x[0][x[7]] for x in norm]) if norm else np.zeros(0, np.int64)
-    by_freq, remap = _id_table(all_ids, vocab_size)
-    id_esc = _escape_params(max(by_freq.size - 1, 0))
-    nb_rank = _nplanes(vocab_size)
-
-    out = EncodedRows([], [], [], [], [], {})
-    for ids, q, tq, aid, arank, aq, counts, kept in norm:
-        out.topk_ids.append(_escape_encode(remap[ids[kept]], *id_esc))
+    if not checked:
+        by_freq = np.zeros(0, np.int64)
+        out = EncodedRows([], [], [], [], [], {})
+    else:
+        ids, q, tq, aid, arank, aq, counts, kept, lens = _normalise(checked, k, topp, min_k)
+        # Every column is encoded over all rows at once and cut into the rows' blobs at the end (`_row_blobs`): the
+        # per-row calls were the larger part of the encoder's time at 100-token rows.
+        kept_ids = ids[kept]
+        by_freq, remap = _id_table(kept_ids, vocab_size)
         dq = q.copy()
         dq[:, 1:] = np.diff(q, axis=1)  # >= 0 in rank order; the -inf sentinel sorts last
-        out.topk_logprobs.append(_escape_encode(dq[kept], *_VALUE_ESC))
-        # top-p: the kept count rides as a third (fourth) plane of the tail column, so tail and count share a page
-        out.tail_logprobs.append(_to_planes(tq | counts << 16, 2 + _count_planes(k)) if topp is not None
-                                 else _to_planes(tq, 2))
-        out.actual_rank.append(_to_planes(arank, nb_rank))
+        kept_lens = _per_row(counts, lens)  # entries per row: k per position, or the top-p counts
         # 0 = "the value is the top-k entry at that rank"; else grid index + 1.
         in_topk = np.zeros(aid.size, dtype=bool)
         idx = np.flatnonzero(arank <= counts)
         in_topk[idx] = ids[idx, arank[idx] - 1] == aid[idx]
-        out.actual_logprobs.append(_to_planes(np.where(in_topk, 0, aq + 1), 2))
+        # top-p: the kept count rides as a third (fourth) plane of the tail column, so tail and count share a page
+        tail = (_planes_rows(tq | counts << 16, lens, 2 + _count_planes(k)) if topp is not None
+                else _planes_rows(tq, lens, 2))
+        out = EncodedRows(_escape_rows(remap[kept_ids], kept_lens, *_escape_params(max(by_freq.size - 1, 0))),
+                          _escape_rows(dq[kept], kept_lens, *_VALUE_ESC), tail,
+                          _planes_rows(arank, lens, _nplanes(vocab_size)),
+                          _planes_rows(np.where(in_topk, 0, aq + 1), lens, 2), {})
+    nb_rank = _nplanes(vocab_size)
     out.footer = {
         b"gkd.codec": NAME.encode(),
         b"gkd.codec.k": str(k).encode(),
@@ -274,14 +292,10 @@ def encode(
     return out
 
 
-def _normalise(checked: list[tuple], k: int, topp: float | None, min_k: int | None) -> list[tuple]:
-    """Per row: rank-ordered ids, quantised values, quantised tail, actual ids/ranks/values, kept counts and mask.
-    Computed over all rows at once (one numpy pass per step instead of one per row: the per-row calls dominated
-    the score stage's own work), then split back into rows; a bad value is named by its row (the per-row pass)."""
-    if not checked:
-        return []
-    lens = [c[0].shape[0] for c in checked]
-    cuts = np.cumsum(lens)[:-1]
+def _normalise(checked: list[tuple], k: int, topp: float | None, min_k: int | None) -> tuple:
+    """All rows' positions at once: rank-ordered ids, quantised values, quantised tail, actual ids/ranks/values,
+    kept counts and mask, and each row's number of positions; a bad value is named by its row (the per-row pass)."""
+    lens = np.array([c[0].shape[0] for c in checked], np.int64)
     ids, lps = np.concatenate([c[0] for c in checked]), np.concatenate([c[1] for c in checked])
     aid, arank, alp = (np.concatenate([c[i] for c in checked]) for i in (2, 3, 4))
     try:
@@ -298,8 +312,66 @@ def _normalise(checked: list[tuple], k: int, topp: float | None, min_k: int | No
     kept = np.arange(k) < counts[:, None]
     tail = tail_logprob(np.where(kept, lps, -np.inf))  # the mass outside the kept entries, unquantised
     tq = _quantise(tail, "all rows tail")
-    parts = [np.split(a, cuts) for a in (ids, q, tq, aid.astype(np.int64), arank.astype(np.int64), aq, counts, kept)]
-    return list(zip(*parts, strict=True))
+    return ids, q, tq, aid.astype(np.int64), arank.astype(np.int64), aq, counts, kept, lens
+
+
+def _starts(lens: np.ndarray) -> np.ndarray:
+    """[0, cumulative lens...]: where each row's entries start in the flat array, and the end."""
+    out = np.zeros(lens.size + 1, np.int64)
+    np.cumsum(lens, out=out[1:])
+    return out
+
+
+def _per_row(per_position: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Sums of a per-position count over each row's `lens` positions (rows of no positions included)."""
+    c = _starts(per_position.astype(np.int64))
+    s = _starts(lens)
+    return c[s[1:]] - c[s[:-1]]
+
+
+def _row_blobs(out: np.ndarray, ends: np.ndarray) -> list[bytes]:
+    buf = out.tobytes()
+    return [buf[a:b] for a, b in zip(ends[:-1].tolist(), ends[1:].tolist(), strict=True)]
+
+
+def _planes_rows(values: np.ndarray, lens: np.ndarray, nb: int) -> list[bytes]:
+    """`_to_planes` of each row (`lens` entries each) of a flat array, in whole-array passes."""
+    v = values.astype(np.uint32, copy=False).ravel()
+    starts = _starts(lens)
+    row = np.repeat(np.arange(lens.size), lens)
+    at = np.arange(v.size) + (nb - 1) * starts[row]  # a row's blob: its plane 0, then plane 1, ...
+    out = np.empty(v.size * nb, np.uint8)
+    for p in range(nb):
+        out[at + p * lens[row]] = (v >> (8 * p)) & 0xFF
+    return _row_blobs(out, nb * starts)
+
+
+def _escape_rows(values: np.ndarray, lens: np.ndarray, t: int, nb: int, use_kernel: bool = True) -> list[bytes]:
+    """`_escape_encode` of each row (`lens` entries each) of a flat array: a row's blob is its first bytes, then the
+    low bytes of its m escapes as nb planes of m bytes. One numba pass per row (codec_kernels.py), or whole-array
+    numpy passes (the fallback, and the kernel's reference; the scatters cost ~4x the kernel's time)."""
+    v = np.ascontiguousarray(values, dtype=np.int64).ravel()
+    kernel = get_escape_kernel() if use_kernel else None
+    if kernel is not None:
+        ends = np.empty(lens.size + 1, np.int64)
+        out = np.empty(v.size * (nb + 1), np.uint8)  # the most a blob can take: every entry an escape
+        kernel(v, np.ascontiguousarray(lens, dtype=np.int64), t, nb, ends, out)
+        return _row_blobs(out, ends)
+    big = v >= t
+    starts, esc = _starts(lens), _starts(big)
+    m = esc[starts[1:]] - esc[starts[:-1]]  # escapes per row
+    ends = _starts(lens + nb * m)
+    row = np.repeat(np.arange(lens.size), lens)
+    out = np.empty(int(ends[-1]), np.uint8)
+    out[np.arange(v.size) + (ends[:-1] - starts[:-1])[row]] = np.where(big, t + ((v - t) >> (8 * nb)), v)
+    g = np.flatnonzero(big)
+    if g.size:
+        r = row[g]
+        at = ends[r] + lens[r] + np.arange(g.size) - esc[starts[r]]  # escape i of its row: plane 0 at lens + i
+        low = (v[g] - t) & ((1 << (8 * nb)) - 1)
+        for p in range(nb):
+            out[at + p * m[r]] = (low >> (8 * p)) & 0xFF
+    return _row_blobs(out, ends)
 
 
 def _count_planes(k: int) -> int:

@@ -1,5 +1,7 @@
-"""The decoder's hot loop: escape-coded numbers of many rows -> a table lookup of each (the id remap, or the
-logprob grid after a per-position running sum), written straight into the output array.
+"""The codec's hot loops. The decoder's: escape-coded numbers of many rows -> a table lookup of each (the id remap,
+or the logprob grid after a per-position running sum), written straight into the output array. The encoder's:
+logprobs -> nearest grid index (`_quantise_loop`), and the escape coding of many rows (`_escape_rows_loop`);
+numba only, codec.py keeps the numpy paths.
 
 Two implementations with identical results (tests/store/test_codec.py compares them):
 - a **numba** kernel (numba is installed with vLLM; declared in pyproject.toml): one pass per entry, branch-free
@@ -87,7 +89,71 @@ def _lookup_loop(buf, offsets, counts, t, nb, k, table, out, branchy):  # pragma
     return 0
 
 
+def _quantise_loop(lp, grid, neg_inf_q, min_logprob, out):  # pragma: no cover - compiled by numba
+    """out[j] = the index of the grid point nearest to -lp[j] (the lower one on a tie), lp clipped to
+    [min_logprob, 0]; -inf -> neg_inf_q. Returns -1, or the index of the first NaN or value above 1e-3 (the
+    caller then names it). The first guess is the grid's piecewise-uniform formula; the two walks make the index
+    exactly numpy's searchsorted (left) whatever the rounding, so results equal `codec.quantise_numpy`'s.
+    Measured on 720k top-64 entries: ~9 us per position for the numpy passes (a float64 copy, searchsorted, two
+    gathers, a select), one pass here."""
+    size = grid.size
+    for j in range(lp.size):
+        v = np.float64(lp[j])
+        if v != v or v > 1e-3:
+            return j
+        if v == -np.inf:
+            out[j] = neg_inf_q
+            continue
+        x = -min(max(v, min_logprob), 0.0)
+        if x <= 3.5:
+            i = int(np.ceil(x * 128.0))
+        elif x <= 5.0:
+            i = 448 + int(np.ceil((x - 3.5) * 64.0))
+        else:
+            i = 544 + int(np.ceil((x - 5.0) * 32.0))
+        i = min(max(i, 0), size)
+        while i > 0 and grid[i - 1] >= x:
+            i -= 1
+        while i < size and grid[i] < x:
+            i += 1
+        i = min(max(i, 1), size - 1)
+        out[j] = i - 1 if x - grid[i - 1] <= grid[i] - x else i
+    return -1
+
+
+def _escape_rows_loop(v, lens, t, nb, ends, out):  # pragma: no cover - compiled by numba
+    """The encoder's escape coding of many rows in one pass each: `ends` (len rows + 1) receives the blob
+    boundaries, `out` (at least entries + nb * escapes bytes) the blobs: a row's first bytes, then the low bytes of
+    its m escapes as nb planes of m bytes (codec.py `_escape_rows`, the numpy path, is the reference)."""
+    shift = 8 * nb
+    mask = (1 << shift) - 1
+    s = 0
+    ends[0] = 0
+    for r in range(lens.size):
+        n = lens[r]
+        m = 0
+        for i in range(s, s + n):
+            if v[i] >= t:
+                m += 1
+        o = ends[r]
+        lo = o + n
+        e = 0
+        for i in range(s, s + n):
+            x = v[i]
+            if x >= t:
+                out[o + i - s] = t + ((x - t) >> shift)
+                w = (x - t) & mask
+                for p in range(nb):
+                    out[lo + p * m + e] = (w >> (8 * p)) & 0xFF
+                e += 1
+            else:
+                out[o + i - s] = x
+        ends[r + 1] = lo + nb * m
+        s += n
+
+
 _kernel = None  # compiled on first use (numba's import alone costs ~0.3 s: the stages that never decode skip it)
+_quantise_kernel = None
 
 
 def guard_llvmlite_lib() -> None:
@@ -129,6 +195,33 @@ def _get_kernel():
             guard_llvmlite_lib()
             _kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_lookup_loop)
     return _kernel or None
+
+
+_escape_kernel = None
+
+
+def get_escape_kernel():
+    """The compiled `_escape_rows_loop`, or None without numba (the caller's numpy path)."""
+    global _escape_kernel
+    if _escape_kernel is None:
+        _escape_kernel = False
+        if _get_kernel() is not None:
+            import numba
+
+            _escape_kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_escape_rows_loop)
+    return _escape_kernel or None
+
+
+def get_quantise_kernel():
+    """The compiled `_quantise_loop`, or None without numba (the caller's numpy path)."""
+    global _quantise_kernel
+    if _quantise_kernel is None:
+        _quantise_kernel = False
+        if _get_kernel() is not None:
+            import numba
+
+            _quantise_kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_quantise_loop)
+    return _quantise_kernel or None
 
 
 class _Workspace(threading.local):

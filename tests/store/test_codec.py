@@ -209,6 +209,44 @@ def test_kernel_and_numpy_agree_on_wide_escapes_and_refuse_the_same_damage() -> 
                                                  use_kernel=use_kernel)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_quantise_kernel_equals_numpy_on_every_grid_point_midpoint_and_clip(dtype) -> None:
+    """The encoder's numba quantiser (codec_kernels._quantise_loop) gives numpy's indices (searchsorted, nearest,
+    lower on a tie) on each grid point, each midpoint and the floats either side of it, the segment joints, the
+    clip at MIN_LOGPROB and -inf; and refuses NaN and positive values with the same message."""
+    grid = codec._GRID
+    mid = (grid[:-1] + grid[1:]) / 2
+    rng = np.random.default_rng(3)
+    lp = np.concatenate([-grid, -mid, -np.nextafter(mid, 0), -np.nextafter(mid, 2000), -rng.uniform(0, 1100, 50_000),
+                         [-np.inf, 0.0, 1e-4, -1e-12, -3.5, -5.0, codec.MIN_LOGPROB, -1000.5, -5e4]]).astype(dtype)
+    fast, ref = codec._quantise(lp, "x"), codec.quantise_numpy(lp, "x")
+    assert ck.get_quantise_kernel() is not None and fast.dtype == ref.dtype == np.int64
+    assert np.array_equal(fast, ref)
+    assert np.array_equal(codec._quantise(lp[:700].reshape(-1, 7), "x"), ref[:700].reshape(-1, 7))  # 2-D in, 2-D out
+    for bad, match in (([-1.0, np.nan], "NaN logprob"), ([-2.0, 0.5], "logprob 0.5000 > 0")):
+        for f in (codec._quantise, codec.quantise_numpy):
+            with pytest.raises(codec.CodecError, match=f"row 3: {match}"):
+                f(np.array(bad, dtype), "row 3")
+
+
+@pytest.mark.parametrize("nb", [1, 2, 3])
+def test_whole_array_row_encoders_equal_the_per_row_ones(nb: int) -> None:
+    """The encoder's all-rows passes (`_escape_rows`: numba kernel and numpy path; `_planes_rows`) give each row
+    exactly the bytes of the one-row functions, rows of no entries and rows of only escapes included."""
+    rng = np.random.default_rng(nb)
+    lens = np.array([0, 5, 1, 0, 300, 64, 7, 0], np.int64)
+    t = 255 - 3
+    v = np.where(rng.random(lens.sum()) < 0.6, rng.integers(0, t, lens.sum()), rng.integers(t, 256 ** nb, lens.sum()))
+    v[lens[:5].sum():lens[:6].sum()] = 256 ** nb - 1  # row 5: every entry an escape, the largest number
+    cuts = np.cumsum(lens)[:-1]
+    want = [codec._escape_encode(r, t, nb) for r in np.split(v, cuts)]
+    assert codec._escape_rows(v, lens, t, nb) == want
+    assert codec._escape_rows(v, lens, t, nb, use_kernel=False) == want
+    u = rng.integers(0, 2 ** 32, lens.sum(), dtype=np.uint64).astype(np.uint32)
+    assert codec._planes_rows(u, lens, nb) == [codec._to_planes(r, nb) for r in np.split(u, cuts)]
+    assert codec._escape_rows(np.zeros(0, np.int64), np.zeros(0, np.int64), t, nb) == []
+
+
 @pytest.mark.parametrize("nb_vocab", [(1, 5000), (2, 262144)])
 def test_both_kernel_modes_match_numpy_and_refuse_the_same_damage(nb_vocab: tuple[int, int]) -> None:
     """The kernel's branch-free mode (many escapes) and branchy mode (few) decode ids and values exactly like the
