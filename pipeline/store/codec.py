@@ -264,8 +264,9 @@ def encode(
         # per-row calls were the larger part of the encoder's time at 100-token rows.
         kept_ids = ids[kept]
         by_freq, remap = _id_table(kept_ids, vocab_size)
-        dq = q.copy()
-        dq[:, 1:] = np.diff(q, axis=1)  # >= 0 in rank order; the -inf sentinel sorts last
+        dq = np.empty_like(q)  # deltas within a position: >= 0 in rank order; the -inf sentinel sorts last
+        dq[:, :1] = q[:, :1]
+        np.subtract(q[:, 1:], q[:, :-1], out=dq[:, 1:])
         kept_lens = _per_row(counts, lens)  # entries per row: k per position, or the top-p counts
         # 0 = "the value is the top-k entry at that rank"; else grid index + 1.
         in_topk = np.zeros(aid.size, dtype=bool)
