@@ -49,12 +49,18 @@ from pipeline.store.fingerprint import (
     FINGERPRINT_SCHEME,
     adapter_fingerprint,
     check_tokenizer_files,
-    content_key,
     teacher_fingerprint,
     tokenizer_fingerprint,
 )
 from pipeline.store.locks import FileLock
-from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards, rollout_tokenizer
+from pipeline.store.rollouts import (
+    assign_shard,
+    first_scored,
+    iter_rollouts,
+    rollout_key,
+    rollout_shards,
+    rollout_tokenizer,
+)
 from pipeline.store.schema import check_arrow_schema, load_schema
 from pipeline.store.shards import ShardError, WriteError, atomic_write_bytes, read_marker, verify_shard
 
@@ -343,12 +349,15 @@ def select_rows(
             counts["other_tags"] = counts.get("other_tags", 0) + 1  # another teacher's (or no teacher's) rows
             continue
         ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
-        first = 1 if cfg.score_prompt else len(r["prompt_ids"])
+        first = first_scored(r, cfg.score_prompt)
         teacher_prompt = r.get("teacher_prompt_ids")
         if teacher_prompt is not None and (cfg.score_prompt or not teacher_prompt):
             privileged.append(r["sample_id"])
             continue
-        if len(r["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
+        # the store's rule (rollouts.rollout_key): which rows are scored, under which content key
+        key = rollout_key(r, teacher_fp, cfg.topk, cfg.logprob_mode, score_prompt=cfg.score_prompt,
+                          cross=None if cross is None else cross.key)
+        if key is None:
             counts["empty"] = counts.get("empty", 0) + 1
             continue
         if r.get("images"):
@@ -359,8 +368,6 @@ def select_rows(
         if cross is not None and (teacher_prompt is not None or r.get("images")):
             raise ScoreInputError(f"sample {r['sample_id']}: cross_tokenizer=true scores text rollouts without a "
                                   "privileged teacher prompt or images; score those with a same-tokenizer teacher")
-        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode, teacher_prompt=teacher_prompt,
-                          images=r.get("images"), cross=None if cross is None else cross.key)
         if assign_shard(key, cfg.num_shards) != shard or key in rows:
             continue
         if cross is not None:  # the teacher's tokens of the rollout's text, its spans (store/align.py)
