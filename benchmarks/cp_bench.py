@@ -52,8 +52,7 @@ def worker(student: str, cache: str, out: str, cp: int, steps: int) -> None:
     from pipeline.train.data import ScoredLoader
     from pipeline.train.metrics import KD_SUM
     from pipeline.train.parallel import destroy_distributed, init_distributed
-    from pipeline.train.run import TrainConfig, setup_model_and_optimizer
-    from pipeline.train.trainer import train_step
+    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
 
     cfg = TrainConfig(student=student, cache=[cache], backend="megatron", micro_batch_size=1, global_batch_size=1,
                       seq_length=TOKENS, context_parallel_size=cp, train_steps=steps + 1, warmup_steps=0,

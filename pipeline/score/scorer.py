@@ -53,6 +53,7 @@ from pipeline.store.fingerprint import (
     tokenizer_fingerprint,
 )
 from pipeline.store.locks import FileLock
+from pipeline.store.model_config import vocab_size as model_vocab_size
 from pipeline.store.rollouts import (
     assign_shard,
     first_scored,
@@ -599,7 +600,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         if not (Path(cfg.teacher_adapter) / "adapter_config.json").exists():
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_config = AutoConfig.from_pretrained(teacher)
-    vocab_size = int(teacher_vocab_size(teacher_config))
+    vocab_size = model_vocab_size(teacher_config)
     if cfg.topk > vocab_size:  # before cache.json is written (it would record the k) and before any engine starts
         raise ConfigError(f"topk={cfg.topk} is above the teacher's vocabulary ({teacher}/config.json: vocab_size="
                           f"{vocab_size}); choose --topk <= {vocab_size} (a top-k beyond it holds no more tokens)")
@@ -811,14 +812,6 @@ def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int, *
                                                            parent=cfg.merge_dir))
         engine = stack.enter_context(open_teacher_engine(cfg, model_dir, engine_len, max_images=max_images))
         yield InProcessTeacher(engine, cfg.topk, **vision)
-
-
-def teacher_vocab_size(teacher_config: Any) -> int:
-    """The vocabulary of a teacher's config (a vision-language model keeps it in its text_config)."""
-    size = getattr(teacher_config, "vocab_size", None)
-    if size is None and hasattr(teacher_config, "get_text_config"):
-        size = teacher_config.get_text_config().vocab_size
-    return int(size)
 
 
 def engine_length(cfg: ScoreConfig, teacher_config: Any) -> int:

@@ -72,8 +72,8 @@ class _TopkAndTailLSE(torch.autograd.Function):
     ``lse_tail = logsumexp over the global vocab minus the ids of logits/τ`` (only when ``with_tail``). One custom
     function for both outputs so backward writes a single ``[T, V_local]`` gradient, chunk by chunk, instead of
     autograd summing a dense gather-gradient and a dense softmax-gradient.
-    Later this can take (hidden states, output weight) instead of logits and build each logits chunk inside the same
-    loop (a fused linear + loss), so the ``[T, V]`` logits never exist; the outputs and the loss stay as they are.
+    This is the unfused path (`fused_loss: false`) on Megatron's logits; the fused output layer + loss, which never
+    builds the ``[T, V]`` logits, is pipeline/train/fused_loss.py, tested against this one.
     """
 
     @staticmethod

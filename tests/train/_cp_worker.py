@@ -68,8 +68,7 @@ def alignment(teacher: str, cache: str, cp: int, tp: int) -> dict:
     from pipeline.train.data import ScoredLoader
     from pipeline.train.loss import gkd_loss
     from pipeline.train.model import build_model, load_hf_weights
-    from pipeline.train.run import TrainConfig
-    from pipeline.train.trainer import rank_inputs
+    from pipeline.train.trainer import TrainConfig, rank_inputs
 
     cfg = TrainConfig(student=teacher, cache=[cache], seq_length=64, context_parallel_size=cp,
                       tensor_model_parallel_size=tp)
@@ -98,8 +97,7 @@ def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> 
     from pipeline.train.data import ScoredLoader
     from pipeline.train.metrics import sum_reports
     from pipeline.train.parallel import destroy_distributed, init_distributed
-    from pipeline.train.run import TrainConfig, setup_model_and_optimizer
-    from pipeline.train.trainer import train_step
+    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
 
     init_distributed(tp=tp, pp=1, seed=1234, cp=cp)
     results: dict = {}

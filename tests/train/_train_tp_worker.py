@@ -24,7 +24,7 @@ def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
     from pipeline.train.metrics import sum_reports
     from pipeline.train.model import megatron_to_hf_state_dict
     from pipeline.train.parallel import destroy_distributed, init_distributed
-    from pipeline.train.run import TrainConfig, forward_step, setup_model_and_optimizer
+    from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
 
     cfg = TrainConfig(student=student, cache=[cache], micro_batch_size=2, global_batch_size=4, seq_length=32,
                       tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0,

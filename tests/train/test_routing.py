@@ -92,7 +92,7 @@ def test_loss_weights_each_teachers_positions(two, single_process):
     """loss = sum over teachers of w_t * KD sum on its positions / the step's count (the reference loss, unfused);
     the report holds each teacher's sum and count."""
     from pipeline.train.loss import gkd_loss
-    from pipeline.train.run import TrainConfig, loss_func
+    from pipeline.train.trainer import TrainConfig, loss_func
 
     root = two["root"]
     routes = {"A": str(root / "a"), "B": str(root / "b")}
