@@ -40,12 +40,13 @@ from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import atomic_write_bytes
 from pipeline.train import context_parallel, hf_model, metrics
-from pipeline.train.data import ScoredLoader, resolve_sources
+from pipeline.train.data import ScoredLoader
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.lora import LoRASpec, apply_lora, resolve_targets
 from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.sources import TokenizerMismatchError, resolve_sources
 from pipeline.train.xtok_loss import fused_xtok_loss, gold_weights
 
 
@@ -362,7 +363,6 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
     """The frozen teacher of `teacher_live` on the student's backend, with its TP split and precision: HF weights,
     eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
     output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights."""
-    from pipeline.train.data import TokenizerMismatchError
     from pipeline.train.model import build_model, load_hf_weights
 
     teacher_dir = Path(cfg.teacher_live)
