@@ -47,23 +47,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipeline.train.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
+
 TEACHER_EPS = 1e-12
 # Relative floor for the student tail bin: below float32's smallest normal the complement has underflowed anyway.
 _LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
 DEFAULT_CHUNK = 256
-
-
-def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    # None means "no tensor parallelism", not the default (world) group: the trainer always passes its TP group.
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _all_reduce(t: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 class _TopkAndTailLSE(torch.autograd.Function):
@@ -78,10 +67,10 @@ class _TopkAndTailLSE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, rows, ids, tau, group, chunk_size, with_tail, vocab_size, valid=None):
-        rank, _ = _tp(group)
+        rank, _ = tp_rank_world(group)
         v_local = logits.shape[-1]
         # Columns at or past the real vocab (Megatron pads it to a multiple of TP) are skipped, not copied and masked.
-        n_valid = v_local if vocab_size is None else min(max(vocab_size - rank * v_local, 0), v_local)
+        n_valid = valid_columns(vocab_size, rank, v_local)
         cdtype = torch.promote_types(logits.dtype, torch.float32)
         local = ids - rank * v_local
         inrange = (local >= 0) & (local < v_local)
@@ -90,7 +79,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
         idx = local.clamp(0, v_local - 1)
         # Ids owned by another rank read a clamped local entry that is zeroed before the SUM all-reduce.
         zk = logits[rows.unsqueeze(-1), idx].to(cdtype) * inrange
-        _all_reduce(zk, dist.ReduceOp.SUM, group)
+        all_reduce(zk, group)
         lse_tail = torch.empty(0, dtype=cdtype, device=logits.device)
         if with_tail:
             # amin-scatter -inf onto owned ids, +inf (a no-op) onto clamped foreign ones: commutative, so a foreign
@@ -109,12 +98,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
                     x.div_(tau)
                 x.scatter_reduce_(1, idx[s:e], fill[s:e], "amin")
                 lse_local[s:e] = m.squeeze(-1) / tau + x.exp_().sum(-1).log()
-            lse_tail = lse_local
-            if group is not None and dist.get_world_size(group) > 1:
-                m = _all_reduce(lse_local.clone(), dist.ReduceOp.MAX, group)
-                m = torch.where(torch.isfinite(m), m, 0.0)  # all shards' complements empty: keep -inf, not NaN
-                ssum = _all_reduce((lse_local - m).exp(), dist.ReduceOp.SUM, group)
-                lse_tail = m + ssum.log()
+            lse_tail = global_lse(lse_local, group)  # all shards' complements empty: -inf, not NaN
         ctx.save_for_backward(logits, rows, idx, inrange, lse_tail)
         ctx.tau, ctx.chunk_size, ctx.with_tail, ctx.n_valid = tau, chunk_size, with_tail, n_valid
         return zk, lse_tail
