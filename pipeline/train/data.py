@@ -69,6 +69,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.config import ConfigError
 from pipeline.errors import InputError
 from pipeline.store.cache import Descriptor, cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
@@ -96,6 +97,18 @@ class _Shard:
     fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
     nbytes: int | None = None  # the cache index's size of the file (checked when it is opened), None: footer-read
     sha256: str | None = None  # the cache index's checksum (verify_checksums: checked when this rank first reads it)
+
+
+def batch_split_problem(global_batch_size: int, micro_batch_size: int, dp: int, why: str = "") -> str | None:
+    """What is wrong with splitting a step's `global_batch_size` rows into micro-batches of `micro_batch_size` rows
+    over `dp` data-parallel ranks (None: it divides); `why` says where dp came from. The one check: the trainer's
+    config validation, its process groups and the loader ask it."""
+    rows = micro_batch_size * dp
+    if global_batch_size % rows == 0:
+        return None
+    return (f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} x "
+            f"data-parallel size {dp}{why} = {rows}; set global_batch_size to a multiple of {rows}, "
+            f"e.g. {max(rows, global_batch_size // rows * rows)}")
 
 
 class ScoredLoader:
@@ -130,9 +143,8 @@ class ScoredLoader:
         # Packed: one plan per optimizer step (global_batch_size rows), cut into micro-batches of B rows, so the
         # samples of a step do not depend on how it is split across accumulation steps and data-parallel ranks.
         self.G = rows_per_step or micro_batch_size * dp_size
-        if self.G % (micro_batch_size * dp_size):
-            raise ValueError(f"rows_per_step {self.G} is not a multiple of micro_batch_size * dp = "
-                             f"{micro_batch_size * dp_size}")
+        if problem := batch_split_problem(self.G, micro_batch_size, dp_size):
+            raise ConfigError(problem)
         self.vocab_size = vocab_size
         self.actual = actual  # also decode the actual token's teacher logprob (MicroBatch.teacher_actual: loss=opd)
         # live_k: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.loss import TEACHER_EPS, divergence, student_bins, teacher_bins
+from pipeline.train.loss import TEACHER_EPS, divergence, loss_arg_problems, student_bins, teacher_bins
 from pipeline.train.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
 
 # The [chunk, V_local] float32 buffer is about this big; at V = 151,936 that is 441 rows. One exists at a time (two
@@ -234,12 +234,8 @@ def fused_gkd_loss(
     :func:`pipeline.train.loss.opd_loss` on ``labels`` with ``teacher_actual``, weighted by ``opd_weight``; it
     reads log s(y) from the same full logsumexp as SFT's CE. k = 0 (no teacher entries): OPD/SFT rows only.
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if mode not in ("tail", "renorm"):
-        raise ValueError(f"mode must be 'tail' or 'renorm', got {mode!r}")
+    if problems := loss_arg_problems(beta, temperature, mode):
+        raise ValueError("; ".join(problems))
     h = hidden.reshape(-1, hidden.shape[-1])
     k = teacher_ids.shape[-1]
     kd_flat = mask.reshape(-1)

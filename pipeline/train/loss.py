@@ -200,6 +200,22 @@ def divergence(a: Tensor, b: Tensor, beta: float, valid: Tensor | None = None, m
     return terms.sum(-1)
 
 
+MODES = ("tail", "renorm")  # topk_mode: the k+1 bins with the stored tail, or the top-k renormalised
+
+
+def loss_arg_problems(beta: float, temperature: float, mode: str, mode_key: str = "mode") -> list[str]:
+    """What is wrong with the loss's β, τ and mode (the one check: the losses raise it, the trainer's config
+    validation lists it under its own key names)."""
+    p = []
+    if not 0.0 <= beta <= 1.0:
+        p.append(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        p.append(f"temperature must be > 0, got {temperature}")
+    if mode not in MODES:
+        p.append(f"{mode_key} must be 'tail' or 'renorm', got {mode!r}")
+    return p
+
+
 def gkd_loss(
     logits: Tensor,
     teacher_ids: Tensor,
@@ -227,12 +243,8 @@ def gkd_loss(
     TP) are left out of the student's distribution and get zero gradient, without a masked copy of the logits.
     This is the reference the fused output-layer loss (``fused_loss.fused_gkd_loss``) is tested against.
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if mode not in ("tail", "renorm"):
-        raise ValueError(f"mode must be 'tail' or 'renorm', got {mode!r}")
+    if problems := loss_arg_problems(beta, temperature, mode):
+        raise ValueError("; ".join(problems))
     logits = logits.reshape(-1, logits.shape[-1])
     k = teacher_ids.shape[-1]
     rows = mask.reshape(-1).nonzero().squeeze(-1)

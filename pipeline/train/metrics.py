@@ -87,6 +87,19 @@ def step_row(cfg: TrainConfig, step: int, sums: dict[str, Tensor], counts: Tenso
     return row
 
 
+def open_sinks(log_dir: Path, step: int, train_steps: int, progress: bool) -> tuple:
+    """Rank 0's (TensorBoard writer, metrics.jsonl opened to append, progress bar) from `step` on (TensorBoard
+    purges the events of later steps, a resumed run redoes them)."""
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    writer = SummaryWriter(str(log_dir / "tb"), purge_step=step)
+    metrics_file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - the caller closes it (its finally)
+    bar = tqdm(total=train_steps, initial=step, disable=not progress, desc="train", dynamic_ncols=True)
+    return writer, metrics_file, bar
+
+
 # The row's entries drawn in TensorBoard (besides every per-teacher one)
 SCALARS = ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens", "padding_fraction", "samples",
            "truncated", "folded_positions", "opd_kl")

@@ -40,12 +40,12 @@ from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import atomic_write_bytes
 from pipeline.train import context_parallel, hf_model, metrics
-from pipeline.train.data import ScoredLoader
+from pipeline.train.data import ScoredLoader, batch_split_problem
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.lora import LoRASpec, apply_lora, resolve_targets
-from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.loss import gkd_loss, loss_arg_problems, opd_loss, vocab_parallel_ce
 from pipeline.train.sources import TokenizerMismatchError, resolve_sources
 from pipeline.train.xtok_loss import fused_xtok_loss, gold_weights
 
@@ -155,13 +155,9 @@ class TrainConfig:
                      f"{world} processes (WORLD_SIZE); launch a multiple of {tp * cp} processes or change "
                      "context_parallel_size")
         dp = max(1, world // (tp * cp))
-        rows = max(1, self.micro_batch_size) * dp
-        if self.global_batch_size % rows:
-            p.append(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                     f"{self.micro_batch_size} x data-parallel size {dp} (WORLD_SIZE {world} / "
-                     f"tensor_model_parallel_size {tp}{f' / context_parallel_size {cp}' if cp > 1 else ''}) = {rows}; "
-                     f"set global_batch_size to a multiple of {rows}, "
-                     f"e.g. {max(rows, self.global_batch_size // rows * rows)}")
+        why = f" (WORLD_SIZE {world} / tensor_model_parallel_size {tp}{f' / context_parallel_size {cp}' if cp > 1 else ''})"
+        if problem := batch_split_problem(self.global_batch_size, max(1, self.micro_batch_size), dp, why):
+            p.append(problem)
         if cp > 1 and self.seq_length % (2 * cp):
             up = -(-self.seq_length // (2 * cp)) * 2 * cp
             p.append(f"seq_length {self.seq_length} is not a multiple of 2 x context_parallel_size = {2 * cp} (each "
@@ -171,12 +167,7 @@ class TrainConfig:
             p.append(f"context_parallel_size={cp} needs attention=sdpa (its keys and values are gathered over the "
                      "context-parallel ranks); Megatron's attention=local has context parallelism only through "
                      "Transformer Engine. Set attention=sdpa, or context_parallel_size=1")
-        if not 0.0 <= self.beta <= 1.0:
-            p.append("beta must be in [0, 1]")
-        if self.temperature <= 0:
-            p.append("temperature must be > 0")
-        if self.topk_mode not in ("tail", "renorm"):
-            p.append("topk_mode must be tail or renorm")
+        p += loss_arg_problems(self.beta, self.temperature, self.topk_mode, mode_key="topk_mode")
         if self.loss not in ("gkd", "opd", "uld", "gold"):
             p.append(f"loss must be gkd, opd, uld or gold, got {self.loss!r}")
         if self.loss in ("uld", "gold"):
@@ -729,8 +720,8 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
 
     rank = dist.get_rank()
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
-        raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * dp")
+    if problem := batch_split_problem(cfg.global_batch_size, cfg.micro_batch_size, dp):
+        raise ConfigError(problem)
     accum = cfg.global_batch_size // (cfg.micro_batch_size * dp)
     hf_dir = student_dir(cfg)
 
@@ -752,15 +743,8 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
         xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in ("uld", "gold") else None,
     )
 
-    step, position = 0, 0
     save_dir = Path(cfg.save_dir)
-    resume = checkpoint.latest(save_dir)
-    if resume is not None:
-        meta = checkpoint.load(resume, model, optimizer)
-        if cfg.data_position is None and meta["data_fingerprint"] != loader.fingerprint:
-            raise data_changed(resume, meta, loader)
-        step, position = meta["step"], meta["data_position"]
-        scheduler.load_state_dict(meta["scheduler"])
+    step, position = _resume(cfg, save_dir, loader, model, optimizer, scheduler)
     if rank == 0:  # also with no checkpoint yet: a run killed before its first save left lines of steps it redoes
         keep_metrics_until(Path(cfg.log_dir or cfg.save_dir) / "metrics.jsonl", step)
     if cfg.data_position is not None:
@@ -768,13 +752,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
     log_dir = Path(cfg.log_dir or cfg.save_dir)
     writer = metrics_file = bar = None
     if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
-
-        log_dir.mkdir(parents=True, exist_ok=True)
-        writer = SummaryWriter(str(log_dir / "tb"), purge_step=step)
-        metrics_file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finally
-        bar = tqdm(total=cfg.train_steps, initial=step, disable=not cfg.progress, desc="train", dynamic_ncols=True)
+        writer, metrics_file, bar = metrics.open_sinks(log_dir, step, cfg.train_steps, cfg.progress)
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
               f"{', LoRA ' + str(model.lora_spec.to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
@@ -823,6 +801,21 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
             if closable is not None:
                 closable.close()
     return last
+
+
+def _resume(cfg: TrainConfig, save_dir: Path, loader, model, optimizer, scheduler) -> tuple[int, int]:
+    """(step, data position) to continue from: the latest checkpoint of `save_dir` loaded into the model, the
+    optimizer and the scheduler (its data set checked against the loader's), else (0, 0)."""
+    from pipeline.train import checkpoint
+
+    resume = checkpoint.latest(save_dir)
+    if resume is None:
+        return 0, 0
+    meta = checkpoint.load(resume, model, optimizer)
+    if cfg.data_position is None and meta["data_fingerprint"] != loader.fingerprint:
+        raise data_changed(resume, meta, loader)
+    scheduler.load_state_dict(meta["scheduler"])
+    return meta["step"], meta["data_position"]
 
 
 def data_changed(resume: Path, meta: dict, loader) -> Exception:
