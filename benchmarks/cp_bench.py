@@ -50,9 +50,9 @@ def worker(student: str, cache: str, out: str, cp: int, steps: int) -> None:
     import torch.distributed as dist
 
     from pipeline.train.data import ScoredLoader
+    from pipeline.train.metrics import KD_SUM
     from pipeline.train.parallel import destroy_distributed, init_distributed
-    from pipeline.train.run import TrainConfig, setup_model_and_optimizer
-    from pipeline.train.trainer import train_step
+    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
 
     cfg = TrainConfig(student=student, cache=[cache], backend="megatron", micro_batch_size=1, global_batch_size=1,
                       seq_length=TOKENS, context_parallel_size=cp, train_steps=steps + 1, warmup_steps=0,
@@ -70,7 +70,7 @@ def worker(student: str, cache: str, out: str, cp: int, steps: int) -> None:
         t0 = time.perf_counter()
         _, reports, _, _ = train_step(cfg, ddp, optimizer, scheduler, [micro[i]], model.hf_vocab_size)
         times.append(time.perf_counter() - t0)
-        losses.append(float(reports[0]["sums"][0]))
+        losses.append(float(reports[0][KD_SUM]))
         if i == 0:
             peak = _status("VmHWM")
     row = torch.tensor([peak - before, peak, before, *times, *losses], dtype=torch.float64)

@@ -92,6 +92,7 @@ def _child(student: str, cache: str, tokens: int, fused: bool, steps: int, bf16:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from pipeline.train.data import ScoredLoader
+    from pipeline.train.metrics import KD_SUM
     from pipeline.train.parallel import destroy_distributed, init_distributed
     from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
 
@@ -105,7 +106,7 @@ def _child(student: str, cache: str, tokens: int, fused: bool, steps: int, bf16:
         loader = ScoredLoader([cache], micro_batch_size=1, seq_length=tokens, seed=0)
         batches = loader.iter_from(0, prefetch=0)
         schedule = get_forward_backward_func()
-        times = []
+        times, losses = [], []
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         for i in range(steps + 1):  # the first step warms up kernels and allocator: not timed
@@ -116,15 +117,18 @@ def _child(student: str, cache: str, tokens: int, fused: bool, steps: int, bf16:
             t0 = time.perf_counter()
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            schedule(forward_step_func=partial(forward_step, counts, cfg, model.hf_vocab_size),
-                     data_iterator=iter([mb]), model=ddp, num_microbatches=1, seq_length=tokens, micro_batch_size=1)
+            (report,) = schedule(forward_step_func=partial(forward_step, counts, cfg, model.hf_vocab_size),
+                                 data_iterator=iter([mb]), model=ddp, num_microbatches=1, seq_length=tokens,
+                                 micro_batch_size=1)
             optimizer.step()
             if cuda:
                 torch.cuda.synchronize()
             if i:
                 times.append(time.perf_counter() - t0)
+            losses.append(float(report[KD_SUM]) / counts[0])  # read after the clock: not part of the step
         step_s = sorted(times)[len(times) // 2]
-        return {"step_s": step_s, "tokens_per_s": tokens / step_s,
+        # losses: each step's KD loss per token (the fused and unfused variants see the same weights and rows)
+        return {"step_s": step_s, "tokens_per_s": tokens / step_s, "losses": losses,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     finally:
         destroy_distributed()

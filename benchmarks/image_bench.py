@@ -49,7 +49,7 @@ def run(work: Path) -> dict:
     from tiny_models import build_qwen2_vl
     from transformers import AutoConfig
 
-    from pipeline.generate.importer import main as gkd_import
+    from pipeline.generate.import_run import main as gkd_import
     from pipeline.score.scorer import ScoreConfig, engine_length, open_teacher_engine, score
     from pipeline.store import TeacherCache
     from pipeline.store import images as image_store

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +32,6 @@ import pyarrow.parquet as pq
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
 from pipeline.score.scorer import ScoreConfig, extract, score, token_batches
-from pipeline.score.served import LocalServer
 from pipeline.store import Descriptor, TeacherCache, codec
 from pipeline.store.fingerprint import content_key, tokenizer_fingerprint
 from pipeline.store.rollouts import iter_rollouts, rollout_row, rollout_shards, write_rollouts
@@ -330,9 +330,11 @@ def served_run(work: Path | None = None, prose_tokens: int = 6_000, rounds: int 
     --teacher-api-key-env names), in its own process group, its log in `work`; requests go through the openai
     client (pipeline/score/served.py). The in-process engine stays open beside it (idle while the server scores,
     and the server idle while it does)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' server harness
     import secrets
 
     from transformers import AutoTokenizer
+    from vllm_server import LocalServer
 
     teacher = teacher_dir()
     tok = AutoTokenizer.from_pretrained(teacher)

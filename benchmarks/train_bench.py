@@ -18,7 +18,8 @@ import functools
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -192,16 +193,47 @@ def padding(cache: Path, micro_batch_size: int, seq_length: int) -> dict:
     return out
 
 
+def loader_throughput(sources: Sequence[str | Path], *, micro_batch_size: int = 8, seq_length: int = 512,
+              epochs: int = 5, seed: int = 0, packing: bool = False) -> dict:
+    """Loader throughput on one core (no prefetch thread): scored shards -> micro-batch tensors, `epochs` epochs
+    with the decoded-block LRU emptied before each, so every row is read and decoded every epoch (a small cache
+    fits in the LRU, and repeated epochs would otherwise measure batch assembly only). Opening the shards and
+    building the sample order are not timed; packing plans are. `tokens_per_s` is per CPU-second of the process
+    (all its threads: what one core does, whatever else the machine runs); `wall_tokens_per_s` by the clock."""
+    from pipeline.train.data import ScoredLoader
+
+    loader = ScoredLoader(sources, micro_batch_size=micro_batch_size, seq_length=seq_length, seed=seed,
+                          packing=packing)
+    batches = loader.iter_from(0, prefetch=0)
+    loader.micro_batch(0)  # the decode kernel's one-off compile (or load from numba's disk cache): not timed
+    tokens = scored = positions = 0
+    cpu = wall = 0.0
+    for e in range(epochs):
+        loader._blocks.clear()
+        c0, w0 = time.process_time(), time.perf_counter()
+        while True:
+            mb = next(batches)
+            tokens += mb.tokens
+            positions += mb.positions
+            scored += int(mb.loss_mask.sum())
+            if mb.end >= (e + 1) * loader.num_samples:
+                break
+        cpu += time.process_time() - c0
+        wall += time.perf_counter() - w0
+    return {"k": loader.k, "tokens_per_s": tokens / cpu, "scored_tokens_per_s": scored / cpu,
+            "wall_tokens_per_s": tokens / wall, "cpu_seconds": cpu, "wall_seconds": wall, "epochs": epochs,
+            "samples": loader.num_samples, "packing": packing, "padding_fraction": 1 - tokens / positions,
+            "micro_batch_size": micro_batch_size, "seq_length": seq_length}
+
+
 def _loader(cache: str | Path, micro_batch_size: int, seq_length: int, rounds: int) -> dict:
     """Loader throughput, padded and packed, in interleaved rounds: per layout the round with the median tokens/s
     (with every round's figure under "rounds"). One measurement right after the score bench read 0.84M where the
     same call gave 0.96M and then 1.22-1.29M a minute later: the machine's speed drifts, a median of rounds less."""
-    from pipeline.train.data import benchmark
-
     runs: dict[str, list[dict]] = {"padded": [], "packed": []}
     for _ in range(rounds):
         for name, out in runs.items():
-            out.append(benchmark([cache], micro_batch_size=micro_batch_size, seq_length=seq_length,
+            out.append(loader_throughput([cache], micro_batch_size=micro_batch_size, seq_length=seq_length,
                                  packing=name == "packed"))
     result = {}
     for name, out in runs.items():

@@ -40,13 +40,13 @@ def _register_available() -> None:
     for command, module, text in (
         ("score", "pipeline.score.run", "score rollouts with a vLLM teacher into a cache"),
         ("generate", "pipeline.generate.run", "sample student rollouts with vLLM"),
-        ("import", "pipeline.generate.importer", "turn dataset responses into off-policy rollouts"),
+        ("import", "pipeline.generate.import_run", "turn dataset responses into off-policy rollouts"),
         ("train", "pipeline.train.run", "train a Megatron-Core student on a teacher cache"),
-        ("export", "pipeline.train.export", "export a trained student to a Hugging Face folder"),
+        ("export", "pipeline.train.export_run", "export a trained student to a Hugging Face folder"),
         ("onpolicy", "pipeline.onpolicy.run", "alternate generate -> score -> train"),
         ("slurm", "pipeline.slurm.cli", "submit stages as Slurm jobs"),
         ("ray", "pipeline.ray.cli", "run stages as Ray tasks on a Ray cluster"),
-        ("demo", "pipeline.demo", "the whole pipeline on the embedded default, with a report"),
+        ("demo", "pipeline.demo_run", "the whole pipeline on the embedded default, with a report"),
     ):
         if importlib.util.find_spec(module) is not None:
             STAGES[command] = (module, text)

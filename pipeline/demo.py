@@ -1,7 +1,7 @@
 """`make demo`: the whole offline pipeline on a real pretrained teacher, on a CPU, with a report and a picture.
 
-    python -m pipeline.demo                 # = make demo (SmolLM2-135M-Instruct teacher, 6-layer student)
-    python -m pipeline.demo --quick         # a reduced run (fewer prompts and steps)
+    gkd demo                 # = make demo (SmolLM2-135M-Instruct teacher, 6-layer student)
+    gkd demo --quick         # a reduced run (fewer prompts and steps)
 
 Like the on-policy driver this is orchestration above the stages, so it calls their public functions:
   1. import reference answers of seeded reasoning-gym problems as dataset rollouts   (gkd import)
@@ -12,12 +12,12 @@ Like the on-policy driver this is orchestration above the stages, so it calls th
   5. train student B (another seed) from the same cache: the score stage has nothing left to do
   6. write report.json and report.png in the output folder
 Training runs in subprocesses (`python -m pipeline train`), exactly as a user would run it. A rerun reuses the
-rollouts and caches (steps 1-3 find their outputs complete) and trains the students afresh.
+rollouts and caches (steps 1-3 find their outputs complete) and trains the students afresh. The entry (`gkd demo`,
+`python -m pipeline.demo_run`) is pipeline/demo_run.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -52,9 +52,8 @@ class DemoConfig:
     samples_per_prompt: int = 2
     max_tokens: int = 64
     topk: int = 64
-    # 100 steps of 2 packed rows of 256 tokens (about 5 samples a step, 2 epochs) at lr 1e-3: measured on the
-    # demo's caches against 40 steps of 4 rows at 3e-4 / 6e-4 / 1e-3 / 2e-3 and 60 of 4 rows, 80 of 2 rows at 1e-3
-    # (held-out KL 4.28 -> 0.83, 0.76, 0.74, 0.79, 0.67, 0.67; this: 0.62), for about the old 40 steps' time.
+    # 100 steps of 2 packed rows of 256 tokens (about 5 samples a step, 2 epochs) at lr 1e-3: the best held-out KL
+    # of the schedules tried for about the same time (docs/tuning.md)
     steps: int = 100
     eval_every: int = 25
     second_run_steps: int = 20
@@ -351,33 +350,3 @@ def plot(report: dict, metrics_a: list[dict], metrics_b: list[dict], path: Path)
         ax[2].text(secs[k], i, f" {secs[k]:.0f}s", va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gkd demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a reduced run")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = DemoConfig(**(QUICK if args.quick else {}))
-    if args.out:
-        cfg.out = args.out
-    t = time.perf_counter()
-    r = run(cfg)
-    print(f"\n[demo] held-out KL(teacher‖student): {r['heldout_kl_before']:.3f} → {r['heldout_kl_after']:.3f} nats "
-          f"({100 * (r['kl_reduction'] or 0):.0f} % lower); NLL of teacher answers "
-          f"{r['heldout_nll_teacher_answers_before']:.3f} → {r['heldout_nll_teacher_answers_after']:.3f}")
-    print(f"[demo] cache: {r['cache']['samples']} samples, {r['cache']['scored_tokens']} scored tokens, "
-          f"{r['cache_bytes_per_token']} B/token; second student run: {r['teacher_forwards_second_run']} teacher forwards")
-    be = r["break_even"]
-    print(f"[demo] top-1 agreement with the teacher: {100 * r['top1_agreement_before']:.1f} % → "
-          f"{100 * r['top1_agreement_after']:.1f} %; {r['task_accuracy']['note']}")
-    print(f"[demo] break-even: {be['student_runs_to_break_even']} student runs (teacher pass {be['teacher_pass_seconds']} s; "
-          f"a step {be['live_teacher_step_seconds']} s with a live teacher vs {be['cached_step_seconds']} s from the "
-          f"cache); stage seconds {r['seconds']}")
-    print(f"[demo] total {time.perf_counter() - t:.0f} s. Report: {Path(cfg.out) / 'report.json'}, picture: "
-          f"{Path(cfg.out) / 'report.png'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

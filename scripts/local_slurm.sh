@@ -9,4 +9,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-exec "$PY" -m pipeline.slurm.local "${1:-status}" "${2:-runs/slurm-local}"
+exec "$PY" -m pipeline.slurm.local_run "${1:-status}" "${2:-runs/slurm-local}"

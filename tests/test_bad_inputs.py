@@ -580,7 +580,7 @@ def test_a_served_vlm_teacher_without_the_token_endpoint_or_with_another_process
     answer, naming the sample and both expansions, nothing stored."""
     import shutil
 
-    from pipeline.score.served import LocalServer
+    from vllm_server import LocalServer
 
     work = tmp_path_factory.mktemp("served-vlm-refusals")
     other = work / "teacher"

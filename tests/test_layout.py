@@ -1,6 +1,7 @@
 """The package's layering, checked on the source with `ast` (torchtune keeps the same rule with a test): a library
-module never imports an entry module. Entries (`*/run.py`, `cli.py`, `__main__.py`) parse arguments and print;
-everything they do lives in a library the on-policy driver, the demo and the tests call too.
+module never imports an entry module. Entries (`*/run.py`, `*_run.py`, `cli.py`, `__main__.py`: any module that
+defines a `main`) parse arguments and print; everything they do lives in a library the on-policy driver, the demo,
+the benchmarks and the tests call too.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def defines_main(path: Path) -> bool:
+    """A module-level `def main` (the command's function) makes a module an entry, whatever its name."""
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "main"
+               for n in ast.parse(path.read_text(), str(path)).body)
+
+
 def entry_modules() -> set[str]:
-    return {module_name(p) for p in PACKAGE.rglob("*.py") if p.name in ENTRY_NAMES}
+    return {module_name(p) for p in PACKAGE.rglob("*.py") if p.name in ENTRY_NAMES or defines_main(p)}
 
 
 def imported(path: Path, *, top_level: bool = False) -> set[str]:
@@ -54,7 +61,11 @@ def imported(path: Path, *, top_level: bool = False) -> set[str]:
 def test_entries_are_where_the_rule_says():
     entries = entry_modules()
     assert {"pipeline.cli", "pipeline.__main__", "pipeline.generate.run", "pipeline.train.run",
-            "pipeline.onpolicy.run", "pipeline.slurm.cli"} <= entries
+            "pipeline.onpolicy.run", "pipeline.slurm.cli", "pipeline.generate.import_run", "pipeline.train.export_run",
+            "pipeline.demo_run", "pipeline.slurm.local_run"} <= entries
+    # every entry is named as one, so a reader knows it from the file name
+    named = {m for m in entries if m.rpartition(".")[2] in ("run", "cli", "__main__") or m.endswith("_run")}
+    assert entries == named, f"entries not named *run.py / cli.py: {sorted(entries - named)}"
     assert ALLOWED_ENTRIES <= entries  # an allowance for a module that is no longer an entry is stale: drop it
 
 
@@ -62,7 +73,7 @@ def test_no_library_module_imports_an_entry_module():
     forbidden = entry_modules() - ALLOWED_ENTRIES
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name in ENTRY_NAMES:
+        if module_name(path) in forbidden:
             continue
         bad += [f"{path.relative_to(PACKAGE.parent)} imports {m}" for m in sorted(imported(path) & forbidden)]
     assert not bad, "library modules importing entry modules:\n" + "\n".join(bad)

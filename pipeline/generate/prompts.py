@@ -16,10 +16,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs
 
 from pipeline.errors import UserError
-from pipeline.store.images import collapse, image_hash
+from pipeline.store.images import collapse, image_hash, image_token_id
 from pipeline.store.images import put as put_image
 
 RG_PREFIX = "reasoning-gym:"
@@ -282,3 +283,16 @@ def response_ids(tokenizer, messages: Sequence[dict], response: str, prompt: Seq
     if eos is not None and eos in completion:
         completion = completion[: len(completion) - completion[::-1].index(eos)]
     return completion
+
+
+def vision_processor(model_dir: str | Path, refusal: UserError) -> Any:
+    """The processor of a vision-language model folder (what expands an image into its placeholder tokens);
+    `refusal`, the caller's message naming its own option, is raised for a text-only model (a config.json without
+    vision_config / image_token_id, or none)."""
+    from transformers import AutoProcessor
+
+    config_path = Path(model_dir) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    if image_token_id(config) is None:
+        raise refusal
+    return AutoProcessor.from_pretrained(str(model_dir))

@@ -7,7 +7,7 @@
     gkd generate --prompts data.jsonl --out DIR --num-shards 8 --status    # which tasks are missing (exit 1 if any)
 
 The stage itself (sampling, the task's rules, the shard) is pipeline/generate/sampler.py; this module parses the
-arguments and prints. The names below are re-exported for callers of the former module layout.
+arguments and prints.
 """
 
 from __future__ import annotations
@@ -18,19 +18,11 @@ from pathlib import Path
 
 from pipeline.config import load_config, parse_overrides
 from pipeline.errors import command
-from pipeline.generate.sampler import (  # noqa: F401 - re-exported
-    CHUNK,
-    LORA_RANKS,
+from pipeline.generate.sampler import (
     GenerateConfig,
-    Result,
-    check_tokenizer,
-    generate,
     missing_tasks,
     output_path,
-    request_seed,
     run_generate,
-    run_task,
-    task_prompts,
 )
 from pipeline.slurm.arrays import array_spec, task_index
 

@@ -26,7 +26,15 @@ from tqdm import tqdm
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
 from pipeline.engine import EngineArgs, engine_version, on_cpu, open_engine
-from pipeline.generate.prompts import Prompt, PromptError, image_prompt_ids, load_prompts, prompt_ids, store_images
+from pipeline.generate.prompts import (
+    Prompt,
+    PromptError,
+    image_prompt_ids,
+    load_prompts,
+    prompt_ids,
+    store_images,
+    vision_processor,
+)
 from pipeline.store import images as image_store
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, rollout_row, shard_lock, shard_path, write_rollouts
@@ -104,7 +112,11 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
     todo: list[tuple[Prompt, list[int]]] = []
     skipped: Counter[str] = Counter()
     pixels: dict[str, list] = {}  # prompt id -> its decoded images
-    processor = vision_processor(cfg) if any(p.images for p in prompts) else None
+    processor = None
+    if any(p.images for p in prompts):  # the student's processor; a text-only student is refused, naming the field
+        processor = vision_processor(cfg.student, ConfigError(
+            f"image_field={cfg.image_field}: {cfg.student} is a text-only model (its config.json has no "
+            "vision_config); sample image prompts with a vision-language student"))
     token = processor and image_store.image_token_id(json.loads((Path(cfg.student) / "config.json").read_text()))
     for p in prompts:
         ids = [] if p.empty else prompt_ids(tokenizer, p.messages)
@@ -178,17 +190,6 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
         "seconds": round(seconds, 2), "tok_s": round(tokens / max(seconds, 1e-9), 1), "finish": dict(finish),
     }
     return Result(rows, texts, stats)
-
-
-def vision_processor(cfg: GenerateConfig) -> Any:
-    """The student's processor, for prompts with images (a text-only student is refused, naming the field)."""
-    from transformers import AutoProcessor
-
-    config = json.loads((Path(cfg.student) / "config.json").read_text())
-    if image_store.image_token_id(config) is None:
-        raise ConfigError(f"image_field={cfg.image_field}: {cfg.student} is a text-only model (its config.json has no "
-                          "vision_config); sample image prompts with a vision-language student")
-    return AutoProcessor.from_pretrained(cfg.student)
 
 
 def task_prompts(cfg: GenerateConfig, shard: int) -> list[Prompt]:

@@ -9,8 +9,7 @@
     gkd score ... --teacher-url http://HOST:PORT/v1 --teacher-model NAME --teacher TOKENIZER_DIR   # a served teacher
 
 The stage itself (ScoreConfig, score(), the scoring loop) lives in pipeline/score/scorer.py; this file is its
-command line only. The names below are re-exported so `from pipeline.score.run import score, ScoreConfig` keeps
-working.
+command line only.
 """
 
 from __future__ import annotations
@@ -21,20 +20,10 @@ from pathlib import Path
 
 from pipeline.config import load_config, parse_overrides
 from pipeline.errors import command
-from pipeline.score.scorer import (  # noqa: F401 - re-exported for `from pipeline.score.run import ...`
-    DTYPES,
+from pipeline.score.scorer import (
     ScoreConfig,
-    ScoreInputError,
-    TeacherOutputError,
-    check_finite,
-    extract,
-    resolve_teacher,
-    rollouts_tag,
     score,
     status,
-    task_done,
-    task_name,
-    token_batches,
 )
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"

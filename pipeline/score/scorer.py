@@ -50,12 +50,19 @@ from pipeline.store.fingerprint import (
     FINGERPRINT_SCHEME,
     adapter_fingerprint,
     check_tokenizer_files,
-    content_key,
     teacher_fingerprint,
     tokenizer_fingerprint,
 )
 from pipeline.store.locks import FileLock
-from pipeline.store.rollouts import assign_shard, iter_rollouts, rollout_shards, rollout_tokenizer
+from pipeline.store.model_config import vocab_size as model_vocab_size
+from pipeline.store.rollouts import (
+    assign_shard,
+    first_scored,
+    iter_rollouts,
+    rollout_key,
+    rollout_shards,
+    rollout_tokenizer,
+)
 from pipeline.store.schema import check_arrow_schema, load_schema
 from pipeline.store.shards import ShardError, WriteError, atomic_write_bytes, read_marker, verify_shard
 
@@ -344,12 +351,15 @@ def select_rows(
             counts["other_tags"] = counts.get("other_tags", 0) + 1  # another teacher's (or no teacher's) rows
             continue
         ids = np.asarray(r["prompt_ids"] + r["completion_ids"], dtype=np.int64)
-        first = 1 if cfg.score_prompt else len(r["prompt_ids"])
+        first = first_scored(r, cfg.score_prompt)
         teacher_prompt = r.get("teacher_prompt_ids")
         if teacher_prompt is not None and (cfg.score_prompt or not teacher_prompt):
             privileged.append(r["sample_id"])
             continue
-        if len(r["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
+        # the store's rule (rollouts.rollout_key): which rows are scored, under which content key
+        key = rollout_key(r, teacher_fp, cfg.topk, cfg.logprob_mode, score_prompt=cfg.score_prompt,
+                          cross=None if cross is None else cross.key)
+        if key is None:
             counts["empty"] = counts.get("empty", 0) + 1
             continue
         if r.get("images"):
@@ -360,8 +370,6 @@ def select_rows(
         if cross is not None and (teacher_prompt is not None or r.get("images")):
             raise ScoreInputError(f"sample {r['sample_id']}: cross_tokenizer=true scores text rollouts without a "
                                   "privileged teacher prompt or images; score those with a same-tokenizer teacher")
-        key = content_key(teacher_fp, ids, first, cfg.topk, cfg.logprob_mode, teacher_prompt=teacher_prompt,
-                          images=r.get("images"), cross=None if cross is None else cross.key)
         if assign_shard(key, cfg.num_shards) != shard or key in rows:
             continue
         if cross is not None:  # the teacher's tokens of the rollout's text, its spans (store/align.py)
@@ -572,11 +580,26 @@ def score(cfg: ScoreConfig, llm=None) -> dict:
         return _score(cfg, llm, locks)
 
 
-def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
-    from tqdm import tqdm
+@dataclass
+class _Task:
+    """What `_open_task` found before any rollout is read: the teacher (folder, engine length, or a server), the
+    rollout shards, the cache it scores into."""
 
-    shard = task_index(cfg.shard, cfg.num_shards)
+    teacher: Path
+    paths: list[Path]
+    cross: CrossTokenizer | None
+    vocab_size: int
+    image_token: int | None
+    engine_len: int
+    served: Any
+    teacher_fp: str
+    cache: TeacherCache
+    t0: float  # when the task's work began (the summary's seconds)
 
+
+def _open_task(cfg: ScoreConfig, llm) -> _Task:
+    """The checks before any work, cheap ones first, then the teacher's fingerprint and the cache (created, or
+    opened and compared with this run's descriptor)."""
     problems = cfg.validate()  # also for configs built in code (the on-policy driver's), not only loaded ones
     if problems:
         raise ConfigError("; ".join(problems))
@@ -602,7 +625,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         if not (Path(cfg.teacher_adapter) / "adapter_config.json").exists():
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_config = AutoConfig.from_pretrained(teacher)
-    vocab_size = int(teacher_vocab_size(teacher_config))
+    vocab_size = model_vocab_size(teacher_config)
     if cfg.topk > vocab_size:  # before cache.json is written (it would record the k) and before any engine starts
         raise ConfigError(f"topk={cfg.topk} is above the teacher's vocabulary ({teacher}/config.json: vocab_size="
                           f"{vocab_size}); choose --topk <= {vocab_size} (a top-k beyond it holds no more tokens)")
@@ -643,8 +666,14 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
     if cross is not None:
         store_teacher_tokenizer(cache.root, tokenizer)
+    return _Task(teacher, paths, cross, vocab_size, image_token, engine_len, served, teacher_fp, cache, t0)
 
-    tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
+
+def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
+    shard = task_index(cfg.shard, cfg.num_shards)
+    task = _open_task(cfg, llm)
+    cache, cross = task.cache, task.cross
+    tag = rollouts_tag(task.paths, cfg.tags, cfg.tag_key)
     name = task_name(tag, shard, cfg.num_shards)
     locks.enter_context(task_lock(cache.root, name))  # also shows a read-only cache before any teacher work
     if task_done(cache.root, name):
@@ -652,7 +681,8 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         return {"done_before": True, "teacher_forwards": 0}
 
     counts: dict[str, int] = {}
-    rows = select_rows(cfg, paths, teacher_fp, shard, vocab_size, engine_len - 1, counts, image_token, cross)
+    rows = select_rows(cfg, task.paths, task.teacher_fp, shard, task.vocab_size, task.engine_len - 1, counts,
+                       task.image_token, cross)
     if cross is not None and cross.mismatched:  # reported per sample (on_mismatch=skip; error raised above)
         print(f"[score] {len(cross.mismatched)} rollout(s) skipped, their text does not round-trip: "
               + "; ".join(cross.mismatched[:10]) + (" ..." if len(cross.mismatched) > 10 else ""), file=sys.stderr)
@@ -660,7 +690,7 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
     todo = [r for r in rows if r["key"] not in have]
     pictured = [r for r in todo if r.get("images")]
     if pictured:  # a served teacher's server expands them too: checked again per row against its answer
-        check_image_alignment(pictured, teacher, image_token, Path(cfg.rollouts))
+        check_image_alignment(pictured, task.teacher, task.image_token, Path(cfg.rollouts))
     counts["cached"] = len(rows) - len(todo)
     prior_parts = sorted(p.name[: -len(".parquet")] for p in cache.shard_dir.glob(f"{name}-p*.parquet") if read_marker(p))
 
@@ -669,29 +699,44 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         summary["mismatched"] = cross.mismatched
     parts = list(prior_parts)
     if todo:
-        stack = contextlib.ExitStack()
-        if served is not None:
-            engine = served
-        else:
-            engine = stack.enter_context(_in_process_teacher(
-                cfg, teacher, llm, engine_len, image_token=image_token,
-                max_images=max((len(r.get("images") or ()) for r in todo), default=0)))
-        total_tokens = sum(len(r["engine_ids"]) for r in todo)
-        out = _Parts(cache, name, parts, counts, cfg, teacher if served is None else cfg.teacher_url)
-        writer = BatchWriter(out.add, cfg.write_queue)
-        with stack:
-            bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
-            t_score = time.time()
-            with writer.running():  # batch i is extracted and written while the engine scores batch i + 1
-                for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
-                    summary["teacher_forwards"] += len(batch)
-                    summary["tokens"] += sum(len(r["input_ids"]) - r["first_scored"] for r in batch)
-                    writer.put((batch, flats))
-                    bar.update(sum(len(r["engine_ids"]) for r in batch))
-            out.flush()  # the last, partial part: only when every batch was scored and handled
-            bar.close()
-            summary["score_seconds"] = time.time() - t_score
+        _score_rows(cfg, llm, task, todo, name, parts, counts, shard, summary)
         summary["scored"] = len(todo)
+    _finish_task(cfg, cache, name, shard, summary, counts, parts, prior_parts, task.t0, rows, todo)
+    return summary
+
+
+def _score_rows(cfg: ScoreConfig, llm, task: _Task, todo: list[dict], name: str, parts: list[str], counts: dict,
+                shard: int, summary: dict) -> None:
+    """Score `todo` through the task's engine (or server); the writer thread publishes its parts as it goes."""
+    from tqdm import tqdm
+
+    stack = contextlib.ExitStack()
+    if task.served is not None:
+        engine = task.served
+    else:
+        engine = stack.enter_context(_in_process_teacher(
+            cfg, task.teacher, llm, task.engine_len, image_token=task.image_token,
+            max_images=max((len(r.get("images") or ()) for r in todo), default=0)))
+    total_tokens = sum(len(r["engine_ids"]) for r in todo)
+    out = _Parts(task.cache, name, parts, counts, cfg, task.teacher if task.served is None else cfg.teacher_url)
+    writer = BatchWriter(out.add, cfg.write_queue)
+    with stack:
+        bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
+        t_score = time.time()
+        with writer.running():  # batch i is extracted and written while the engine scores batch i + 1
+            for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
+                summary["teacher_forwards"] += len(batch)
+                summary["tokens"] += sum(len(r["input_ids"]) - r["first_scored"] for r in batch)
+                writer.put((batch, flats))
+                bar.update(sum(len(r["engine_ids"]) for r in batch))
+        out.flush()  # the last, partial part: only when every batch was scored and handled
+        bar.close()
+        summary["score_seconds"] = time.time() - t_score
+
+
+def _finish_task(cfg: ScoreConfig, cache: TeacherCache, name: str, shard: int, summary: dict, counts: dict,
+                 parts: list[str], prior_parts: list[str], t0: float, rows: list[dict], todo: list[dict]) -> None:
+    """The task's marker (its summary, written last: the task is done) and its one line of report."""
     new_parts = [p for p in parts if p not in prior_parts]
     nbytes = sum((cache.shard_dir / f"{p}.parquet").stat().st_size for p in new_parts)
     summary.update(
@@ -709,7 +754,6 @@ def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
         f"teacher forwards {summary['teacher_forwards']}"
         + ("" if todo else " — no rows assigned to this task" if not rows else " — everything was already cached")
     )
-    return summary
 
 
 def cross_tokenizers(cfg: ScoreConfig, tokenizer, tok_fp: str, teacher: Path) -> CrossTokenizer:
@@ -814,14 +858,6 @@ def _in_process_teacher(cfg: ScoreConfig, teacher: Path, llm, engine_len: int, *
                                                            parent=cfg.merge_dir))
         engine = stack.enter_context(open_teacher_engine(cfg, model_dir, engine_len, max_images=max_images))
         yield InProcessTeacher(engine, cfg.topk, **vision)
-
-
-def teacher_vocab_size(teacher_config: Any) -> int:
-    """The vocabulary of a teacher's config (a vision-language model keeps it in its text_config)."""
-    size = getattr(teacher_config, "vocab_size", None)
-    if size is None and hasattr(teacher_config, "get_text_config"):
-        size = teacher_config.get_text_config().vocab_size
-    return int(size)
 
 
 def engine_length(cfg: ScoreConfig, teacher_config: Any) -> int:

@@ -3,5 +3,6 @@
     arrays.py   the array rules every stage shares: this task's index, `--array` syntax
     sbatch.py   the scripts, rendered as text from arguments (array of shard tasks; torchrun per node)
     queue.py    sbatch/squeue/scontrol, and the stage's own `--status` to find missing shards
-    local.py    a throw-away single-node Slurm for tests and laptops (python -m pipeline.slurm.local start DIR)
+    local.py    a throw-away single-node Slurm for tests and laptops (its entry local_run.py: python -m
+                pipeline.slurm.local_run start DIR)
 """

@@ -1,8 +1,8 @@
 """A throw-away single-node Slurm (munged + slurmctld + slurmd) under one directory, for tests and laptops.
 
-    python -m pipeline.slurm.local start runs/slurm-local     # prints `export SLURM_CONF=...`
-    python -m pipeline.slurm.local stop runs/slurm-local      # stops exactly the daemons started there
-    scripts/local_slurm.sh start|stop [DIR]                   # the same from a shell
+    python -m pipeline.slurm.local_run start runs/slurm-local     # prints `export SLURM_CONF=...` (local_run.py)
+    python -m pipeline.slurm.local_run stop runs/slurm-local      # stops exactly the daemons started there
+    scripts/local_slurm.sh start|stop [DIR]                       # the same from a shell
 
 Debian's packages (slurmctld slurmd slurm-client munge, 22.05) run as root without systemd or cgroups
 (proctrack/linuxproc, task/none). The settings that make it fast (docs/dependencies.md, "A local Slurm"): requeue
@@ -14,13 +14,11 @@ picked free, so several clusters can coexist on one machine. Client commands fin
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,31 +227,3 @@ def _wait(cond, timeout: float, every: float = 0.2) -> bool:
             return True
         time.sleep(every)
     return bool(cond())
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.slurm.local", description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=["install", "start", "stop", "status"])
-    ap.add_argument("root", nargs="?", default="runs/slurm-local")
-    a = ap.parse_args(argv)
-    cluster = LocalSlurm(Path(a.root).resolve())
-    try:
-        if a.action == "install":
-            print(f"installed in {ensure_installed():.1f} s")
-        elif a.action == "start":
-            cluster.start()
-            print(f"export SLURM_CONF={cluster.conf}")
-        elif a.action == "stop":
-            cluster.stop()
-        else:
-            up = cluster.running()
-            print(f"running: {', '.join(up) or 'nothing'}; node {cluster.node_state() or '-'}")
-            return 0 if up else 1
-    except SlurmUnavailable as e:
-        print(f"local slurm: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -29,19 +29,10 @@ by Parquet with zstd 9, footer included):
   sums are a segmented cumsum in numpy after the kernel's escape decode. k = 0 stores no entries at all (the
   actual token's rank and logprob, and a tail of all the mass).
 
-Measured (whole Parquet file / positions, B/token): prose 142.0 -> 134.6 (ids 94.7, values 30.6, tail 1.4, actual
-1.5), math 102.0 -> 94.8 (ids 62.3, values 23.0). The order-0 entropy of the rank-ordered
-remapped ids alone is ~91 B/token on prose (the id *set* ~54), so order-0 coders cannot reach ~80; the measured
-options left out: tie groups sorted by id (-2, slow segmented cumsum on decode), per-rank remap tables (no gain
-after their footer cost), per-previous-token id tables (-6.6, needs the actual ids at decode time).
 Decoding works on a whole record batch at once. The hot loop (escape bytes -> number -> id remap, or running sum
 -> grid value) is one numba pass per entry, branch-free or branchy by the share of escapes (codec_kernels.py;
-numpy fallback). Measured whole decode
-on SmolLM2 top-64 prose + math shards, one core, side by side: 1.1M scored positions/s with the former ~10
-whole-array numpy passes, 1.7M with the tuned numpy fallback, 2.2-2.6M with the kernel, 2.8M without the
-actual-token columns (`actual=False`, what the trainer's loader asks for). On a slower 2-core Icelake VM, prose,
-`actual=False`, side by side: 1.39M with that kernel, 1.70M after it chose branchy or branch-free escapes by
-their share and took unsigned 32-bit numbers (codec_kernels.py).
+numpy fallback). The measurements behind this layout and the decoder: docs/tuning.md; current sizes and speeds:
+BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from pipeline.store.cache import COMMIT_LOCK, COMMIT_WAIT_S, DESCRIPTOR, CacheMi
 from pipeline.store.fingerprint import _digest, teacher_fingerprint
 from pipeline.store.import_formats import OPENERS, ImportedSequence, ImportInputError, Source
 from pipeline.store.locks import FileLock
+from pipeline.store.model_config import vocab_size
 from pipeline.store.rollouts import iter_rollouts, rollout_key, rollout_shards, rollout_tokenizer
 from pipeline.store.shards import ShardError
 
@@ -176,7 +177,7 @@ def import_rows(req: ImportRequest, progress=None) -> dict:
             raise ImportInputError(f"--teacher {req.teacher}: no config.json (pass the teacher's model folder)")
         fp = teacher_fingerprint(req.teacher)
         config = json.loads((Path(req.teacher) / "config.json").read_text())
-        vocab = vocab or int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
+        vocab = vocab or vocab_size(config)
     else:
         fp = req.teacher_fingerprint or d.get("teacher_fingerprint")
     if not fp:

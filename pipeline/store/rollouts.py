@@ -51,15 +51,22 @@ def assign_shard(key: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % num_shards
 
 
+def first_scored(row: dict, score_prompt: bool = False) -> int:
+    """P, the first scored position of a rollout row's x = prompt_ids + completion_ids: its completion's first
+    token, or with `score_prompt` every position from x_1 on."""
+    return 1 if score_prompt else len(row["prompt_ids"])
+
+
 def rollout_key(row: dict, teacher_fp: str, k: int, mode: str, *, score_prompt: bool = False,
                 cross: tuple[str, str] | None = None) -> str | None:
     """The content key (`fingerprint.content_key`) the score stage gives a rollout row: its x = prompt_ids +
     completion_ids scored from P = len(prompt_ids) (1 with `score_prompt`), a privileged teacher prompt part of the
     key; None for a row the score stage skips as empty (no completion, fewer than 2 tokens, or no context before
     the first scored token, i.e. an empty prompt). `cross`: a cross-tokenizer cache's (teacher, student) tokenizer
-    fingerprints (the key stays one of the rollout's own ids)."""
+    fingerprints (the key stays one of the rollout's own ids). The score stage's row selection
+    (`score/scorer.select_rows`) calls this."""
     ids = np.asarray(row["prompt_ids"] + row["completion_ids"], dtype=np.int64)
-    first = 1 if score_prompt else len(row["prompt_ids"])
+    first = first_scored(row, score_prompt)
     if len(row["completion_ids"]) == 0 or len(ids) < 2 or first < 1:
         return None
     return content_key(teacher_fp, ids, first, k, mode, teacher_prompt=row.get("teacher_prompt_ids"),

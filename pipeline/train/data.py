@@ -51,15 +51,14 @@ entries with ids >= the student's vocab cannot be represented. They are marked `
 logprob -inf) and their mass is added to `teacher_tail` (log-add-exp in float64), so the tail mode's k+1-th bin
 holds it and the renorm mode drops it; positions with such entries are counted (`folded_positions`).
 
-    python -m pipeline.train.data CACHE_DIR [...]     # loader throughput (tokens/s, one core), padded and packed
+Where the parts live: the sources and their descriptor checks in sources.py, micro-batch layout in batch.py, the
+packing plan's first-fit in packing.py, the prefetch thread in prefetch.py; the loader's throughput is measured by
+benchmarks/train_bench.py (`loader_throughput`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -70,22 +69,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.errors import InputError, MissingInputError, UserError
-from pipeline.store.cache import DESCRIPTOR, SHARDS, Descriptor, TeacherCache, cache_root
+from pipeline.config import ConfigError
+from pipeline.errors import InputError
+from pipeline.store.cache import Descriptor, cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
-from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
 from pipeline.store.shards import ShardError, file_sha256, verify_shard
-from pipeline.train.batch import IGNORE_INDEX, Block, MicroBatch, assemble, fold_past_vocab, student_layout
+from pipeline.train.batch import Block, MicroBatch, assemble, fold_past_vocab, student_layout
 from pipeline.train.packing import pack, row_offsets
-
-__all__ = ["IGNORE_INDEX", "MicroBatch", "ScoredLoader", "TokenizerMismatchError", "benchmark"]
+from pipeline.train.prefetch import prefetched
+from pipeline.train.sources import (
+    IndexedShard,
+    check_sources,
+    resolve_rollouts,
+    resolve_sources,
+    student_lengths,
+)
 
 # what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
 _COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
-
-
-class TokenizerMismatchError(UserError, ValueError):
-    """The cache was scored with another tokenizer than the student's."""
 
 
 @dataclass
@@ -98,82 +99,16 @@ class _Shard:
     sha256: str | None = None  # the cache index's checksum (verify_checksums: checked when this rank first reads it)
 
 
-@dataclass(frozen=True)
-class _Indexed:
-    """What the cache index says of one shard (pipeline/store/index.py): the columns _build_index reads."""
-
-    keys: np.ndarray  # S32
-    num_scored: np.ndarray
-    first_scored: np.ndarray
-    row_groups: list[int]
-    nbytes: int
-    sha256: str
-
-
-def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
-                    ) -> list[tuple[Path, Descriptor]] | list[tuple[Path, Descriptor, _Indexed | None]]:
-    """Cache directories (all complete shards) or explicit shard files (descriptor from their cache root).
-    `indexed`: a directory's shards come from its index (store/index.py: one file and one listing instead of every
-    footer), each with a third element, its `_Indexed` columns (None for an explicit shard file)."""
-    out: list = []
-    for src in sources:
-        src = Path(src)
-        if not src.exists() and src.suffix != ".parquet":
-            raise MissingInputError(f"{src}: no such teacher cache (`gkd score` writes it)")
-        if src.is_dir():
-            cache = TeacherCache.open(src)
-            if indexed:
-                idx = cache.index()
-                shard_dir = src.resolve() / SHARDS  # once, not a realpath per shard
-                out += [(shard_dir / f"{n}.parquet", cache.descriptor, _Indexed(
-                    idx.keys[idx.row_starts[s]: idx.row_starts[s + 1]],
-                    idx.num_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
-                    idx.first_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
-                    idx.row_groups[s], int(idx.nbytes[s]), idx.sha256[s])) for s, n in enumerate(idx.names)]
-                if not idx.names:
-                    raise ShardError(f"{src}: teacher cache has no complete shards")
-                continue
-            shards = cache.shard_paths()
-            if not shards:
-                raise ShardError(f"{src}: teacher cache has no complete shards")
-            out += [(p, cache.descriptor) for p in shards]
-        elif src.suffix == ".parquet":
-            if not src.exists():
-                raise ShardError(f"{src}: shard file is missing")
-            out.append((src, Descriptor.read(cache_root(src) / DESCRIPTOR)) + ((None,) if indexed else ()))
-        else:
-            raise MissingInputError(f"{src}: neither a teacher cache directory nor a .parquet shard")
-    return out
-
-
-def _student_lengths(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(completion length, prompt length) of each cross-tokenizer row in the student's tokens."""
-    try:
-        t = pq.read_table(path, columns=["student_ids", "student_first"])
-    except (pa.ArrowException, OSError) as e:
-        raise ShardError(f"{path}: cannot read its cross-tokenizer columns ({e})") from e
-    first = t.column("student_first").to_numpy().astype(np.int64)
-    return pc.list_value_length(t.column("student_ids")).to_numpy().astype(np.int64) - first, first
-
-
-def _resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str | None) -> list[tuple[Path, None]]:
-    """Rollout directories (all complete shards) or shard files, for a live teacher; each must record the student's
-    tokenizer (a rollout tokenized by another one would be trained on the wrong tokens)."""
-    out: list[tuple[Path, None]] = []
-    for src in map(Path, sources):
-        if not src.exists():
-            raise MissingInputError(f"{src}: no such rollout directory or shard (`gkd generate` / `gkd import` write them)")
-        paths = rollout_shards(src) if src.is_dir() else [src]
-        if not paths:
-            raise ShardError(f"{src}: no complete rollout shards (*.parquet with a .ok marker)")
-        for p in paths:
-            recorded = rollout_tokenizer(p)
-            if tokenizer_fingerprint is not None and recorded != tokenizer_fingerprint:
-                raise TokenizerMismatchError(
-                    f"{p}: rollouts tokenized with {recorded or 'an unrecorded tokenizer'}, the student's is "
-                    f"{tokenizer_fingerprint}; regenerate them with the student's tokenizer")
-            out.append((p, None))
-    return out
+def batch_split_problem(global_batch_size: int, micro_batch_size: int, dp: int, why: str = "") -> str | None:
+    """What is wrong with splitting a step's `global_batch_size` rows into micro-batches of `micro_batch_size` rows
+    over `dp` data-parallel ranks (None: it divides); `why` says where dp came from. The one check: the trainer's
+    config validation, its process groups and the loader ask it."""
+    rows = micro_batch_size * dp
+    if global_batch_size % rows == 0:
+        return None
+    return (f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} x "
+            f"data-parallel size {dp}{why} = {rows}; set global_batch_size to a multiple of {rows}, "
+            f"e.g. {max(rows, global_batch_size // rows * rows)}")
 
 
 class ScoredLoader:
@@ -208,9 +143,8 @@ class ScoredLoader:
         # Packed: one plan per optimizer step (global_batch_size rows), cut into micro-batches of B rows, so the
         # samples of a step do not depend on how it is split across accumulation steps and data-parallel ranks.
         self.G = rows_per_step or micro_batch_size * dp_size
-        if self.G % (micro_batch_size * dp_size):
-            raise ValueError(f"rows_per_step {self.G} is not a multiple of micro_batch_size * dp = "
-                             f"{micro_batch_size * dp_size}")
+        if problem := batch_split_problem(self.G, micro_batch_size, dp_size):
+            raise ConfigError(problem)
         self.vocab_size = vocab_size
         self.actual = actual  # also decode the actual token's teacher logprob (MicroBatch.teacher_actual: loss=opd)
         # live_k: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each
@@ -226,7 +160,7 @@ class ScoredLoader:
         # A cross-tokenizer cache (store/align.py) sets these below; rollouts for a live teacher are never one.
         self.cross, self.xtok_map, self.xtok_matched, self.xtok_teacher_vocab = False, None, None, 0
         if self.live:
-            resolved = [(p, d, None) for p, d in _resolve_rollouts(sources, tokenizer_fingerprint)]
+            resolved = [(p, d, None) for p, d in resolve_rollouts(sources, tokenizer_fingerprint)]
             self.k = int(live_k)
             self.topp = self.min_k = None
             self._build_index(resolved, verify_checksums)
@@ -238,13 +172,10 @@ class ScoredLoader:
         resolved = resolve_sources(sources, indexed=indexed)
         if not indexed:
             resolved = [(p, d, None) for p, d in resolved]
-        kinds = {r[1].cross_tokenizer for r in resolved}
-        if len(kinds) != 1:
-            raise InputError("cross-tokenizer and same-tokenizer caches cannot be read together ("
-                             + ", ".join(sorted({str(cache_root(r[0])) for r in resolved})) + "): train from one kind")
+        agreed = check_sources(resolved, tokenizer_fingerprint, vocab_size)
         # A cross-tokenizer cache (store/align.py): rows in the teacher's tokens with spans, laid out in the
         # student's (batch.student_layout); `xtok_map` maps teacher ids to student ids (GOLD; None: ULD).
-        self.cross, self.xtok_map = kinds.pop(), xtok_map
+        self.cross, self.xtok_map = agreed.cross, xtok_map
         if self.cross:
             self.actual = True  # the span merge reads the later teacher tokens' actual logprobs
             self.xtok_teacher_vocab = max(r[1].vocab_size for r in resolved)
@@ -254,40 +185,7 @@ class ScoredLoader:
                 matched = np.zeros(int(vocab_size or (xtok_map.max() + 1)), bool)
                 matched[xtok_map[(xtok_map >= 0) & (xtok_map < len(matched))]] = True
                 self.xtok_matched = torch.from_numpy(matched)
-        for where, desc in {cache_root(r[0]): r[1] for r in resolved}.items():
-            if desc.cross_tokenizer:
-                if tokenizer_fingerprint is not None and desc.student_tokenizer_fingerprint != tokenizer_fingerprint:
-                    raise TokenizerMismatchError(
-                        f"{where}: cross-tokenizer cache of rollouts tokenized with {desc.student_tokenizer_fingerprint}, "
-                        f"the student's tokenizer is {tokenizer_fingerprint}; score the student's own rollouts "
-                        "(gkd score cross_tokenizer=true student_tokenizer=STUDENT)")
-                continue
-            if tokenizer_fingerprint is not None and desc.tokenizer_fingerprint != tokenizer_fingerprint:
-                raise TokenizerMismatchError(
-                    f"{where}: cache scored with tokenizer {desc.tokenizer_fingerprint}, the student's is "
-                    f"{tokenizer_fingerprint}; teacher ids would index the wrong tokens"
-                )
-            if vocab_size is not None and desc.vocab_size > vocab_size and tokenizer_fingerprint is None:
-                # Same tokenizer, more embedding rows is fine (folded below); unverified, it may be another vocab.
-                raise TokenizerMismatchError(
-                    f"{where}: cache vocab {desc.vocab_size} exceeds the student's {vocab_size} and no tokenizer "
-                    "fingerprint was given to show they share a tokenizer"
-                )
-        ks = {r[1].k for r in resolved}
-        if len(ks) != 1:
-            per_cache = {str(cache_root(r[0])): r[1].k for r in resolved}
-            raise InputError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch: "
-                             f"{', '.join(f'{c}: k={k}' for c, k in per_cache.items())}; train from caches of one k "
-                             "(score them with the same --topk)")
-        self.k = ks.pop()
-        # (rows of one content key are the same sequence in every cache: which top-p setting a row comes from
-        # would then depend on which cache is listed first)
-        tops = {(r[1].topp, r[1].min_k) for r in resolved}
-        if len(tops) != 1:
-            raise InputError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
-                             f"read together ({', '.join(sorted({str(cache_root(r[0])) for r in resolved}))}); "
-                             "train from one of them")
-        self.topp, self.min_k = tops.pop()
+        self.k, self.topp, self.min_k = agreed.k, agreed.topp, agreed.min_k
         self._build_index(resolved, verify_checksums)
         self._init_state()
 
@@ -299,7 +197,7 @@ class ScoredLoader:
         self._bounds = [0]  # packed: start positions of steps 0, 1, ... counted from position 0 (for micro_batch(m))
 
     # -- index: cheap columns only ----------------------------------------------------------------------------
-    def _build_index(self, resolved: list[tuple[Path, Descriptor | None, _Indexed | None]], verify_checksums: bool
+    def _build_index(self, resolved: list[tuple[Path, Descriptor | None, IndexedShard | None]], verify_checksums: bool
                      ) -> None:
         """Keys, lengths and row groups of every shard: from the cache index where `resolved` carries it (no file is
         opened here; with `verify_checksums` a shard's sha256 is checked against the index's where this rank first
@@ -316,7 +214,7 @@ class ScoredLoader:
             if ix is not None:
                 key, num, first, rg, nrows = ix.keys, ix.num_scored, ix.first_scored, ix.row_groups, len(ix.keys)
                 if desc is not None and desc.cross_tokenizer:  # the student's lengths lay the samples out
-                    num, first = _student_lengths(path)
+                    num, first = student_lengths(path)
                 self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]),
                                           desc is not None and self.vocab_size is not None
                                           and desc.vocab_size > self.vocab_size, ix.nbytes,
@@ -347,7 +245,7 @@ class ScoredLoader:
                     key, num = table.column("key"), table.column("num_scored").to_numpy()
                     first = table.column("first_scored").to_numpy()
                     if desc is not None and desc.cross_tokenizer:
-                        num, first = _student_lengths(path)
+                        num, first = student_lengths(path)
                     if self.route_names:
                         route_rows.append(self._route(pf, path))
             except (pa.ArrowException, OSError) as e:
@@ -680,82 +578,4 @@ class ScoredLoader:
                 pos = self.plan(pos)[0]
 
         it = packed() if self.packing else padded()
-        return it if prefetch <= 0 else _prefetched(it, prefetch)
-
-
-def _prefetched(it: Iterator[MicroBatch], depth: int) -> Iterator[MicroBatch]:
-    """Run `it` in a daemon thread, `depth` items ahead; re-raise its exception in the consumer."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def work() -> None:
-        try:
-            for item in it:
-                while not stop.is_set():
-                    try:
-                        q.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            q.put(("error", e))
-
-    thread = threading.Thread(target=work, name="scored-loader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            kind, value = q.get()
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        # Stop and join the worker: a daemon thread still inside numpy/torch/numba code when the interpreter
-        # shuts down can abort the process ("terminate called without an active exception", seen at exit).
-        stop.set()
-        while thread.is_alive():
-            try:
-                q.get_nowait()  # unblock a worker waiting on a full queue
-            except queue.Empty:
-                pass
-            thread.join(timeout=0.05)
-
-
-def benchmark(sources: Sequence[str | Path], *, micro_batch_size: int = 8, seq_length: int = 512,
-              epochs: int = 5, seed: int = 0, packing: bool = False) -> dict:
-    """Loader throughput on one core (no prefetch thread): scored shards -> micro-batch tensors, `epochs` epochs
-    with the decoded-block LRU emptied before each, so every row is read and decoded every epoch (a small cache
-    fits in the LRU, and repeated epochs would otherwise measure batch assembly only). Opening the shards and
-    building the sample order are not timed; packing plans are. `tokens_per_s` is per CPU-second of the process
-    (all its threads: what one core does, whatever else the machine runs); `wall_tokens_per_s` by the clock."""
-    loader = ScoredLoader(sources, micro_batch_size=micro_batch_size, seq_length=seq_length, seed=seed,
-                          packing=packing)
-    batches = loader.iter_from(0, prefetch=0)
-    loader.micro_batch(0)  # the decode kernel's one-off compile (or load from numba's disk cache): not timed
-    tokens = scored = positions = 0
-    cpu = wall = 0.0
-    for e in range(epochs):
-        loader._blocks.clear()
-        c0, w0 = time.process_time(), time.perf_counter()
-        while True:
-            mb = next(batches)
-            tokens += mb.tokens
-            positions += mb.positions
-            scored += int(mb.loss_mask.sum())
-            if mb.end >= (e + 1) * loader.num_samples:
-                break
-        cpu += time.process_time() - c0
-        wall += time.perf_counter() - w0
-    return {"k": loader.k, "tokens_per_s": tokens / cpu, "scored_tokens_per_s": scored / cpu,
-            "wall_tokens_per_s": tokens / wall, "cpu_seconds": cpu, "wall_seconds": wall, "epochs": epochs,
-            "samples": loader.num_samples, "packing": packing, "padding_fraction": 1 - tokens / positions,
-            "micro_batch_size": micro_batch_size, "seq_length": seq_length}
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    for packing in (False, True):
-        print(json.dumps(benchmark(sys.argv[1:], packing=packing), indent=1))
+        return it if prefetch <= 0 else prefetched(it, prefetch)

@@ -1,10 +1,5 @@
-"""Export a trained student checkpoint for transformers / vLLM / peft.
-
-    gkd export --checkpoint runs/train --out runs/student-hf       # the latest checkpoint of a save_dir
-    gkd export --checkpoint runs/train/step_0000100 --out DIR      # a given one
-    gkd export --checkpoint runs/lora --out DIR --adapter-only     # LoRA run: peft adapter (MBs) for LoRARequest
-    gkd export --checkpoint runs/lora --out DIR --merged           # LoRA run: base + adapter as one HF folder
-    gkd export --checkpoint runs/train --out DIR --dtype bfloat16  # weights dtype (default: the student's config)
+"""Export a trained student checkpoint for transformers / vLLM / peft. The entry (`gkd export`) is
+pipeline/train/export_run.py.
 
 A checkpoint of the hf backend (trainer.json `backend: hf`) is written by transformers' `save_pretrained` (the
 adapter by peft's). A Megatron one: one process at TP=1: dist_checkpointing reshards a checkpoint saved at any TP degree on load. The architecture and
@@ -15,11 +10,9 @@ merged unless --adapter-only is given.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from pipeline.errors import InputError, MissingInputError, command
+from pipeline.errors import InputError, MissingInputError
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"}
 
@@ -76,25 +69,3 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
     finally:
         destroy_distributed()
     return Path(out_dir)
-
-
-@command("gkd export")
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gkd export", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a save_dir (uses its latest) or one step_* directory")
-    parser.add_argument("--out", required=True, help="output folder (replaced atomically)")
-    parser.add_argument("--student", default=None, help="HF folder for config/tokenizer (default: from the checkpoint)")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--adapter-only", action="store_true", help="LoRA run: write the peft adapter only")
-    mode.add_argument("--merged", action="store_true", help="LoRA run: write base + adapter merged (the default)")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="weights dtype of the HF folder (default: the student's config.json dtype)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-
-    out = export(args.checkpoint, args.out, args.student, adapter_only=args.adapter_only, dtype=args.dtype)
-    print(f"gkd export: wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":  # dist_checkpointing may spawn helper processes that re-import this module
-    raise SystemExit(main())

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.loss import TEACHER_EPS, divergence, student_bins, teacher_bins
+from pipeline.train.loss import TEACHER_EPS, divergence, loss_arg_problems, student_bins, teacher_bins
+from pipeline.train.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
 
 # The [chunk, V_local] float32 buffer is about this big; at V = 151,936 that is 441 rows. One exists at a time (two
 # with SFT rows in tail mode). Every chunk streams all of W through its three matmuls, so small chunks are slow: with
@@ -50,29 +51,6 @@ CHUNK_BYTES = 256 << 20
 
 def chunk_rows(v_local: int, budget: int = CHUNK_BYTES) -> int:
     return int(min(1024, max(16, budget // (4 * max(1, v_local)))))
-
-
-def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _sum(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t
-
-
-def _global_lse(m: Tensor, s: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """logsumexp over all TP ranks of per-rank (max m, sum of exp(x - m)); -inf rows (nothing to sum) stay -inf."""
-    if group is None or dist.get_world_size(group) == 1:
-        return m + s.log()
-    lse = m + s.log()
-    g = lse.clone()
-    dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
-    g = torch.where(torch.isfinite(g), g, 0.0)
-    return g + _sum((lse - g).exp(), group).log()
 
 
 def _exp_sum(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,9 +79,9 @@ class _FusedLinearGKD(torch.autograd.Function):
         beta, tau, mode, group, chunk, n_vocab = opts
         opd_on, log_p, opd_weight = opd  # rows of the sampled-token estimator and their teacher logprobs
         ce_on = sft_on | opd_on  # rows that need log s(y): the full logsumexp and z_y
-        rank, _ = _tp(group)
+        rank, _ = tp_rank_world(group)
         v_local = weight.shape[0]
-        n_valid = v_local if n_vocab is None else min(max(n_vocab - rank * v_local, 0), v_local)
+        n_valid = valid_columns(n_vocab, rank, v_local)
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         want_h, want_w = hidden.requires_grad, weight.requires_grad
         grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_h else None
@@ -134,20 +112,20 @@ class _FusedLinearGKD(torch.autograd.Function):
             else:  # renorm without SFT rows: only the k rows of W at the teacher's ids
                 wk = weight[idx[s:e]]  # [c, k, H]
                 zk = torch.einsum("ch,ckh->ck", hc.to(weight.dtype), wk).to(cdtype) * owned[s:e]
-            zk = _sum(zk, group)
+            zk = all_reduce(zk, group)
             # z is consumed in place; ef (SFT rows in tail mode) is the only second buffer (why: CHUNK_BYTES).
             lse_full = ef = zy = None
             if any_sft:
-                zy = _sum(z.gather(1, y_idx[s:e]).squeeze(-1) * y_owned[s:e], group)
+                zy = all_reduce(z.gather(1, y_idx[s:e]).squeeze(-1) * y_owned[s:e], group)
                 ef = z.clone() if mode == "tail" else z
                 m_f, s_f = _exp_sum(ef)
-                lse_full = _global_lse(m_f, s_f, group)
+                lse_full = global_lse(m_f + s_f.log(), group)  # (max, sum of exp(x - max)) per rank
             lse_tail = ex = None
             if mode == "tail":
                 ex = z.div_(tau) if tau != 1.0 else z
                 ex.scatter_reduce_(1, idx[s:e], fill[s:e], "amin")
                 m_t, s_t = _exp_sum(ex)  # ex <- exp(x - m_t): reused for the gradient
-                lse_tail = _global_lse(m_t, s_t, group)
+                lse_tail = global_lse(m_t + s_t.log(), group)
             # The divergence (and CE) of this chunk as a function of the few gathered numbers; their gradients.
             with torch.enable_grad():
                 zk_l = zk.detach().requires_grad_()
@@ -202,7 +180,7 @@ class _FusedLinearGKD(torch.autograd.Function):
                     contrib = g_zk.to(cdtype).unsqueeze(-1) * hc.to(cdtype).unsqueeze(1)  # [c, k, H]
                     grad_w.index_add_(0, idx[s:e].reshape(-1), contrib.reshape(-1, contrib.shape[-1]))
         if want_h:
-            _sum(grad_h, group)
+            all_reduce(grad_h, group)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.have = (want_h, want_w)
         ctx.weight_dtype = weight.dtype
@@ -256,12 +234,8 @@ def fused_gkd_loss(
     :func:`pipeline.train.loss.opd_loss` on ``labels`` with ``teacher_actual``, weighted by ``opd_weight``; it
     reads log s(y) from the same full logsumexp as SFT's CE. k = 0 (no teacher entries): OPD/SFT rows only.
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if mode not in ("tail", "renorm"):
-        raise ValueError(f"mode must be 'tail' or 'renorm', got {mode!r}")
+    if problems := loss_arg_problems(beta, temperature, mode):
+        raise ValueError("; ".join(problems))
     h = hidden.reshape(-1, hidden.shape[-1])
     k = teacher_ids.shape[-1]
     kd_flat = mask.reshape(-1)

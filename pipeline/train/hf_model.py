@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from pipeline.config import ConfigError
 from pipeline.store import images as image_store
+from pipeline.store.model_config import vocab_size
 from pipeline.store.shards import staged_dir
 from pipeline.train.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
 from pipeline.train.packing import attention_mask
@@ -284,10 +285,6 @@ def build(hf_dir: str | Path, *, lora: tuple[int, float, Sequence[str]] | None =
     return student.train()
 
 
-def _vocab(lm: nn.Module) -> int:
-    return int(lm.config.get_text_config().vocab_size)  # a vision-language model keeps it in its text config
-
-
 def _probe_ids(vocab: int, n: int, generator: torch.Generator) -> Tensor:
     return torch.randint(0, vocab, (1, n), generator=generator)
 
@@ -303,7 +300,7 @@ def check_packing(lm: nn.Module, hf_dir: str | Path) -> None:
             f"({sum(t in other for t in types)} of {len(types)} layers), which carries state from one sample of a "
             "packed row into the next (transformers' fallback kernel has no sequence boundaries); set packing=false")
     g = torch.Generator().manual_seed(_PROBE_SEED)
-    docs = [_probe_ids(_vocab(lm), n, g) for n in _PROBE_LENGTHS]
+    docs = [_probe_ids(vocab_size(lm.config), n, g) for n in _PROBE_LENGTHS]
     row = torch.cat(docs, dim=1)
     doc_ids = torch.cat([torch.full((1, d.shape[1]), i) for i, d in enumerate(docs)], dim=1)
     kw = inputs(doc_ids, torch.arange(row.shape[1])[None], True, lm.config._attn_implementation)
@@ -326,7 +323,7 @@ def check_fused(lm: nn.Module, hf_dir: str | Path) -> None:
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ConfigError(f"{Path(hf_dir) / 'config.json'}: fused_loss=true needs a bias-free linear output layer, "
                           f"this {lm.config.model_type} model has {type(head).__name__}; set fused_loss=false")
-    ids = _probe_ids(_vocab(lm), 8, torch.Generator().manual_seed(_PROBE_SEED))
+    ids = _probe_ids(vocab_size(lm.config), 8, torch.Generator().manual_seed(_PROBE_SEED))
     with torch.no_grad():
         logits = lm(input_ids=ids, use_cache=False).logits[0]
         hidden = lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]

@@ -25,12 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipeline.train.fused_loss import CHUNK_BYTES, chunk_rows
-
-
-def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+from pipeline.train.vocab_parallel import global_lse, tp_rank_world, valid_columns
 
 
 @torch.no_grad()
@@ -45,12 +40,12 @@ def teacher_topk(hidden: Tensor, weight: Tensor, mask: Tensor, k: int, *, tp_gro
     past it are folded into the tail. Returns ``(ids [..., k] int32, logprobs [..., k] float32, tail [...] float32,
     valid [..., k] bool)`` laid out like the loader's teacher arrays (zeros where inactive).
     """
-    rank, world = _tp(tp_group)
+    rank, world = tp_rank_world(tp_group)
     lead = mask.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     rows = mask.reshape(-1).nonzero().squeeze(-1)
     v_local = weight.shape[0]
-    n_valid = v_local if vocab_size is None else min(max(vocab_size - rank * v_local, 0), v_local)
+    n_valid = valid_columns(vocab_size, rank, v_local)
     if n_valid < k and world == 1:
         raise ValueError(f"teacher vocab {n_valid} is smaller than k={k}")
     n = h.shape[0]
@@ -80,14 +75,7 @@ def teacher_topk(hidden: Tensor, weight: Tensor, mask: Tensor, k: int, *, tp_gro
             cand_v, cand_i = torch.cat(all_vals, -1), torch.cat(all_ids, -1)
             vals, pick = cand_v.topk(k, dim=-1)
             gid = cand_i.gather(-1, pick)
-            lse = m + se.log()
-            g = lse.clone()
-            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=tp_group)
-            lse_sum = (lse - g).exp()
-            dist.all_reduce(lse_sum, group=tp_group)
-            lse = g + lse_sum.log()
-        else:
-            lse = m + se.log()
+        lse = global_lse(m + se.log(), tp_group)
         lp = vals - lse.unsqueeze(-1)
         ids[r], lps[r] = gid, lp.float()
         # The tail from the unquantised values in float64, as the score stage stores it (codec.tail_logprob).

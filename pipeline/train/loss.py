@@ -47,23 +47,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipeline.train.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
+
 TEACHER_EPS = 1e-12
 # Relative floor for the student tail bin: below float32's smallest normal the complement has underflowed anyway.
 _LOG_TINY = math.log(torch.finfo(torch.float32).tiny)
 DEFAULT_CHUNK = 256
-
-
-def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    # None means "no tensor parallelism", not the default (world) group: the trainer always passes its TP group.
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _all_reduce(t: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 class _TopkAndTailLSE(torch.autograd.Function):
@@ -72,16 +61,16 @@ class _TopkAndTailLSE(torch.autograd.Function):
     ``lse_tail = logsumexp over the global vocab minus the ids of logits/τ`` (only when ``with_tail``). One custom
     function for both outputs so backward writes a single ``[T, V_local]`` gradient, chunk by chunk, instead of
     autograd summing a dense gather-gradient and a dense softmax-gradient.
-    Later this can take (hidden states, output weight) instead of logits and build each logits chunk inside the same
-    loop (a fused linear + loss), so the ``[T, V]`` logits never exist; the outputs and the loss stay as they are.
+    This is the unfused path (`fused_loss: false`) on Megatron's logits; the fused output layer + loss, which never
+    builds the ``[T, V]`` logits, is pipeline/train/fused_loss.py, tested against this one.
     """
 
     @staticmethod
     def forward(ctx, logits, rows, ids, tau, group, chunk_size, with_tail, vocab_size, valid=None):
-        rank, _ = _tp(group)
+        rank, _ = tp_rank_world(group)
         v_local = logits.shape[-1]
         # Columns at or past the real vocab (Megatron pads it to a multiple of TP) are skipped, not copied and masked.
-        n_valid = v_local if vocab_size is None else min(max(vocab_size - rank * v_local, 0), v_local)
+        n_valid = valid_columns(vocab_size, rank, v_local)
         cdtype = torch.promote_types(logits.dtype, torch.float32)
         local = ids - rank * v_local
         inrange = (local >= 0) & (local < v_local)
@@ -90,7 +79,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
         idx = local.clamp(0, v_local - 1)
         # Ids owned by another rank read a clamped local entry that is zeroed before the SUM all-reduce.
         zk = logits[rows.unsqueeze(-1), idx].to(cdtype) * inrange
-        _all_reduce(zk, dist.ReduceOp.SUM, group)
+        all_reduce(zk, group)
         lse_tail = torch.empty(0, dtype=cdtype, device=logits.device)
         if with_tail:
             # amin-scatter -inf onto owned ids, +inf (a no-op) onto clamped foreign ones: commutative, so a foreign
@@ -109,12 +98,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
                     x.div_(tau)
                 x.scatter_reduce_(1, idx[s:e], fill[s:e], "amin")
                 lse_local[s:e] = m.squeeze(-1) / tau + x.exp_().sum(-1).log()
-            lse_tail = lse_local
-            if group is not None and dist.get_world_size(group) > 1:
-                m = _all_reduce(lse_local.clone(), dist.ReduceOp.MAX, group)
-                m = torch.where(torch.isfinite(m), m, 0.0)  # all shards' complements empty: keep -inf, not NaN
-                ssum = _all_reduce((lse_local - m).exp(), dist.ReduceOp.SUM, group)
-                lse_tail = m + ssum.log()
+            lse_tail = global_lse(lse_local, group)  # all shards' complements empty: -inf, not NaN
         ctx.save_for_backward(logits, rows, idx, inrange, lse_tail)
         ctx.tau, ctx.chunk_size, ctx.with_tail, ctx.n_valid = tau, chunk_size, with_tail, n_valid
         return zk, lse_tail
@@ -216,6 +200,22 @@ def divergence(a: Tensor, b: Tensor, beta: float, valid: Tensor | None = None, m
     return terms.sum(-1)
 
 
+MODES = ("tail", "renorm")  # topk_mode: the k+1 bins with the stored tail, or the top-k renormalised
+
+
+def loss_arg_problems(beta: float, temperature: float, mode: str, mode_key: str = "mode") -> list[str]:
+    """What is wrong with the loss's β, τ and mode (the one check: the losses raise it, the trainer's config
+    validation lists it under its own key names)."""
+    p = []
+    if not 0.0 <= beta <= 1.0:
+        p.append(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        p.append(f"temperature must be > 0, got {temperature}")
+    if mode not in MODES:
+        p.append(f"{mode_key} must be 'tail' or 'renorm', got {mode!r}")
+    return p
+
+
 def gkd_loss(
     logits: Tensor,
     teacher_ids: Tensor,
@@ -243,12 +243,8 @@ def gkd_loss(
     TP) are left out of the student's distribution and get zero gradient, without a masked copy of the logits.
     This is the reference the fused output-layer loss (``fused_loss.fused_gkd_loss``) is tested against.
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if mode not in ("tail", "renorm"):
-        raise ValueError(f"mode must be 'tail' or 'renorm', got {mode!r}")
+    if problems := loss_arg_problems(beta, temperature, mode):
+        raise ValueError("; ".join(problems))
     logits = logits.reshape(-1, logits.shape[-1])
     k = teacher_ids.shape[-1]
     rows = mask.reshape(-1).nonzero().squeeze(-1)

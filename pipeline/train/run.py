@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 -m pipeline.train.run tensor_model_parallel_size=2   # TP / DP
 
 The trainer itself (config, setup, loss, the loop, resume) is pipeline/train/trainer.py; this module parses the
-arguments and reports errors. The names below are re-exported for callers of the former module layout.
+arguments and reports errors.
 """
 
 from __future__ import annotations
@@ -15,18 +15,9 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.errors import command
-from pipeline.train.trainer import (  # noqa: F401 - re-exported
+from pipeline.train.trainer import (
     TrainConfig,
-    check_cache_holds_loss,
-    data_changed,
-    forward_step,
-    keep_metrics_until,
-    loss_func,
-    setup_live_teacher,
-    setup_model_and_optimizer,
-    student_dir,
     train,
-    train_step,
 )
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train.yaml"

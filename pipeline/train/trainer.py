@@ -38,14 +38,15 @@ from pipeline.config import ConfigError, to_dict
 from pipeline.store import align
 from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
-from pipeline.store.shards import WriteError, atomic_write_bytes
-from pipeline.train import context_parallel, hf_model
-from pipeline.train.data import ScoredLoader, resolve_sources
+from pipeline.store.shards import atomic_write_bytes
+from pipeline.train import context_parallel, hf_model, metrics
+from pipeline.train.data import ScoredLoader, batch_split_problem
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.lora import LoRASpec, apply_lora, resolve_targets
-from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.loss import gkd_loss, loss_arg_problems, opd_loss, vocab_parallel_ce
+from pipeline.train.sources import TokenizerMismatchError, resolve_sources
 from pipeline.train.xtok_loss import fused_xtok_loss, gold_weights
 
 
@@ -154,13 +155,9 @@ class TrainConfig:
                      f"{world} processes (WORLD_SIZE); launch a multiple of {tp * cp} processes or change "
                      "context_parallel_size")
         dp = max(1, world // (tp * cp))
-        rows = max(1, self.micro_batch_size) * dp
-        if self.global_batch_size % rows:
-            p.append(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                     f"{self.micro_batch_size} x data-parallel size {dp} (WORLD_SIZE {world} / "
-                     f"tensor_model_parallel_size {tp}{f' / context_parallel_size {cp}' if cp > 1 else ''}) = {rows}; "
-                     f"set global_batch_size to a multiple of {rows}, "
-                     f"e.g. {max(rows, self.global_batch_size // rows * rows)}")
+        why = f" (WORLD_SIZE {world} / tensor_model_parallel_size {tp}{f' / context_parallel_size {cp}' if cp > 1 else ''})"
+        if problem := batch_split_problem(self.global_batch_size, max(1, self.micro_batch_size), dp, why):
+            p.append(problem)
         if cp > 1 and self.seq_length % (2 * cp):
             up = -(-self.seq_length // (2 * cp)) * 2 * cp
             p.append(f"seq_length {self.seq_length} is not a multiple of 2 x context_parallel_size = {2 * cp} (each "
@@ -170,12 +167,7 @@ class TrainConfig:
             p.append(f"context_parallel_size={cp} needs attention=sdpa (its keys and values are gathered over the "
                      "context-parallel ranks); Megatron's attention=local has context parallelism only through "
                      "Transformer Engine. Set attention=sdpa, or context_parallel_size=1")
-        if not 0.0 <= self.beta <= 1.0:
-            p.append("beta must be in [0, 1]")
-        if self.temperature <= 0:
-            p.append("temperature must be > 0")
-        if self.topk_mode not in ("tail", "renorm"):
-            p.append("topk_mode must be tail or renorm")
+        p += loss_arg_problems(self.beta, self.temperature, self.topk_mode, mode_key="topk_mode")
         if self.loss not in ("gkd", "opd", "uld", "gold"):
             p.append(f"loss must be gkd, opd, uld or gold, got {self.loss!r}")
         if self.loss in ("uld", "gold"):
@@ -362,7 +354,6 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
     """The frozen teacher of `teacher_live` on the student's backend, with its TP split and precision: HF weights,
     eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
     output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights."""
-    from pipeline.train.data import TokenizerMismatchError
     from pipeline.train.model import build_model, load_hf_weights
 
     teacher_dir = Path(cfg.teacher_live)
@@ -402,33 +393,38 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     Routed (`teachers`): one loss call per teacher present, on its positions only (both losses gather the masked
     rows, so the split costs no extra output-layer work), its KD term weighted by teacher_weights[name].
 
-    Report layout (summed over micro-batches and DP ranks by the loop): [KD sum, SFT sum, OPD sum, OPD KL sum,
-    weighted KD sum, then per routed teacher its KD sums, then its KD counts]."""
+    The report: named sums (pipeline/train/metrics.py, summed over micro-batches and ranks by the loop): the
+    four loss terms, the weighted KD sum, and per routed teacher its KD sum and KD count."""
     names = sorted(cfg.teachers)
     if batch.teacher_route is None or not names:
         loss, kd_n, t = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt, output_tensor)
-        report = torch.stack([t[0], t[1], t[2], t[3], t[0]])
-        return loss, kd_n.int(), {"sums": report}
+        return loss, kd_n.int(), {**t, metrics.WEIGHTED_KD_SUM: t[metrics.KD_SUM]}
     dev = batch.loss_mask.device
-    loss, kd_n, per = 0.0, 0, torch.zeros(2 * len(names), dtype=torch.float64, device=dev)
-    totals = torch.zeros(4, dtype=torch.float64, device=dev)
-    weighted_kd = torch.zeros((), dtype=torch.float64, device=dev)
+
+    def zero() -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64, device=dev)
+
+    loss, kd_n = 0.0, 0
+    report = {name: zero() for name in (*metrics.TERMS, metrics.WEIGHTED_KD_SUM)}
+    for name in names:
+        report[metrics.teacher_kd_sum(name)], report[metrics.teacher_kd_count(name)] = zero(), zero()
     present = [i for i in range(len(names)) if bool((batch.teacher_route == i).any())] or [None]
     for i in present:
         mask = batch.loss_mask if i is None else batch.loss_mask & (batch.teacher_route == i)
         w = 1.0 if i is None else float(cfg.teacher_weights.get(names[i], 1.0))
         part, n, t = _loss_terms(batch, mask, w, counts, cfg, vocab_size, gpt, output_tensor)
         loss, kd_n = loss + part, kd_n + n
-        totals = totals + t
-        weighted_kd = weighted_kd + w * t[0]
+        for name in metrics.TERMS:
+            report[name] = report[name] + t[name]
+        report[metrics.WEIGHTED_KD_SUM] = report[metrics.WEIGHTED_KD_SUM] + w * t[metrics.KD_SUM]
         if i is not None:
-            per[i], per[len(names) + i] = t[0], float(n)
-    report = torch.cat([totals, weighted_kd.reshape(1), per])
-    return loss, torch.as_tensor(kd_n).int(), {"sums": report}
+            report[metrics.teacher_kd_sum(names[i])] = t[metrics.KD_SUM]
+            report[metrics.teacher_kd_count(names[i])] = torch.as_tensor(float(n), dtype=torch.float64, device=dev)
+    return loss, torch.as_tensor(kd_n).int(), report
 
 
 def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_size: int, gpt, output_tensor):
-    """(loss, active count, float64 [KD sum, SFT sum, OPD sum, OPD KL sum]) of the positions in `mask` (SFT: those
+    """(loss, active count, the named float64 sums `metrics.terms`) of the positions in `mask` (SFT: those
     of dataset-sourced samples; loss=opd: OPD on the student-sourced ones), KD and OPD scaled by `kd_scale` (a
     routed teacher's weight)."""
     from megatron.core import parallel_state
@@ -450,8 +446,7 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
             batch.teacher_logprobs, batch.teacher_valid, batch.teacher_tail, kind=cfg.loss, matched=matched,
             weights=weights, beta=cfg.beta, sft_mask=batch.sft_mask if cfg.sft_alpha > 0 else None,
             kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size)
-        sums = torch.stack([x.detach().double() for x in (out.kd_sum, out.sft_sum, opd_sum, opd_kl)])
-        return out.loss, out.kd_count, sums
+        return out.loss, out.kd_count, metrics.terms(out.kd_sum, out.sft_sum, opd_sum, opd_kl)
     if cfg.fused_loss:
         out = fused_gkd_loss(
             output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
@@ -483,8 +478,7 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         if sft_mask is not None:
             sft_sum, _ = vocab_parallel_ce(logits, batch.labels, sft_mask, tp_group, vocab_size=vocab_size)
             loss = loss + sft_weight * sft_sum
-    sums = torch.stack([x.detach().double() for x in (kd_sum, sft_sum, opd_sum, opd_kl)])
-    return loss, kd_n, sums
+    return loss, kd_n, metrics.terms(kd_sum, sft_sum, opd_sum, opd_kl)
 
 
 def model_inputs(batch, cfg: TrainConfig, model) -> dict:
@@ -726,8 +720,8 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
 
     rank = dist.get_rank()
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
-        raise ConfigError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size * dp")
+    if problem := batch_split_problem(cfg.global_batch_size, cfg.micro_batch_size, dp):
+        raise ConfigError(problem)
     accum = cfg.global_batch_size // (cfg.micro_batch_size * dp)
     hf_dir = student_dir(cfg)
 
@@ -749,15 +743,8 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
         xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in ("uld", "gold") else None,
     )
 
-    step, position = 0, 0
     save_dir = Path(cfg.save_dir)
-    resume = checkpoint.latest(save_dir)
-    if resume is not None:
-        meta = checkpoint.load(resume, model, optimizer)
-        if cfg.data_position is None and meta["data_fingerprint"] != loader.fingerprint:
-            raise data_changed(resume, meta, loader)
-        step, position = meta["step"], meta["data_position"]
-        scheduler.load_state_dict(meta["scheduler"])
+    step, position = _resume(cfg, save_dir, loader, model, optimizer, scheduler)
     if rank == 0:  # also with no checkpoint yet: a run killed before its first save left lines of steps it redoes
         keep_metrics_until(Path(cfg.log_dir or cfg.save_dir) / "metrics.jsonl", step)
     if cfg.data_position is not None:
@@ -765,13 +752,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
     log_dir = Path(cfg.log_dir or cfg.save_dir)
     writer = metrics_file = bar = None
     if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
-
-        log_dir.mkdir(parents=True, exist_ok=True)
-        writer = SummaryWriter(str(log_dir / "tb"), purge_step=step)
-        metrics_file = open(log_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finally
-        bar = tqdm(total=cfg.train_steps, initial=step, disable=not cfg.progress, desc="train", dynamic_ncols=True)
+        writer, metrics_file, bar = metrics.open_sinks(log_dir, step, cfg.train_steps, cfg.progress)
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
               f"{', LoRA ' + str(model.lora_spec.to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
@@ -797,48 +778,13 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
                 state_bytes = int(most.item())
             position = micro[-1].end
 
-            sums = torch.stack([r["sums"] for r in reports]).sum(0)
-            dist.all_reduce(sums, group=sums_group)
-            jsd = (sums[0] / max(counts[0].item(), 1.0)).item()
-            sft = (sums[1] / max(counts[1].item(), 1.0)).item()
-            opd = (sums[2] / max(counts[0].item(), 1.0)).item()
-            # loss=opd: student-sourced positions = all loss positions minus the dataset-sourced ones
-            opd_kl = (sums[3] / max(counts[0].item() - counts[1].item(), 1.0)).item()
-            kd_loss = (sums[4] / max(counts[0].item(), 1.0)).item()  # = jsd unless teacher_weights are set
-            dt = time.perf_counter() - t0
-            positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
-            last = {"step": step, "loss": kd_loss + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
-                    **({"opd": opd, "opd_kl": opd_kl} if cfg.loss == "opd" else {}),
-                    "lr": lr, "grad_norm": float(grad_norm or 0.0),
-                    "tokens_per_s": counts[2].item() / dt, "step_seconds": dt, "active_tokens": int(counts[0].item()),
-                    "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
-                    "samples": samples, "truncated": truncated, "folded_positions": folded,
-                    "data_position": position,
-                    **({"optimizer_state_bytes": state_bytes} if backend == "megatron" else {})}
-            if cfg.teachers:  # per teacher: its mean divergence and its active positions (a sum over ranks)
-                names = sorted(cfg.teachers)
-                for i, name in enumerate(names):
-                    n = sums[5 + len(names) + i].item()  # report layout: loss_func's docstring
-                    last[f"jsd/{name}"] = sums[5 + i].item() / n if n else None
-                    last[f"active_tokens/{name}"] = int(n)
-                last["unrouted_samples"] = loader.unrouted
+            sums = metrics.sum_reports(reports, sums_group)
+            last = metrics.step_row(cfg, step, sums, counts, lr=lr, grad_norm=grad_norm,
+                                    seconds=time.perf_counter() - t0, position=position,
+                                    state_bytes=state_bytes if backend == "megatron" else None,
+                                    unrouted=loader.unrouted)
             if rank == 0:
-                try:
-                    metrics_file.write(json.dumps(last) + "\n")
-                    metrics_file.flush()
-                except OSError as e:
-
-                    raise WriteError(log_dir / "metrics.jsonl", e, f"metrics of step {step} not written") from e
-                for name in ("loss", "jsd", "sft", "lr", "grad_norm", "tokens_per_s", "real_tokens",
-                             "padding_fraction", "samples", "truncated", "folded_positions", "opd_kl"):
-                    if name not in last:
-                        continue
-                    writer.add_scalar(f"train/{name}", last[name], step)
-                for name in [n for n in last if n.startswith(("jsd/", "active_tokens/")) and last[n] is not None]:
-                    writer.add_scalar(f"train/{name}", last[name], step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
-                                pad=f"{last['padding_fraction']:.0%}", samples=last["samples"])
+                metrics.log_row(last, metrics_file, writer, bar, log_dir / "metrics.jsonl")
             done = step >= cfg.train_steps or (cfg.exit_after is not None and steps_this_run >= cfg.exit_after)
             if step % cfg.save_interval == 0 or done:
                 checkpoint.save(save_dir, step, model, optimizer, {
@@ -855,6 +801,21 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
             if closable is not None:
                 closable.close()
     return last
+
+
+def _resume(cfg: TrainConfig, save_dir: Path, loader, model, optimizer, scheduler) -> tuple[int, int]:
+    """(step, data position) to continue from: the latest checkpoint of `save_dir` loaded into the model, the
+    optimizer and the scheduler (its data set checked against the loader's), else (0, 0)."""
+    from pipeline.train import checkpoint
+
+    resume = checkpoint.latest(save_dir)
+    if resume is None:
+        return 0, 0
+    meta = checkpoint.load(resume, model, optimizer)
+    if cfg.data_position is None and meta["data_fingerprint"] != loader.fingerprint:
+        raise data_changed(resume, meta, loader)
+    scheduler.load_state_dict(meta["scheduler"])
+    return meta["step"], meta["data_position"]
 
 
 def data_changed(resume: Path, meta: dict, loader) -> Exception:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.generate import importer
+from pipeline.generate import import_run
 from pipeline.generate.prompts import PromptError, load_prompts, prompt_ids, response_ids
 from pipeline.store.rollouts import iter_rollouts, rollout_shards
 from pipeline.store.schema import load_schema
@@ -81,8 +81,8 @@ def test_import_path(tmp_path, tiny_student, tok, capsys):
     src = write_jsonl(tmp_path / "sft.jsonl", rows)
     out = tmp_path / "out"
     base = ["--dataset", str(src), "--tokenizer", str(tiny_student), "--out", str(out)]
-    assert importer.main(base) == 2 and "empty prompt" in capsys.readouterr().err
-    assert importer.main([*base, "--on-bad", "skip"]) == 0
+    assert import_run.main(base) == 2 and "empty prompt" in capsys.readouterr().err
+    assert import_run.main([*base, "--on-bad", "skip"]) == 0
     (shard,) = rollout_shards(out)
     got = list(iter_rollouts([shard]))
     assert len(got) == 6 and read_marker(shard)["skipped"] == {"empty_prompt": 1}
@@ -91,11 +91,11 @@ def test_import_path(tmp_path, tiny_student, tok, capsys):
     assert (r["source"], r["policy_version"], r["finish_reason"], r["completion_logprobs"]) == ("dataset", None, None, None)
     assert r["prompt_ids"] == prompt_ids(tok, [{"role": "user", "content": "the cat 0"}])
     assert tok.decode(r["completion_ids"], skip_special_tokens=True) == "sat 0"
-    assert importer.main([*base, "--on-bad", "skip"]) == 0 and "nothing to do" in capsys.readouterr().out
+    assert import_run.main([*base, "--on-bad", "skip"]) == 0 and "nothing to do" in capsys.readouterr().out
 
     # Two shard tasks hold exactly the rows of the unsharded run.
     for i in range(2):
-        assert importer.main([*base, "--on-bad", "skip", "--out", str(tmp_path / "sh"), "--shard", str(i),
+        assert import_run.main([*base, "--on-bad", "skip", "--out", str(tmp_path / "sh"), "--shard", str(i),
                               "--num-shards", "2"]) == 0
     union = list(iter_rollouts(rollout_shards(tmp_path / "sh")))
     assert sorted(x["sample_id"] for x in union) == sorted(x["sample_id"] for x in got)
@@ -104,11 +104,11 @@ def test_import_path(tmp_path, tiny_student, tok, capsys):
 def test_import_reasoning_gym_and_tokenizer_mismatch(tmp_path, tiny_student, capsys):
     out = tmp_path / "rg"
     args = ["--dataset", "reasoning-gym:basic_arithmetic?size=4&seed=0", "--tokenizer", str(tiny_student)]
-    assert importer.main([*args, "--out", str(out)]) == 0
+    assert import_run.main([*args, "--out", str(out)]) == 0
     assert len(list(iter_rollouts(rollout_shards(out)))) == 4
     marker = out / "dataset-00000-of-00001.parquet.ok"
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "tokenizer_fingerprint": "0" * 32}))
-    assert importer.main([*args, "--out", str(out), "--shard", "0", "--num-shards", "2"]) == 2
+    assert import_run.main([*args, "--out", str(out), "--shard", "0", "--num-shards", "2"]) == 2
     assert "differs" in capsys.readouterr().err
 
 
@@ -121,9 +121,9 @@ def test_import_with_a_privileged_teacher_prompt(tmp_path, tiny_student, tok, ca
     src = write_jsonl(tmp_path / "opsd.jsonl", rows)
     base = ["--dataset", str(src), "--tokenizer", str(tiny_student), "--prompt-field", "q", "--response-field", "a",
             "--teacher-prompt-field", "t"]
-    assert importer.main([*base, "--out", str(tmp_path / "x")]) == 2
+    assert import_run.main([*base, "--out", str(tmp_path / "x")]) == 2
     assert "row '2': empty teacher prompt" in capsys.readouterr().err
-    assert importer.main([*base, "--out", str(tmp_path / "o"), "--on-bad", "skip"]) == 0
+    assert import_run.main([*base, "--out", str(tmp_path / "o"), "--on-bad", "skip"]) == 0
     (shard,) = rollout_shards(tmp_path / "o")
     got = {r["prompt_id"]: r for r in iter_rollouts([shard])}
     assert set(got) == {"0", "1"} and read_marker(shard)["skipped"] == {"empty_teacher_prompt": 1}
@@ -132,7 +132,7 @@ def test_import_with_a_privileged_teacher_prompt(tmp_path, tiny_student, tok, ca
     src_chat = write_jsonl(tmp_path / "chat.jsonl", [{"q": "the dog 2", "t": chat}])
     (p,) = load_prompts(str(src_chat), prompt_field="q", teacher_prompt_field="t")
     assert p.teacher_messages == chat and p.messages == [{"role": "user", "content": "the dog 2"}]
-    plain = importer.main(["--dataset", str(src), "--tokenizer", str(tiny_student), "--prompt-field", "q",
+    plain = import_run.main(["--dataset", str(src), "--tokenizer", str(tiny_student), "--prompt-field", "q",
                            "--response-field", "a", "--out", str(tmp_path / "p")])
     assert plain == 0
     for r in iter_rollouts(rollout_shards(tmp_path / "p")):
@@ -150,7 +150,7 @@ def test_import_tag_fields_become_rollout_tags(tmp_path, tiny_student):
     src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "the cat 1", "response": "sat", "task": "math", "n": 3},
                                                  {"prompt": "the dog 2", "response": "ran", "task": "code", "n": None}])
     out = tmp_path / "o"
-    assert importer.main(["--dataset", str(src), "--tokenizer", str(tiny_student), "--out", str(out),
+    assert import_run.main(["--dataset", str(src), "--tokenizer", str(tiny_student), "--out", str(out),
                           "--tag-field", "task", "--tag-field", "n"]) == 0
     tags = sorted((r["tags"] for r in iter_rollouts(rollout_shards(out))), key=lambda t: t["task"])
     assert tags == [{"data_source": "mixed.jsonl", "task": "code", "n": ""},

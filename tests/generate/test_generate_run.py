@@ -14,7 +14,7 @@ import pytest
 from pipeline.config import ConfigError, load_config
 from pipeline.engine import EngineArgs, open_engine
 from pipeline.generate.prompts import Prompt, PromptError
-from pipeline.generate.run import GenerateConfig, check_tokenizer, generate, run_task
+from pipeline.generate.sampler import GenerateConfig, check_tokenizer, generate, run_task
 from pipeline.store.rollouts import iter_rollouts, rollout_shards
 from pipeline.store.shards import read_marker
 

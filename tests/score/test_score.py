@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.score.run import ScoreConfig, ScoreInputError, score, status
+from pipeline.score.scorer import ScoreConfig, ScoreInputError, score, status
 from pipeline.slurm.arrays import array_spec
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store.rollouts import rollout_row, write_rollouts

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from vllm_server import LocalServer
 
 from pipeline.score.scorer import ScoreConfig, extract, score
-from pipeline.score.served import CLAMPED_LOGPROB, LocalServer, ServedTeacherError, flat_from_json
+from pipeline.score.served import CLAMPED_LOGPROB, ServedTeacherError, flat_from_json
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store.rollouts import rollout_row, write_rollouts
 

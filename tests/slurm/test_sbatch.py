@@ -118,8 +118,20 @@ def test_cli_dry_run_writes_deterministic_script(tmp_path):
     res = _gkd("score", "--num-shards", "3", "--dry-run", "--extra-sbatch", "--qos=high --account=p", "--", "--cache",
                "c", cwd=tmp_path)
     assert res.returncode == 0 and res.stdout == "", res.stderr
-    text = (tmp_path / "runs" / "slurm" / "gkd-score.sbatch").read_text()
+    script = tmp_path / "runs" / "slurm" / "gkd-score.sbatch"
+    text = script.read_text()
     assert "#SBATCH --qos=high\n#SBATCH --account=p\n" in text and f"#SBATCH --chdir={tmp_path}" in text
+    # deterministic: the same command writes the same bytes again (no date, pid or random name in the script),
+    # and from another folder the same script but for that folder
+    script.unlink()
+    again = _gkd("score", "--num-shards", "3", "--dry-run", "--extra-sbatch", "--qos=high --account=p", "--",
+                 "--cache", "c", cwd=tmp_path)
+    assert again.returncode == 0 and script.read_text() == text, again.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    assert _gkd("score", "--num-shards", "3", "--dry-run", "--extra-sbatch", "--qos=high --account=p", "--",
+                "--cache", "c", cwd=other).returncode == 0
+    assert (other / "runs" / "slurm" / "gkd-score.sbatch").read_text() == text.replace(str(tmp_path), str(other))
     bad = _gkd("generate", "--num-shards", "3", "--array", "2-3", "--dry-run", cwd=tmp_path)
     assert bad.returncode == 2 and "outside [0, 3)" in bad.stderr
     clash = _gkd("score", "--num-shards", "3", "--dry-run", "--", "--shard", "1", cwd=tmp_path)

@@ -68,8 +68,7 @@ def alignment(teacher: str, cache: str, cp: int, tp: int) -> dict:
     from pipeline.train.data import ScoredLoader
     from pipeline.train.loss import gkd_loss
     from pipeline.train.model import build_model, load_hf_weights
-    from pipeline.train.run import TrainConfig
-    from pipeline.train.trainer import rank_inputs
+    from pipeline.train.trainer import TrainConfig, rank_inputs
 
     cfg = TrainConfig(student=teacher, cache=[cache], seq_length=64, context_parallel_size=cp,
                       tensor_model_parallel_size=tp)
@@ -96,9 +95,9 @@ def alignment(teacher: str, cache: str, cp: int, tp: int) -> dict:
 
 def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> None:
     from pipeline.train.data import ScoredLoader
+    from pipeline.train.metrics import sum_reports
     from pipeline.train.parallel import destroy_distributed, init_distributed
-    from pipeline.train.run import TrainConfig, setup_model_and_optimizer
-    from pipeline.train.trainer import train_step
+    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
 
     init_distributed(tp=tp, pp=1, seed=1234, cp=cp)
     results: dict = {}
@@ -113,10 +112,9 @@ def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> 
                           packing=cfg.packing).iter_from(0, prefetch=0)
         micro = [next(it) for _ in range(2)]
         counts, reports, _, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size)
-        sums = torch.stack([r["sums"] for r in reports]).sum(0)
         from megatron.core import parallel_state
 
-        dist.all_reduce(sums, group=parallel_state.get_context_parallel_group())
+        sums = sum_reports(reports, parallel_state.get_context_parallel_group())
         results[name] = {"sums": sums, "counts": counts[:2].tolist(), "grad_norm": float(grad_norm),
                          "grads": _grads(model, tp, cfg.lora_spec()),
                          "crossing": sum(_crossing(b.doc_ids, 2) for b in micro if b.doc_ids.shape[1] % 4 == 0)}

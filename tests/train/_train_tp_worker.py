@@ -21,9 +21,10 @@ def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from pipeline.train.data import ScoredLoader
+    from pipeline.train.metrics import sum_reports
     from pipeline.train.model import megatron_to_hf_state_dict
     from pipeline.train.parallel import destroy_distributed, init_distributed
-    from pipeline.train.run import TrainConfig, forward_step, setup_model_and_optimizer
+    from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
 
     cfg = TrainConfig(student=student, cache=[cache], micro_batch_size=2, global_batch_size=4, seq_length=32,
                       tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0,
@@ -54,7 +55,7 @@ def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
     shards = [None] * tp
     dist.all_gather_object(shards, grads, group=parallel_state.get_tensor_model_parallel_group())
     if dist.get_rank() == 0:
-        sums = torch.stack([r["sums"] for r in reports]).sum(0)
+        sums = sum_reports(reports, reduce=False)  # rank 0's: the loss sums are the same on every TP rank
         torch.save({"sums": sums, "counts": counts, "grad_norm": float(grad_norm),
                     "grads": to_peft(shards, model.hf_arch, spec) if lora else megatron_to_hf_state_dict(shards, model.hf_arch)},
                    Path(out) / f"tp{tp}.pt")

@@ -29,6 +29,7 @@ from tolerance import assert_layout_close
 
 from pipeline.train.context_parallel import columns, split
 from pipeline.train.data import ScoredLoader
+from pipeline.train.metrics import OPD_KL_SUM, OPD_SUM, SFT_SUM
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,13 +108,13 @@ def test_context_spans_attention_matches_the_masked_kernel(single_process):
 @pytest.mark.parametrize("tp", [1, 2], ids=["cp2 x dp1", "tp2 x cp2"])
 def test_cp2_matches_cp1(tiny, cp1, tp, tmp_path):
     one, two = cp1, _worker(tiny, tmp_path, 2, tp)
-    assert float(one["opd"]["sums"][2]) != 0 and float(one["opd"]["sums"][3]) != 0  # OPD sums to compare
+    assert float(one["opd"]["sums"][OPD_SUM]) != 0 and float(one["opd"]["sums"][OPD_KL_SUM]) != 0  # OPD sums to compare
     for name in ("packed fused", "padded unfused recompute", "lora full recompute", "opd"):
         a, b = one[name], two[name]
         assert b["crossing"] > 0, name  # samples do cross the chunk boundaries
         assert a["counts"] == b["counts"] and a["counts"][0] > 0 and a["counts"][1] > 0, name
         assert_layout_close(b["sums"], a["sums"], f"{name} loss sums")
-        assert float(a["sums"][1]) > 0, name  # the SFT term is there to compare
+        assert float(a["sums"][SFT_SUM]) > 0, name  # the SFT term is there to compare
         assert_layout_close(torch.tensor(b["grad_norm"]), torch.tensor(a["grad_norm"]), f"{name} grad norm")
         assert_layout_close(b["grads"], a["grads"], f"{name} grads")
     for run in (one, two):

@@ -11,7 +11,9 @@ import torch
 from scored_rows import make_descriptor, make_row
 
 from pipeline.store import ShardError, TeacherCache
-from pipeline.train.data import IGNORE_INDEX, ScoredLoader, TokenizerMismatchError
+from pipeline.train.batch import IGNORE_INDEX
+from pipeline.train.data import ScoredLoader
+from pipeline.train.sources import TokenizerMismatchError
 
 K = 4
 

@@ -12,7 +12,8 @@ import torch
 from conftest import build_tiny, score_into_cache
 
 from pipeline.store import read_cache
-from pipeline.train.data import IGNORE_INDEX, ScoredLoader
+from pipeline.train.batch import IGNORE_INDEX
+from pipeline.train.data import ScoredLoader
 from pipeline.train.packing import attention_mask, pack, row_offsets
 
 S = 32  # seq_length of these tests

@@ -12,6 +12,7 @@ from tiny_cache import build_tiny, random_samples, score_into_cache
 
 from pipeline.store.shards import ShardError
 from pipeline.train.data import ScoredLoader
+from pipeline.train.metrics import KD_SUM, WEIGHTED_KD_SUM, teacher_kd_count, teacher_kd_sum
 
 N = 16
 
@@ -91,7 +92,7 @@ def test_loss_weights_each_teachers_positions(two, single_process):
     """loss = sum over teachers of w_t * KD sum on its positions / the step's count (the reference loss, unfused);
     the report holds each teacher's sum and count."""
     from pipeline.train.loss import gkd_loss
-    from pipeline.train.run import TrainConfig, loss_func
+    from pipeline.train.trainer import TrainConfig, loss_func
 
     root = two["root"]
     routes = {"A": str(root / "a"), "B": str(root / "b")}
@@ -106,11 +107,11 @@ def test_loss_weights_each_teachers_positions(two, single_process):
                       teacher_valid=mb.teacher_valid) for i in (0, 1)]
     expect = (2.0 * parts[0][0] + 0.5 * parts[1][0]) / count
     torch.testing.assert_close(loss, expect, rtol=1e-6, atol=0)  # the same sums, added in the same order
-    sums = report["sums"]  # [KD, SFT, OPD, OPD KL, weighted KD, KD of A, B, count of A, B] (run.loss_func)
-    assert int(n) == count == int(sums[7] + sums[8])
-    torch.testing.assert_close(sums[5:7].float(), torch.stack([parts[0][0], parts[1][0]]))
-    torch.testing.assert_close(sums[4], 2.0 * sums[5] + 0.5 * sums[6])
-    torch.testing.assert_close(sums[0], sums[5] + sums[6])
+    kd_a, kd_b = report[teacher_kd_sum("A")], report[teacher_kd_sum("B")]  # the named entries of train/metrics.py
+    assert int(n) == count == int(report[teacher_kd_count("A")] + report[teacher_kd_count("B")])
+    torch.testing.assert_close(torch.stack([kd_a, kd_b]).float(), torch.stack([parts[0][0], parts[1][0]]))
+    torch.testing.assert_close(report[WEIGHTED_KD_SUM], 2.0 * kd_a + 0.5 * kd_b)
+    torch.testing.assert_close(report[KD_SUM], kd_a + kd_b)
 
 
 def test_trainer_reports_each_teacher(two, tmp_path):

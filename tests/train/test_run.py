@@ -17,8 +17,10 @@ import torch
 from tolerance import assert_layout_close
 
 from pipeline.config import ConfigError, load_config
-from pipeline.train.data import ScoredLoader, TokenizerMismatchError
-from pipeline.train.run import DEFAULT_CONFIG, TrainConfig, train
+from pipeline.train.data import ScoredLoader
+from pipeline.train.run import DEFAULT_CONFIG
+from pipeline.train.sources import TokenizerMismatchError
+from pipeline.train.trainer import TrainConfig, train
 
 
 def train_main(argv: list[str]) -> int:  # through the real CLI: gkd train [key=value ...]

@@ -106,9 +106,20 @@ def test_heldout_kl_on_a_top_p_cache(tiny, topp_cache):
 
     model = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32).eval()
     got = heldout_kl(model, topp_cache["cache"])
+    total, tokens = _hand_heldout_kl(tiny["model"], topp_cache["rows"].values())
+    assert got["heldout_tokens"] == tokens
+    assert got["heldout_kl"] == pytest.approx(total / tokens, rel=1e-6)  # the student is the teacher: tiny KL
+
+
+def _hand_heldout_kl(model_dir, rows) -> tuple[float, int]:
+    """Σ over the rows' scored positions of KL(teacher || model) on the bins {kept ids} + {rest}, from the cache rows
+    and a plain transformers forward in float64 (no loader, no loss module), and the number of positions."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     total = tokens = 0
     with torch.no_grad():
-        for s in topp_cache["rows"].values():
+        for s in rows:
             z = model(torch.as_tensor(s.input_ids[None], dtype=torch.long)).logits[0].double()
             lsm = torch.log_softmax(z[s.first_scored - 1: len(s.input_ids) - 1], -1)
             for q in range(len(s.topk_counts)):
@@ -119,10 +130,26 @@ def test_heldout_kl_on_a_top_p_cache(tiny, topp_cache):
                 st = np.append(st, 1.0 - st.sum())
                 total += float((p * (np.log(p) - np.log(st))).sum())
                 tokens += 1
-    assert got["heldout_tokens"] == tokens
-    assert got["heldout_kl"] == pytest.approx(total / tokens, rel=1e-6)  # the student is the teacher: tiny KL
+    return total, tokens
 
 
 def test_gkd_train_from_a_top_p_cache(tiny, topp_cache, tmp_path):
+    """`gkd train` on the top-p cache: one step at lr 0 whose global batch is the whole cache (12 samples, one per
+    row, none truncated) has, at β = 0, the KL per token over the kept entries + tail that the cache rows and a plain
+    transformers forward of the student give; two steps at a real lr stay finite."""
+    import json
+
+    from pipeline.cli import main as cli
+
+    save = tmp_path / "lr0"
+    args = dict(student=str(tiny["student"]), cache=f"[{topp_cache['cache']}]", micro_batch_size=4,
+                global_batch_size=12, seq_length=64, train_steps=1, lr=0.0, min_lr=0.0, warmup_steps=0, beta=0.0,
+                sft_alpha=0.0, packing="false", save_interval=1, save_dir=str(save), progress=False)
+    assert cli(["train", *[f"{k}={v}" for k, v in args.items()]]) == 0
+    (m,) = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    total, tokens = _hand_heldout_kl(tiny["student"], topp_cache["rows"].values())
+    assert m["active_tokens"] == tokens
+    assert m["jsd"] == pytest.approx(total / tokens, rel=1e-4), (m["jsd"], total / tokens)
+    assert total / tokens > 0.1  # a random student, far from the teacher: the comparison can fail
     metrics = train_tiny(tiny["student"], topp_cache["cache"], tmp_path / "run", steps=2)
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
