@@ -208,3 +208,27 @@ def test_span_divergence_is_zero_for_identical_vectors():
     shifted = span_divergence(z.roll(1, -1), zero, top.values, top.indices, valid, tail, kind="gold",
                               matched=torch.ones(16, dtype=torch.bool), weights=(0.5, 0.5))
     assert shifted.min().item() > 1e-3
+
+
+@pytest.mark.parametrize("vocab", [8, 50])
+def test_sorted_l1_by_top_k_equals_the_full_sort(vocab):
+    """The sorted L1 compares the student's top-k only (the rest as the row sum less them); against the definition
+    written with a full descending sort of both sides, zero-padded to a common width, on rows with ties (zeroed
+    entries, as GOLD's unmatched part has) and a student vocabulary smaller and larger than k = 16."""
+    from pipeline.train.xtok_loss import _sorted_l1
+
+    g = torch.Generator().manual_seed(vocab)
+    n, k = 6, 16
+    s = torch.softmax(torch.randn(n, vocab, generator=g) * 2, -1) * torch.rand(n, 1, generator=g)
+    s = torch.where(torch.rand(n, vocab, generator=g) < 0.3, 0.0, s).double()
+    t = torch.softmax(torch.randn(n, k, generator=g) * 2, -1).double() * 0.9
+    on = torch.rand(n, k, generator=g) < 0.7
+    tail = torch.rand(n, generator=g).double() * 0.1
+    want = []
+    for i in range(n):
+        width = max(vocab, k)
+        ss = torch.nn.functional.pad(torch.sort(s[i], descending=True).values, (0, width - vocab))
+        tt = torch.sort(t[i][on[i]], descending=True).values
+        q = len(tt)
+        want.append((ss[:q] - tt).abs().sum() + (ss[q:].sum() - tail[i]).abs())
+    torch.testing.assert_close(_sorted_l1(s, t, on, tail), torch.stack(want), rtol=0, atol=1e-12)
