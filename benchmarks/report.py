@@ -46,7 +46,7 @@ SECTIONS = {  # name -> heading, in file order
     "ray": "Ray executor: on-policy wall time vs local, score workers killed (issue #32: Ray)",
     "images": "Image prompts: a vision-language teacher with and without the images (issue #31: images)",
     "distopt": "Distributed optimizer: state per rank at DP=2 (issue #33: scale)",
-    "index": "Cache index: start-up, memory and commit cost at 10^3-10^4 shards (issue #33: scale)",
+    "index": "Cache index: start-up, memory and commit cost at 10^3-10^5 shards (issue #33: scale)",
     "cp": "Context parallelism: peak memory per rank and step time, CP=2 vs CP=1 at 16k tokens (issue #33: scale)",
     "xtok": "Cross-tokenizer distillation from the cache: GOLD vs SFT, bytes, step time (issue #37)",
 }

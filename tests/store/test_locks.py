@@ -1,5 +1,6 @@
 """Writer locks (pipeline/store/locks.py) and two writers on one cache, with real processes."""
 
+import json
 import os
 import signal
 import socket
@@ -40,6 +41,17 @@ def test_second_holder_is_refused_naming_the_first_and_a_killed_holder_holds_not
     with FileLock(lock, "score task T"):  # ... and blocks nobody: the kernel dropped its flock
         assert str(os.getpid()) in lock.read_text()
     assert not lock.exists()  # a released lock removes its file
+
+
+def test_holder_description_replaces_a_longer_stale_one_whole(tmp_path):
+    """A killed holder's description, longer than ours, is overwritten and cut to ours (written over, not truncated
+    to 0 first: locks.py), so a refused writer reads the live holder, not a splice of the two."""
+    lock = tmp_path / ".commit.lock"
+    lock.write_text(json.dumps({"pid": 1, "host": "gone", "since": 0.0, "command": "x" * 5000}))
+    with FileLock(lock, "a writer of this cache"):
+        info = json.loads(lock.read_text())
+        assert info["pid"] == os.getpid() and info["host"] == socket.gethostname() and "x" * 10 not in lock.read_text()
+        assert lock.stat().st_size == len(json.dumps(info).encode())
 
 
 def test_waiting_lock_times_out_with_the_holder_named(tmp_path):
