@@ -59,7 +59,7 @@ from pipeline.store.rollouts import (
     iter_rollouts,
     rollout_key,
     rollout_shards,
-    rollout_tokenizer,
+    tokenizer_mismatches,
 )
 from pipeline.store.schema import check_arrow_schema, load_schema
 from pipeline.store.shards import ShardError, read_marker
@@ -241,14 +241,13 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
     configured student tokenizer's), or that do not say which one: the same vocab size with another mapping passes
     the vocab-range check and poisons the cache silently."""
     if student_tokenizer is not None:
-        wrong = [f"{p} ({rollout_tokenizer(p)})" for p in paths if rollout_tokenizer(p) != student_tokenizer]
+        wrong = [f"{p} ({fp})" for p, fp in tokenizer_mismatches(paths, student_tokenizer)]
         if wrong:
             raise ScoreInputError(
                 f"{len(wrong)} rollout shard(s) were not tokenized by student_tokenizer ({student_tokenizer}): "
                 f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; point student_tokenizer at the folder of "
                 "the tokenizer that made them")
         return
-    other, unknown = [], []
     for p in paths:
         try:
             schema = pq.read_schema(p)
@@ -256,11 +255,9 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
             raise ShardError(f"{p}: not a readable Parquet file ({e}); delete it and its .ok marker and rerun the "
                              "task that wrote it") from e
         check_arrow_schema(schema, "rollout", p)  # a newer schema major: refused before any teacher work
-        fp = rollout_tokenizer(p)
-        if fp is None:
-            unknown.append(p)
-        elif fp != teacher_tokenizer:
-            other.append(f"{p} ({fp})")
+    wrong = tokenizer_mismatches(paths, teacher_tokenizer)
+    other = [f"{p} ({fp})" for p, fp in wrong if fp is not None]
+    unknown = [p for p, fp in wrong if fp is None]
     if other:
         raise ScoreInputError(
             f"{len(other)} rollout shard(s) were tokenized by another tokenizer than the teacher's ({teacher}: "

@@ -134,6 +134,14 @@ def rollout_tokenizer(path: str | Path) -> str | None:
     return (read_marker(path) or {}).get("tokenizer_fingerprint")
 
 
+def tokenizer_mismatches(paths: Sequence[str | Path], expected: str) -> list[tuple[Path, str | None]]:
+    """The shards of `paths` whose ids were not made by the tokenizer of fingerprint `expected`, in order, with the
+    fingerprint each records (None: it records none). Every reader of rollouts refuses them: ids of another tokenizer
+    of the same vocabulary size pass every range check and poison a cache or a run silently."""
+    found = ((Path(p), rollout_tokenizer(p)) for p in paths)
+    return [(p, fp) for p, fp in found if fp != expected]
+
+
 def shard_lock(path: str | Path, what: str):
     """The lock a generate/import task holds while it makes the rollout shard `path` (`.NAME.lock` beside it): a
     second process of the same task is refused at once, naming the first (pipeline/store/locks.py)."""
