@@ -20,11 +20,11 @@ from pipeline.config import load_config, parse_overrides
 from pipeline.errors import command
 from pipeline.generate.sampler import (
     GenerateConfig,
-    missing_tasks,
     output_path,
     run_generate,
 )
 from pipeline.slurm.arrays import array_spec, task_index
+from pipeline.store.tasks import missing_rollout_shards
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "generate.yaml"
 
@@ -52,7 +52,7 @@ def parse_args(argv: list[str]) -> tuple[GenerateConfig, bool]:
 def status(cfg: GenerateConfig) -> int:
     """Print which of the num_shards tasks have no complete shard (marker) in `out`, as a ready `--array=` list;
     exit 1 if any (the score stage's `--status` contract, read by `gkd slurm resubmit --stage generate`)."""
-    missing = missing_tasks(cfg)
+    missing = missing_rollout_shards(cfg.out, cfg.num_shards, checksum=False)
     if not missing:
         print(f"all {cfg.num_shards} generate tasks of prompts {cfg.prompts} into {cfg.out} are done")
         return 0

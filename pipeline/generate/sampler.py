@@ -203,11 +203,6 @@ def output_path(cfg: GenerateConfig, shard: int) -> Path:
     return shard_path(cfg.out, "rollouts", shard, cfg.num_shards)
 
 
-def missing_tasks(cfg: GenerateConfig) -> list[int]:
-    """The tasks of `cfg.num_shards` whose shard in `cfg.out` is not complete (no marker, or it does not verify)."""
-    return [i for i in range(cfg.num_shards) if not is_complete(output_path(cfg, i), "rollout", checksum=False)]
-
-
 def check_tokenizer(tokenizer: Any, cfg: GenerateConfig) -> str:
     """The student's tokenizer fingerprint; refuse a student whose tokenizer differs from the declared one."""
     fp = tokenizer_fingerprint(tokenizer)

@@ -57,12 +57,12 @@ from pipeline.onpolicy.stages import (
     train_stage,
 )
 from pipeline.onpolicy.state import State, is_on_policy
-from pipeline.score.scorer import rollouts_tag, task_done, task_name
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
 from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
-from pipeline.store.rollouts import rollout_shards, shard_path
-from pipeline.store.shards import atomic_write_bytes, is_complete
+from pipeline.store.rollouts import rollout_shards
+from pipeline.store.shards import atomic_write_bytes
+from pipeline.store.tasks import missing_rollout_shards, missing_score_tasks, rollouts_tag, write_result
 
 # An on-policy cycle's chain of jobs: its stages, with eval run by the train job.
 JOB_STAGES = tuple(s for s in cycle_stages(True) if s != "eval")
@@ -130,8 +130,7 @@ def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
     if stage == "generate":
         n = cfg.slurm_generate_shards
         folder = ws.rollouts(cycle_name(cycle))
-        return [] if not on_policy else [
-            i for i in range(n) if not is_complete(shard_path(folder, "rollouts", i, n), "rollout")]
+        return missing_rollout_shards(folder, n) if on_policy else []
     if stage == "score":
         m = cfg.slurm_score_shards
         if not on_policy:
@@ -139,7 +138,7 @@ def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
         if missing(ws, state, "generate", cycle):
             return list(range(m))
         tag = rollouts_tag(rollout_shards(ws.rollouts(cycle_name(cycle))))
-        return [i for i in range(m) if not task_done(Path(cfg.cache), task_name(tag, i, m))]
+        return missing_score_tasks(cfg.cache, tag, m)
     if stage == "train":
         done = result_path(cfg, "train", cycle).exists() and ws.latest_step() >= (cycle + 1) * spg
         return [] if done else [-1]
@@ -247,8 +246,7 @@ def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, nu
     path = result_path(cfg, stage, cycle, shard if n else None)
     if result is not None or not path.exists():  # a rerun of a finished task keeps the first run's numbers
         result = {**(result or {}), "task_seconds": round(time.time() - t0, 2)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, json.dumps(result, indent=1, default=str).encode())
+        write_result(path, result)
     print(f"[onpolicy] {'setup' if stage == 'setup' else f'cycle {cycle} {stage}'}"
           f"{f' task {shard}/{n}' if n else ''} done in {time.time() - t0:.1f} s -> {path}")
     return 0

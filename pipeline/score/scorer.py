@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import hashlib
 import json
 import sys
 import time
@@ -43,7 +42,7 @@ from pipeline.score.writer import BatchWriter
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.store import Descriptor, TeacherCache, align
 from pipeline.store import images as image_store
-from pipeline.store.cache import DESCRIPTOR, SHARDS
+from pipeline.store.cache import DESCRIPTOR
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import (
@@ -53,7 +52,6 @@ from pipeline.store.fingerprint import (
     teacher_fingerprint,
     tokenizer_fingerprint,
 )
-from pipeline.store.locks import FileLock
 from pipeline.store.model_config import vocab_size as model_vocab_size
 from pipeline.store.rollouts import (
     assign_shard,
@@ -61,10 +59,19 @@ from pipeline.store.rollouts import (
     iter_rollouts,
     rollout_key,
     rollout_shards,
-    rollout_tokenizer,
+    tokenizer_mismatches,
 )
 from pipeline.store.schema import check_arrow_schema, load_schema
-from pipeline.store.shards import ShardError, WriteError, atomic_write_bytes, read_marker, verify_shard
+from pipeline.store.shards import ShardError, read_marker
+from pipeline.store.tasks import (
+    missing_score_tasks,
+    rollouts_tag,
+    task_done,
+    task_lock,
+    task_marker,
+    task_name,
+    write_result,
+)
 
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
 CODECS = ("rank-grid-esc", "exact-f32")
@@ -234,14 +241,13 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
     configured student tokenizer's), or that do not say which one: the same vocab size with another mapping passes
     the vocab-range check and poisons the cache silently."""
     if student_tokenizer is not None:
-        wrong = [f"{p} ({rollout_tokenizer(p)})" for p in paths if rollout_tokenizer(p) != student_tokenizer]
+        wrong = [f"{p} ({fp})" for p, fp in tokenizer_mismatches(paths, student_tokenizer)]
         if wrong:
             raise ScoreInputError(
                 f"{len(wrong)} rollout shard(s) were not tokenized by student_tokenizer ({student_tokenizer}): "
                 f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}; point student_tokenizer at the folder of "
                 "the tokenizer that made them")
         return
-    other, unknown = [], []
     for p in paths:
         try:
             schema = pq.read_schema(p)
@@ -249,11 +255,9 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
             raise ShardError(f"{p}: not a readable Parquet file ({e}); delete it and its .ok marker and rerun the "
                              "task that wrote it") from e
         check_arrow_schema(schema, "rollout", p)  # a newer schema major: refused before any teacher work
-        fp = rollout_tokenizer(p)
-        if fp is None:
-            unknown.append(p)
-        elif fp != teacher_tokenizer:
-            other.append(f"{p} ({fp})")
+    wrong = tokenizer_mismatches(paths, teacher_tokenizer)
+    other = [f"{p} ({fp})" for p, fp in wrong if fp is not None]
+    unknown = [p for p, fp in wrong if fp is None]
     if other:
         raise ScoreInputError(
             f"{len(other)} rollout shard(s) were tokenized by another tokenizer than the teacher's ({teacher}: "
@@ -268,38 +272,6 @@ def check_rollout_tokenizer(paths: list[Path], teacher_tokenizer: str, teacher: 
             f"{' ...' if len(unknown) > 5 else ''}; write them with `gkd import` / `gkd generate`, or through "
             "pipeline.store.rollouts.write_rollouts(..., tokenizer_fingerprint=tokenizer_fingerprint(TOKENIZER))"
         )
-
-
-# -- task bookkeeping --------------------------------------------------------------------------------------------
-
-
-def rollouts_tag(paths: list[Path], tags: list[str] | None = None, tag_key: str = "") -> str:
-    """Identity of a rollout set, from its shards' names and checksums (cheap: markers only), and of the tag
-    selection scored from it (scoring tags A then tags B into one cache are two tasks, not one done twice)."""
-    h = hashlib.blake2b(digest_size=6)
-    for p in paths:
-        m = read_marker(p) or {}
-        h.update(f"{p.name}:{m.get('sha256')}\n".encode())
-    if tags:
-        h.update(f"tags|{tag_key}|{json.dumps(sorted(set(tags)))}".encode())
-    return h.hexdigest()
-
-
-def task_name(tag: str, shard: int, num_shards: int) -> str:
-    return f"scored-{tag}-{shard:05d}-of-{num_shards:05d}"
-
-
-def task_marker(cache_root: Path, name: str) -> Path:
-    return cache_root / "tasks" / f"{name}.done"
-
-
-def task_done(cache_root: Path, name: str) -> bool:
-    """A task is done when its marker exists and every part it lists verifies."""
-    marker = task_marker(cache_root, name)
-    if not marker.exists():
-        return False
-    parts = json.loads(marker.read_text()).get("parts", [])
-    return all(not verify_shard(cache_root / SHARDS / f"{p}.parquet", "scored", checksum=False) for p in parts)
 
 
 # -- rows --------------------------------------------------------------------------------------------------------
@@ -565,7 +537,7 @@ def status(cfg: ScoreConfig) -> int:
     paths = rollout_shards(cfg.rollouts)
     tag = rollouts_tag(paths, cfg.tags, cfg.tag_key)
     root = Path(cfg.cache)
-    missing = [i for i in range(cfg.num_shards) if not task_done(root, task_name(tag, i, cfg.num_shards))]
+    missing = missing_score_tasks(root, tag, cfg.num_shards)
     if not missing:
         print(f"all {cfg.num_shards} score tasks of rollouts {cfg.rollouts} ({tag}) are done")
         return 0
@@ -744,8 +716,7 @@ def _finish_task(cfg: ScoreConfig, cache: TeacherCache, name: str, shard: int, s
         seconds=time.time() - t0,
         bytes_per_token=round(nbytes / summary["tokens"], 1) if summary["tokens"] else None,
     )
-    task_marker(cache.root, name).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(task_marker(cache.root, name), json.dumps(summary, indent=1, default=str).encode())
+    write_result(task_marker(cache.root, name), summary)
     tok_s = summary["tokens"] / summary["score_seconds"] if summary.get("score_seconds") else 0.0
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
     print(
@@ -952,16 +923,6 @@ def _write_part(cache: TeacherCache, name: str, index: int, rows: list[dict], co
     if dropped:
         counts["cached_meanwhile"] = counts.get("cached_meanwhile", 0) + dropped
     return [part] if info is not None else []
-
-
-def task_lock(cache_root: Path, name: str):
-    """The lock one score task holds while it runs (pipeline/store/locks.py): `tasks/<task>.lock`."""
-    marker = task_marker(cache_root, name)
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise WriteError(marker.parent, e, "cannot write into the cache") from e
-    return FileLock(marker.with_suffix(".lock"), f"score task {name} (same rollouts, shard and num_shards)")
 
 
 def check_finite(got: dict, row: dict, teacher: Path, cfg: ScoreConfig) -> None:

@@ -37,9 +37,10 @@ BENCHMARKS.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zstandard
@@ -168,11 +169,13 @@ def quantise_numpy(lp: np.ndarray, where: str) -> np.ndarray:
     return q
 
 
-def tail_logprob(topk_logprobs: np.ndarray) -> np.ndarray:
-    """log(1 - sum(exp(top-k))) per position, in float64; -inf when the top-k hold all the mass (up to rounding)."""
-    mass = np.exp(np.asarray(topk_logprobs, dtype=np.float64)).sum(axis=-1)
-    with np.errstate(divide="ignore"):
-        return np.where(mass < 1.0, np.log1p(-np.minimum(mass, 1.0)), -np.inf).astype(np.float64)
+def tail_logprob(topk_logprobs: Any, xp: Any = np) -> Any:
+    """log(1 - sum(exp(top-k))) per position, in float64; -inf when the top-k hold all the mass (up to rounding).
+    `xp`: the array library of `topk_logprobs`, numpy or torch (the live teacher's tensors, on their device), so
+    the tail a live teacher gives is the one the score stage stores."""
+    mass = xp.exp(xp.asarray(topk_logprobs, dtype=xp.float64)).sum(-1)
+    with np.errstate(divide="ignore"):  # numpy's log1p(-1) where the mass is 1: not chosen by the where
+        return xp.where(mass < 1.0, xp.log1p(-xp.clip(mass, None, 1.0)), -math.inf)
 
 
 def top_p_counts(lps: np.ndarray, topp: float, min_k: int) -> np.ndarray:

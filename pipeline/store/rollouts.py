@@ -54,7 +54,13 @@ def assign_shard(key: str, num_shards: int) -> int:
 def first_scored(row: dict, score_prompt: bool = False) -> int:
     """P, the first scored position of a rollout row's x = prompt_ids + completion_ids: its completion's first
     token, or with `score_prompt` every position from x_1 on."""
-    return 1 if score_prompt else len(row["prompt_ids"])
+    return int(scored_from(len(row["prompt_ids"]), score_prompt))
+
+
+def scored_from(prompt_lengths: int | np.ndarray, score_prompt: bool = False) -> int | np.ndarray:
+    """`first_scored` of rollouts whose prompts hold `prompt_lengths` tokens (one length, or an array of them, for
+    a reader of a whole column: the live teacher's loader)."""
+    return np.ones_like(prompt_lengths) if score_prompt else prompt_lengths
 
 
 def rollout_key(row: dict, teacher_fp: str, k: int, mode: str, *, score_prompt: bool = False,
@@ -132,6 +138,14 @@ def rollout_tokenizer(path: str | Path) -> str | None:
     if TOKENIZER_KEY in footer:
         return footer[TOKENIZER_KEY].decode()
     return (read_marker(path) or {}).get("tokenizer_fingerprint")
+
+
+def tokenizer_mismatches(paths: Sequence[str | Path], expected: str) -> list[tuple[Path, str | None]]:
+    """The shards of `paths` whose ids were not made by the tokenizer of fingerprint `expected`, in order, with the
+    fingerprint each records (None: it records none). Every reader of rollouts refuses them: ids of another tokenizer
+    of the same vocabulary size pass every range check and poison a cache or a run silently."""
+    found = ((Path(p), rollout_tokenizer(p)) for p in paths)
+    return [(p, fp) for p, fp in found if fp != expected]
 
 
 def shard_lock(path: str | Path, what: str):

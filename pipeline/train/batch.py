@@ -5,7 +5,9 @@ See pipeline/train/data.py for the alignment rules and pipeline/train/packing.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,11 +138,18 @@ def fold_past_vocab(ids: np.ndarray, lps: np.ndarray, tail: np.ndarray, vocab_si
         return ids, lps, tail, None, None
     ids, lps, tail = ids.copy(), lps.copy(), tail.copy()
     rows = np.flatnonzero(folded)
-    extra = np.where(bad[rows], lps[rows].astype(np.float64), -np.inf)
-    with np.errstate(divide="ignore"):  # log(0) = -inf where a part holds no mass
-        tail[rows] = np.logaddexp(tail[rows].astype(np.float64), np.log(np.exp(extra).sum(axis=1)))
-    ids[bad], lps[bad] = 0, -np.inf
+    ids[rows], lps[rows], tail[rows] = fold_entries(ids[rows], lps[rows], tail[rows], bad[rows])
     return ids, lps, tail, ~bad, folded
+
+
+def fold_entries(ids: Any, lps: Any, tail: Any, bad: Any, xp: Any = np) -> tuple[Any, Any, Any]:
+    """The fold of `fold_past_vocab` on rows [P, k]: entries `bad` -> id 0, logprob -inf, their mass log-added to
+    the tail in float64 (returned in float64). `xp`: the array library, numpy or torch (the live teacher folds its
+    rows on their device by the rule the loader applies to cached ones)."""
+    extra = xp.where(bad, xp.asarray(lps, dtype=xp.float64), -math.inf)
+    with np.errstate(divide="ignore"):  # numpy's log(0) = -inf where a part holds no mass
+        tail = xp.logaddexp(xp.asarray(tail, dtype=xp.float64), xp.log(xp.exp(extra).sum(-1)))
+    return xp.where(bad, 0, ids), xp.where(bad, -math.inf, lps), tail
 
 
 def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.ndarray, full_lengths: np.ndarray, *,

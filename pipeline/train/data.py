@@ -73,6 +73,7 @@ from pipeline.config import ConfigError
 from pipeline.errors import InputError
 from pipeline.store.cache import Descriptor, cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
+from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, file_sha256, verify_shard
 from pipeline.train.batch import Block, MicroBatch, assemble, fold_past_vocab, student_layout
 from pipeline.train.packing import pack, row_offsets
@@ -230,10 +231,10 @@ class ScoredLoader:
                 raise ShardError("; ".join(problems))
             try:
                 pf = pq.ParquetFile(path)
-                if self.live:  # a rollout: key = sample_id, first scored = the prompt length (the score rule)
+                if self.live:  # a rollout: key = sample_id, first scored by the score stage's rule
                     table = pf.read(columns=["sample_id", "prompt_ids", "completion_ids"])
                     key = table.column("sample_id")
-                    first = pc.list_value_length(table.column("prompt_ids")).to_numpy(zero_copy_only=False)
+                    first = scored_from(pc.list_value_length(table.column("prompt_ids")).to_numpy(zero_copy_only=False))
                     num = pc.list_value_length(table.column("completion_ids")).to_numpy(zero_copy_only=False)
                     if "teacher_prompt_ids" in pf.schema_arrow.names and pf.read(
                             columns=["teacher_prompt_ids"]).column(0).null_count != pf.metadata.num_rows:
@@ -438,7 +439,7 @@ class ScoredLoader:
         return Block(
             token_offsets=np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64),
             tokens=np.concatenate(seqs) if seqs else np.zeros(0, np.int64),
-            first_scored=np.asarray([len(p) for p in prompts], np.int64),
+            first_scored=scored_from(np.asarray([len(p) for p in prompts], np.int64)),
             is_dataset=pc.equal(t.column("source"), "dataset").to_numpy(zero_copy_only=False),
             keys=t.column("sample_id").to_pylist(), row_offsets=np.concatenate([[0], np.cumsum(num)]),
             topk_ids=np.zeros((positions, self.k), np.int32), topk_logprobs=np.zeros((positions, self.k), np.float32),

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipeline.store.codec import tail_logprob
+from pipeline.train.batch import fold_entries
 from pipeline.train.fused_loss import CHUNK_BYTES, chunk_rows
 from pipeline.train.vocab_parallel import global_lse, tp_rank_world, valid_columns
 
@@ -78,16 +80,11 @@ def teacher_topk(hidden: Tensor, weight: Tensor, mask: Tensor, k: int, *, tp_gro
         lse = global_lse(m + se.log(), tp_group)
         lp = vals - lse.unsqueeze(-1)
         ids[r], lps[r] = gid, lp.float()
-        # The tail from the unquantised values in float64, as the score stage stores it (codec.tail_logprob).
-        mass = lp.double().exp().sum(-1)
-        tail[r] = torch.where(mass < 1, torch.log1p(-mass.clamp(max=1.0)), -math.inf).float()
+        tail[r] = tail_logprob(lp, torch).float()  # from the unquantised values, as the score stage stores it
     valid = torch.ones(n, k, dtype=torch.bool, device=h.device)
     if student_vocab is not None:
         out = (ids >= student_vocab) & mask.reshape(-1, 1)
         if bool(out.any()):
-            folded = torch.where(out, lps.double(), -math.inf)
-            tail = torch.logaddexp(tail.double(), torch.logsumexp(folded, -1)).float()
-            ids = torch.where(out, 0, ids)
-            lps = torch.where(out, -math.inf, lps)
-            valid = ~out
+            ids, lps, tail = fold_entries(ids, lps, tail, out, torch)
+            tail, valid = tail.float(), ~out
     return (ids.to(torch.int32).reshape(*lead, k), lps.reshape(*lead, k), tail.reshape(lead), valid.reshape(*lead, k))

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import InputError, MissingInputError, UserError
 from pipeline.store.cache import DESCRIPTOR, SHARDS, Descriptor, TeacherCache, cache_root
-from pipeline.store.rollouts import rollout_shards, rollout_tokenizer
+from pipeline.store.rollouts import rollout_shards, tokenizer_mismatches
 from pipeline.store.shards import ShardError
 
 
@@ -94,13 +94,12 @@ def resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str |
         paths = rollout_shards(src) if src.is_dir() else [src]
         if not paths:
             raise ShardError(f"{src}: no complete rollout shards (*.parquet with a .ok marker)")
-        for p in paths:
-            recorded = rollout_tokenizer(p)
-            if tokenizer_fingerprint is not None and recorded != tokenizer_fingerprint:
-                raise TokenizerMismatchError(
-                    f"{p}: rollouts tokenized with {recorded or 'an unrecorded tokenizer'}, the student's is "
-                    f"{tokenizer_fingerprint}; regenerate them with the student's tokenizer")
-            out.append((p, None))
+        if tokenizer_fingerprint is not None and (wrong := tokenizer_mismatches(paths, tokenizer_fingerprint)):
+            p, recorded = wrong[0]
+            raise TokenizerMismatchError(
+                f"{p}: rollouts tokenized with {recorded or 'an unrecorded tokenizer'}, the student's is "
+                f"{tokenizer_fingerprint}; regenerate them with the student's tokenizer")
+        out += [(p, None) for p in paths]
     return out
 
 
