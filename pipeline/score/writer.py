@@ -1,12 +1,14 @@
-"""The score stage's writer thread: the engine scores batch i+1 while batch i is extracted, encoded and written.
+"""The score stage's writer threads: the engine scores batch i+1 while batch i is extracted, and a full part is
+encoded and committed while the batches of the next part are extracted.
 
-A bounded queue (`depth` batches) between the engine's thread and one writer thread. What the writer does with a
-batch (score/scorer.py `_Parts.add`: extraction, the finiteness check, codec encoding, the Parquet write, fsync and
-the commit under the cache's lock) runs mostly outside the GIL (numpy, the numba codec kernels, pyarrow, the fsync),
-so it overlaps the engine's forward passes; the queue bounds the memory held by outputs waiting to be written.
+Two of these, chained (score/scorer.py `_score_rows`): a bounded queue (`depth` batches) between the engine's thread
+and the batch writer (`_Parts.add`: extraction and the finiteness check), and a queue of one part between that and
+the part writer (`_Parts.write`: codec encoding, the Parquet write, fsync and the commit under the cache's lock),
+which runs mostly outside the GIL (numpy, the numba codec kernels, pyarrow, the fsync). The queues bound the memory
+held by outputs and parts waiting.
 
-The writer handles batches in the order they were put, so parts hold the same rows in the same order as in the
-engine's thread (depth 0: no thread, `add` runs in the caller): the shards are byte-identical. An error in the
+Each writer handles its items in the order they were put, so parts hold the same rows in the same order as in the
+engine's thread (depth 0: no threads, both run in the caller): the shards are byte-identical. An error in the
 writer (a NaN from the engine, a full disk) is raised in the engine's thread at its next `put` or at the end; a
 failing engine lets the writer finish the batches already queued (complete parts only, as the serial path would
 have written them) before the error goes on. A kill -9 loses what a serial run loses: the rows of the parts not

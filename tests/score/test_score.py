@@ -110,8 +110,9 @@ def test_matches_transformers_and_alignment(tmp_path, teacher, llm):
 
 
 def test_writer_thread_writes_the_serial_paths_shards_byte_for_byte(tmp_path, teacher, llm):
-    """The overlapped loop (a writer thread behind a bounded queue) against the serial one (write_queue=0): the same
-    parts, each byte-identical, so the same rows in the same order and the same markers' checksums."""
+    """The overlapped loop (batch and part writer threads behind bounded queues) against the serial one
+    (write_queue=0): the same parts, each byte-identical, so the same rows in the same order and the same markers'
+    checksums."""
     rng = np.random.default_rng(3)
     _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet",
               [(int(rng.integers(2, 20)), int(rng.integers(1, 60))) for _ in range(23)], teacher)
