@@ -153,7 +153,6 @@ def _escape_rows_loop(v, lens, t, nb, ends, out):  # pragma: no cover - compiled
 
 
 _kernel = None  # compiled on first use (numba's import alone costs ~0.3 s: the stages that never decode skip it)
-_quantise_kernel = None
 
 
 def guard_llvmlite_lib() -> None:
@@ -197,31 +196,28 @@ def _get_kernel():
     return _kernel or None
 
 
-_escape_kernel = None
+_compiled: dict[str, object] = {}  # the encoder's kernels by name, compiled on first use (False: no numba)
+
+
+def _encoder_kernel(fn):
+    """`fn` compiled (nogil, cached on disk), or None without numba: the caller's numpy path."""
+    if fn.__name__ not in _compiled:
+        _compiled[fn.__name__] = False
+        if _get_kernel() is not None:
+            import numba
+
+            _compiled[fn.__name__] = numba.njit(nogil=True, cache=True, boundscheck=False)(fn)
+    return _compiled[fn.__name__] or None
 
 
 def get_escape_kernel():
-    """The compiled `_escape_rows_loop`, or None without numba (the caller's numpy path)."""
-    global _escape_kernel
-    if _escape_kernel is None:
-        _escape_kernel = False
-        if _get_kernel() is not None:
-            import numba
-
-            _escape_kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_escape_rows_loop)
-    return _escape_kernel or None
+    """The compiled `_escape_rows_loop`, or None without numba."""
+    return _encoder_kernel(_escape_rows_loop)
 
 
 def get_quantise_kernel():
-    """The compiled `_quantise_loop`, or None without numba (the caller's numpy path)."""
-    global _quantise_kernel
-    if _quantise_kernel is None:
-        _quantise_kernel = False
-        if _get_kernel() is not None:
-            import numba
-
-            _quantise_kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_quantise_loop)
-    return _quantise_kernel or None
+    """The compiled `_quantise_loop`, or None without numba."""
+    return _encoder_kernel(_quantise_loop)
 
 
 class _Workspace(threading.local):
