@@ -692,16 +692,10 @@ def _score_rows(cfg: ScoreConfig, llm, task: _Task, todo: list[dict], name: str,
     total_tokens = sum(len(r["engine_ids"]) for r in todo)
     out = _Parts(task.cache, name, parts, counts, cfg, task.teacher if task.served is None else cfg.teacher_url)
     writer = BatchWriter(out.add, cfg.write_queue)
-    # A part's encoding and commit takes as long as ~50 engine batches take to extract: in a thread of its own, so
-    # the batch queue keeps draining meanwhile (with the part in the batch writer, a queue of 2 filled and held the
-    # engine for the whole commit: 0.88x of a bare loop at a replayed 50k tokens/s, 0.99x in this layout). One part
-    # waits at most, as arrays (~12 B per entry, against ~70 B for vLLM's lists in the batch queue).
-    part_writer = BatchWriter(out.write, 1 if cfg.write_queue else 0)
-    out.submit = part_writer.put
     with stack:
         bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)
         t_score = time.time()
-        with part_writer.running():  # part i is encoded and committed while the batches of part i + 1 are extracted
+        with out.part_writer.running():  # part i is encoded and committed while the batches of part i + 1 are extracted
             with writer.running():  # batch i is extracted while the engine scores batch i + 1
                 for batch, flats in engine.score_batches(token_batches(todo, cfg.batch_tokens)):
                     summary["teacher_forwards"] += len(batch)
@@ -899,7 +893,10 @@ class _Parts:
                  teacher: Path | str) -> None:
         self.cache, self.name, self.parts, self.counts, self.cfg, self.teacher = cache, name, parts, counts, cfg, teacher
         self.pending: list[dict] = []
-        self.submit = self.write  # a full part's rows -> `write`, inline or through the part writer (`_score_rows`)
+        # A part's encoding and commit lasts as long as ~50 batches' extraction: in a thread of its own (behind a
+        # queue of one part, as arrays), so the batch queue keeps draining meanwhile instead of filling and holding
+        # the engine for the whole commit. Serial (write_queue=0): inline.
+        self.part_writer = BatchWriter(self.write, 1 if cfg.write_queue else 0)
 
     def add(self, item: tuple[list[dict], list]) -> None:
         batch, flats = item
@@ -909,12 +906,12 @@ class _Parts:
             check_finite(got, r, self.teacher, self.cfg)
             self.pending.append({**r, **got})
         while len(self.pending) >= self.cfg.part_rows:
-            self.submit(self.pending[: self.cfg.part_rows])
+            self.part_writer.put(self.pending[: self.cfg.part_rows])
             self.pending = self.pending[self.cfg.part_rows :]
 
     def flush(self) -> None:
         if self.pending:
-            self.submit(self.pending)
+            self.part_writer.put(self.pending)
             self.pending = []
 
     def write(self, rows: list[dict]) -> None:

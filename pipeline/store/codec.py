@@ -83,15 +83,6 @@ def _nplanes(max_value: int) -> int:
     return max(1, (int(max_value).bit_length() + 7) // 8)
 
 
-def _to_planes(values: np.ndarray, nb: int) -> bytes:
-    """uint32 values -> nb byte planes, low byte first."""
-    v = values.astype(np.uint32, copy=False).ravel()
-    out = np.empty((nb, v.size), dtype=np.uint8)
-    for p in range(nb):
-        out[p] = (v >> (8 * p)) & 0xFF
-    return out.tobytes()
-
-
 def _join_planes(planes: np.ndarray) -> np.ndarray:
     """[nb, n] uint8 planes -> n uint32 values."""
     out = planes[0].astype(np.uint32)
@@ -111,15 +102,8 @@ def _escape_params(max_value: int) -> tuple[int, int]:
 _VALUE_ESC = _escape_params(_NEG_INF_Q)
 
 
-def _escape_encode(values: np.ndarray, t: int, nb: int) -> bytes:
-    v = values.astype(np.int64, copy=False).ravel()
-    big = v >= t
-    first = np.where(big, t + ((v - t) >> (8 * nb)), v).astype(np.uint8)
-    return first.tobytes() + _to_planes((v[big] - t) & ((1 << (8 * nb)) - 1), nb)
-
-
 def _from_planes(buf: np.ndarray, offsets: np.ndarray, nb: int) -> np.ndarray:
-    """Inverse of _to_planes for many rows (see _escape_decode for the arguments)."""
+    """Inverse of _planes_rows (see _escape_decode for the arguments)."""
     lens = np.diff(offsets)
     if np.any(lens % nb):
         raise CodecError(f"blob lengths {lens[lens % nb != 0][:3].tolist()} are not a multiple of {nb} planes")
@@ -249,6 +233,7 @@ def encode(
 
         return exact_codec.encode(rows, k=k, vocab_size=vocab_size)
     checked = [check_row(r, row, k=k, vocab_size=vocab_size) for r, row in enumerate(rows)]
+    nb_rank = _nplanes(vocab_size)
     if not checked:
         by_freq = np.zeros(0, np.int64)
         out = EncodedRows([], [], [], [], [], {})
@@ -271,9 +256,8 @@ def encode(
                 else _planes_rows(tq, lens, 2))
         out = EncodedRows(_escape_rows(remap[kept_ids], kept_lens, *_escape_params(max(by_freq.size - 1, 0))),
                           _escape_rows(dq[kept], kept_lens, *_VALUE_ESC), tail,
-                          _planes_rows(arank, lens, _nplanes(vocab_size)),
+                          _planes_rows(arank, lens, nb_rank),
                           _planes_rows(np.where(in_topk, 0, aq + 1), lens, 2), {})
-    nb_rank = _nplanes(vocab_size)
     out.footer = {
         b"gkd.codec": NAME.encode(),
         b"gkd.codec.k": str(k).encode(),
@@ -330,7 +314,8 @@ def _row_blobs(out: np.ndarray, ends: np.ndarray) -> list[bytes]:
 
 
 def _planes_rows(values: np.ndarray, lens: np.ndarray, nb: int) -> list[bytes]:
-    """`_to_planes` of each row (`lens` entries each) of a flat array, in whole-array passes."""
+    """Each row (`lens` entries each) of a flat array of uint32 values as nb byte planes, low byte first, in
+    whole-array passes."""
     v = values.astype(np.uint32, copy=False).ravel()
     starts = _starts(lens)
     row = np.repeat(np.arange(lens.size), lens)
@@ -342,7 +327,7 @@ def _planes_rows(values: np.ndarray, lens: np.ndarray, nb: int) -> list[bytes]:
 
 
 def _escape_rows(values: np.ndarray, lens: np.ndarray, t: int, nb: int, use_kernel: bool = True) -> list[bytes]:
-    """`_escape_encode` of each row (`lens` entries each) of a flat array: a row's blob is its first bytes, then the
+    """The escape coding of each row (`lens` entries each) of a flat array: a row's blob is its first bytes, then the
     low bytes of its m escapes as nb planes of m bytes. One numba pass per row (codec_kernels.py), or whole-array
     numpy passes (the fallback, and the kernel's reference; the scatters cost ~4x the kernel's time)."""
     v = np.ascontiguousarray(values, dtype=np.int64).ravel()
@@ -407,7 +392,8 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
             raise CodecError(f"{where}: shards encoded with different codec parameters cannot be concatenated")
         open_decoder(first, where)  # refuses an unknown codec
         return pa.concat_tables([t for t, _ in parts]), dict(first)
-    row_ids: list[np.ndarray] = []
+    row_ids: list[np.ndarray] = []  # per record batch: its rows' ids, flat
+    row_lens: list[np.ndarray] = []
     for table, footer in parts:
         if any(footer.get(name) != first.get(name) for name in shared):
             raise CodecError(f"{where}: shards encoded with different codec parameters cannot be concatenated")
@@ -415,13 +401,14 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
         for batch in table.combine_chunks().to_batches():
             num = decoder.entries(batch, batch.column("num_scored").to_numpy(zero_copy_only=False))[0]
             data, offsets = Decoder._column(batch, "topk_ids")
-            ids = decoder.id_table[_escape_decode(data, offsets, num, *decoder.id_esc)].astype(np.int64)
-            row_ids += np.split(ids, np.cumsum(num)[:-1])
+            row_ids.append(decoder.id_table[_escape_decode(data, offsets, num, *decoder.id_esc)].astype(np.int64))
+            row_lens.append(np.asarray(num, np.int64))
     vocab_size = int(first[b"gkd.codec.vocab_size"])
-    by_freq, remap = _id_table(np.concatenate(row_ids), vocab_size)
-    esc = _escape_params(max(by_freq.size - 1, 0))
+    all_ids = np.concatenate(row_ids)
+    by_freq, remap = _id_table(all_ids, vocab_size)
     merged = pa.concat_tables([t for t, _ in parts])
-    column = pa.array([_escape_encode(remap[ids], *esc) for ids in row_ids], pa.binary())
+    column = pa.array(_escape_rows(remap[all_ids], np.concatenate(row_lens), *_escape_params(max(by_freq.size - 1, 0))),
+                      pa.binary())
     merged = merged.set_column(merged.schema.get_field_index("topk_ids"), "topk_ids", column)
     return merged, {**first, b"gkd.codec.id_table": _pack_id_table(by_freq)}
 
