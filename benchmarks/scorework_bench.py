@@ -69,6 +69,35 @@ class Replay:
         return outs
 
 
+def output_processing(outputs: dict, k: int) -> tuple[dict, dict]:
+    """vLLM's output processor on the recorded requests' own engine tensors, both ways: its Python lists
+    (`LogprobsProcessor._update_prompt_logprobs`, vLLM's code, what a request without the score stage's flag
+    gets) and the arrays the score stage keeps (pipeline/engine.py). Returns the lists' outputs (for the replay of
+    an engine handing lists over) and the seconds per scored position of each."""
+    import torch
+    from vllm.logprobs import create_prompt_logprobs
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsTensors
+
+    from pipeline.engine import ArrayPromptLogprobs
+
+    tensors = {key: LogprobsTensors(*(torch.from_numpy(a) for a in o.prompt_logprobs.arrays()))
+               for key, o in outputs.items()}
+    positions = sum(len(t[2]) for t in tensors.values())
+    lists, cost = {}, {}
+    for label in ("lists", "arrays", "lists", "arrays"):  # twice each, interleaved: the second of each is kept
+        t0 = time.perf_counter()
+        for key, t in tensors.items():
+            plp = create_prompt_logprobs(True) if label == "lists" else ArrayPromptLogprobs()
+            proc = LogprobsProcessor(tokenizer=None, cumulative_logprob=None, logprobs=None, prompt_logprobs=plp,
+                                     num_prompt_logprobs=k, num_logprobs=None)
+            proc._update_prompt_logprobs(t)
+            if label == "lists":
+                lists[key] = SimpleNamespace(prompt_logprobs=plp)
+        cost[label] = (time.perf_counter() - t0) / positions
+    return lists, cost
+
+
 def _rollouts(out: Path, tok, tokens: int) -> Path:
     rows, _ = prose_rows(tok, tokens, prompt=8, chunk=128)
     write_rollouts(out / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint=tokenizer_fingerprint(tok))
@@ -147,20 +176,24 @@ def run(work: Path | None = None, tokens: int = 12_000, rounds: int = 3, copies:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=K, detokenize=False, flat_logprobs=True)
+    lists_outputs, res["output_processing"] = output_processing(rec.outputs, K)
+    _, lists_outputs = tiled(rollouts, work / "tiled-lists", lists_outputs, tok, copies)
     rollouts, outputs = tiled(rollouts, work / "tiled", rec.outputs, tok, copies)
     base["rollouts"] = str(rollouts)
     rows = [{"input_ids": np.asarray(r["prompt_ids"] + r["completion_ids"])} for r in iter_rollouts(rollout_shards(rollouts))]
     batches = token_batches(rows, BATCH_TOKENS)
     engine_tokens = sum(len(r["input_ids"]) for r in rows)
-    times: dict[str, list[float]] = {"unpaced": [], "unpaced_serial": [], "unpaced_small_parts": [], "paced": [],
-                                     "bare": []}
+    times: dict[str, list[float]] = {"unpaced": [], "unpaced_lists": [], "unpaced_serial": [],
+                                     "unpaced_small_parts": [], "paced": [], "bare": []}
     parts: dict[str, int] = {}
     scored = 0
     for rnd in range(rounds):
-        for label, pace, depth, part_rows in (("unpaced", None, 2, PART_ROWS), ("unpaced_serial", None, 0, PART_ROWS),
+        for label, pace, depth, part_rows in (("unpaced", None, 2, PART_ROWS), ("unpaced_lists", None, 2, PART_ROWS),
+                                              ("unpaced_serial", None, 0, PART_ROWS),
                                               ("unpaced_small_parts", None, 2, SMALL_PARTS), ("paced", PACE, 2, PART_ROWS)):
+            replayed = lists_outputs if label == "unpaced_lists" else outputs
             s = score(ScoreConfig(**{**base, "part_rows": part_rows}, cache=str(work / f"{label}-{rnd}"),
-                                  write_queue=depth), llm=Replay(outputs, model_config, pace))
+                                  write_queue=depth), llm=Replay(replayed, model_config, pace))
             times[label].append(s["score_seconds"])
             scored, parts[label] = s["tokens"], len(s["parts"])
             shutil.rmtree(work / f"{label}-{rnd}")  # ~16 MB a run
@@ -172,7 +205,8 @@ def run(work: Path | None = None, tokens: int = 12_000, rounds: int = 3, copies:
     med = {k: statistics.median(v) for k, v in times.items()}
     res["replay"] = {"scored_tokens": scored, "engine_tokens": engine_tokens, "rounds": rounds, "pace": PACE,
                      "copies": copies, "recorded_scored_tokens": res["record"]["scored_tokens"], "parts": parts,
-                     "work_tok_s": scored / med["unpaced"], "work_serial_tok_s": scored / med["unpaced_serial"],
+                     "work_tok_s": scored / med["unpaced"], "work_lists_tok_s": scored / med["unpaced_lists"],
+                     "work_serial_tok_s": scored / med["unpaced_serial"],
                      "work_small_parts_tok_s": scored / med["unpaced_small_parts"],
                      "paced_vs_bare": med["bare"] / med["paced"], "paced_s": med["paced"], "bare_s": med["bare"],
                      "seconds": times}
@@ -180,7 +214,7 @@ def run(work: Path | None = None, tokens: int = 12_000, rounds: int = 3, copies:
 
 
 def markdown(res: dict) -> str:
-    f, r = res["fingerprint"], res["replay"]
+    f, r, o = res["fingerprint"], res["replay"], res["output_processing"]
     return "\n".join([
         f"Teacher: SmolLM2-135M-Instruct (fp32), {f['files']} weight file(s), {f['bytes'] / 1e6:.0f} MB, warm page "
         f"cache; k={K}; replay: {r['recorded_scored_tokens']} scored tokens of prose recorded from the real vLLM "
@@ -198,9 +232,14 @@ def markdown(res: dict) -> str:
         f"| teacher fingerprint, second task on the same model | **{f['second_s']:.4f} s** | first task "
         f"{f['first_s']:.2f} s ({f['first_gb_s']:.2f} GB/s, scheme 2: sha256 per file); before the record "
         f"{f['stream_s']:.2f} s ({f['stream_gb_s']:.2f} GB/s, one blake2b stream) | ≤ 1 s |",
-        f"| score stage work without the engine, scored tokens/s | **{r['work_tok_s']:.0f}** | serial "
+        f"| score stage work without the engine, scored tokens/s | **{r['work_tok_s']:.0f}** | handed vLLM's "
+        f"lists instead of the arrays {r['work_lists_tok_s']:.0f}; serial "
         f"(write_queue=0) {r['work_serial_tok_s']:.0f}; parts of {SMALL_PARTS} rows "
         f"({r['parts']['unpaced_small_parts']} parts) {r['work_small_parts_tok_s']:.0f} | ≥ 200,000 |",
+        f"| vLLM output processing per scored position, arrays vs lists | **{o['arrays'] * 1e6:.2f} µs vs "
+        f"{o['lists'] * 1e6:.2f} µs** | the most one process can take in: {1 / o['arrays']:,.0f} vs "
+        f"{1 / o['lists']:,.0f} positions/s (vLLM's `_update_prompt_logprobs` on the recorded requests' own "
+        "engine tensors, k=64) | report |",
         f"| score vs bare at a replayed 50k tokens/s teacher | **{r['paced_vs_bare']:.2f}×** | ours {r['paced_s']:.2f} s, "
         f"bare loop {r['bare_s']:.2f} s | ≥ 0.95× |",
         "",

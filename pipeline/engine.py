@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pipeline import logs
 from pipeline.config import ConfigError
 from pipeline.store.codec_kernels import guard_llvmlite_lib
@@ -151,3 +153,86 @@ def forget_stale_vllm_groups() -> None:
 def shutdown(llm: Any) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
+
+
+# -- prompt logprobs as arrays --------------------------------------------------------------------------------------
+#
+# vLLM's output processor, which runs in the process that calls `LLM.generate` (ours), turns each request's prompt
+# logprobs tensors into Python lists (`LogprobsProcessor._update_prompt_logprobs`: `.tolist()` of the ids, logprobs
+# and ranks, then a FlatLogprobs append per position), and the score stage turns those lists back into arrays. At
+# k=64 that round trip is ~10-17 us per scored position on this CPU, in our process, whatever the GPU: one process
+# could not score more than ~60-100k tokens/s (BENCHMARKS.md, scorework). The score stage's requests carry a flag
+# in `extra_args`; for them the processor keeps the engine core's arrays. Relies on vLLM 0.32.0's internals
+# (docs/dependencies.md): where they differ, nothing is patched and the lists path stays.
+
+ARRAY_LOGPROBS_FLAG = "gkd_array_prompt_logprobs"
+
+
+class ArrayPromptLogprobs:
+    """One request's prompt logprobs as the engine core computed them: row r is position r + 1 (position 0 has
+    none, as vLLM's leading None), column 0 the position's actual token (with `ranks`, its rank), columns 1..k the
+    top-k in rank order. Filled chunk by chunk (chunked prefill sends a long prompt's logprobs in pieces)."""
+
+    def __init__(self) -> None:
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._positions = 1
+
+    def add(self, token_ids, logprobs, ranks) -> None:
+        """One chunk of the engine core's tensors (ids [n, k+1], logprobs [n, k+1], ranks [n]), copied: the
+        engine may reuse its output buffers."""
+        chunk = tuple(np.array(np.asarray(t), copy=True) for t in (token_ids, logprobs, ranks))
+        self._chunks.append(chunk)
+        self._arrays = None
+        self._positions += len(chunk[2])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token_ids [L-1, k+1], logprobs [L-1, k+1], ranks [L-1]) for positions 1..L-1."""
+        if self._arrays is None:
+            if len(self._chunks) == 1:
+                self._arrays = self._chunks[0]
+            else:
+                self._arrays = tuple(np.concatenate([c[i] for c in self._chunks]) for i in range(3))  # type: ignore[assignment]
+        return self._arrays  # type: ignore[return-value]
+
+    def __len__(self) -> int:  # positions, as a FlatLogprobs counts them (vLLM tests `if plp:`)
+        return self._positions
+
+
+_array_logprobs: bool | None = None
+
+
+def array_prompt_logprobs() -> bool:
+    """Teach vLLM's output processor (once per process) to keep prompt logprobs as arrays for requests whose
+    SamplingParams carry ARRAY_LOGPROBS_FLAG in extra_args; False (and nothing patched) if this vLLM's
+    LogprobsProcessor is not 0.32.0's."""
+    global _array_logprobs
+    if _array_logprobs is not None:
+        return _array_logprobs
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        new_request = LogprobsProcessor.from_new_request.__func__
+        update = LogprobsProcessor._update_prompt_logprobs
+    except (ImportError, AttributeError):
+        _array_logprobs = False
+        return False
+
+    def from_new_request(cls, tokenizer, request):
+        processor = new_request(cls, tokenizer, request)
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        if processor.prompt_logprobs is not None and extra.get(ARRAY_LOGPROBS_FLAG):
+            processor.prompt_logprobs = ArrayPromptLogprobs()
+        return processor
+
+    def update_prompt_logprobs(self, prompt_logprobs_tensors) -> None:
+        if isinstance(self.prompt_logprobs, ArrayPromptLogprobs):
+            token_ids, logprobs, ranks, *_ = prompt_logprobs_tensors
+            self.prompt_logprobs.add(token_ids, logprobs, ranks)
+        else:
+            update(self, prompt_logprobs_tensors)
+
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs
+    _array_logprobs = True
+    return True

@@ -34,7 +34,14 @@ import pyarrow.parquet as pq
 
 from pipeline import assets
 from pipeline.config import ConfigError
-from pipeline.engine import EngineArgs, engine_version, open_engine
+from pipeline.engine import (
+    ARRAY_LOGPROBS_FLAG,
+    ArrayPromptLogprobs,
+    EngineArgs,
+    array_prompt_logprobs,
+    engine_version,
+    open_engine,
+)
 from pipeline.errors import UserError
 from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe, url_problems
@@ -481,6 +488,8 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
     Each position j >= 1 holds entry 0 = the actual token x_j with its true rank, then ranks 1..k. (Should an
     engine drop the duplicate when x_j is itself in the top-k, the position has k entries and x_j is found there.)
     """
+    if isinstance(flat, ArrayPromptLogprobs):
+        return _extract_arrays(flat, ids, first, k)
     start = _array(flat.start_indices[first:], "q", np.int64)
     end = _array(flat.end_indices[first:], "q", np.int64)
     tok = _array(flat.token_ids, "q", np.int64)
@@ -509,6 +518,19 @@ def extract(flat, ids: np.ndarray, first: int, k: int) -> dict:
         else:
             raise RuntimeError(f"position {first + i}: the actual token is missing from the engine output")
     return {"topk_ids": top_ids, "topk_logprobs": top_lp, "actual_ranks": ranks, "actual_logprobs": actual_lp}
+
+
+def _extract_arrays(flat: ArrayPromptLogprobs, ids: np.ndarray, first: int, k: int) -> dict:
+    """`extract` for the engine core's arrays (pipeline/engine.py): the same dict, dtypes and checks."""
+    tok, lp, ranks = (a[first - 1:] for a in flat.arrays())  # row r: position r + 1
+    n = len(ids) - first
+    if first < 1 or len(tok) != n or tok.shape[1] != k + 1:
+        raise RuntimeError(f"engine returned {len(tok)} positions of {tok.shape[1]} entries from position {first}; "
+                           f"expected {n} x {k}+1")
+    if np.any(tok[:, 0] != ids[first:]):
+        raise RuntimeError("engine's actual-token entries do not match the input ids (alignment broken)")
+    return {"topk_ids": tok[:, 1:].astype(np.int64), "topk_logprobs": np.ascontiguousarray(lp[:, 1:]),
+            "actual_ranks": ranks.astype(np.int64), "actual_logprobs": lp[:, 0].copy()}
 
 
 # -- the stage ---------------------------------------------------------------------------------------------------
@@ -770,11 +792,16 @@ def store_teacher_tokenizer(root: Path, tokenizer) -> None:
 class InProcessTeacher:
     """The score loop's engine for a vLLM `LLM` in this process: one `generate` call per token batch."""
 
-    def __init__(self, llm, k: int, *, image_root: Path | None = None, image_token: int | None = None) -> None:
+    def __init__(self, llm, k: int, *, image_root: Path | None = None, image_token: int | None = None,
+                 arrays: bool = True) -> None:
         from vllm import SamplingParams
 
         self.llm = llm
-        self.params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True)
+        # Prompt logprobs as the engine core's arrays, not Python lists (pipeline/engine.py): vLLM's pythonising
+        # would cost more than all of this stage's own work behind a fast teacher.
+        extra = {ARRAY_LOGPROBS_FLAG: True} if arrays and array_prompt_logprobs() else None
+        self.params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True,
+                                     extra_args=extra)
         self.image_root, self.image_token = image_root, image_token
 
     def score_batches(self, batches: Iterable[list[dict]]) -> Iterator[tuple[list[dict], list]]:

@@ -109,6 +109,45 @@ def test_matches_transformers_and_alignment(tmp_path, teacher, llm):
             assert np.abs(np.array(off) - s.actual_logprobs[: len(off)]).max() > 0.1
 
 
+def test_engine_arrays_equal_vllms_lists(teacher, llm):
+    """The score stage keeps vLLM's prompt logprobs as the engine core's arrays (pipeline/engine.py); vLLM's own
+    Python lists of the same requests, through the same `extract`, must give the same arrays bit for bit."""
+    from pipeline.engine import ArrayPromptLogprobs
+    from pipeline.score.scorer import InProcessTeacher, extract
+
+    rng = np.random.default_rng(5)
+    rows = [{"engine_ids": rng.integers(3, 384, n)} for n in (9, 40, 77)]
+    got, flats = {}, {}
+    for arrays in (True, False):
+        [(_, flats[arrays])] = list(InProcessTeacher(llm, K, arrays=arrays).score_batches([rows]))
+        assert all(isinstance(f, ArrayPromptLogprobs) == arrays for f in flats[arrays])
+        got[arrays] = [extract(f, r["engine_ids"], first, K)
+                       for f, r in zip(flats[arrays], rows, strict=True) for first in (1, 5)]
+    for a, b in zip(got[True], got[False], strict=True):
+        for name in a:
+            assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+    wrong = rows[1]["engine_ids"].copy()
+    wrong[7] += 1
+    for arrays in (True, False):  # a shifted or changed id is caught on both paths
+        with pytest.raises(RuntimeError, match="alignment broken"):
+            extract(flats[arrays][1], wrong, 1, K)
+
+
+def test_array_logprobs_join_chunks_in_order():
+    """Chunked prefill hands a prompt's logprobs over in pieces: the arrays are the pieces in order."""
+    from pipeline.engine import ArrayPromptLogprobs
+
+    rng = np.random.default_rng(0)
+    ids, lps, ranks = rng.integers(0, 99, (10, K + 1)), rng.standard_normal((10, K + 1)).astype(np.float32), rng.integers(1, 9, 10)
+    whole, pieces = ArrayPromptLogprobs(), ArrayPromptLogprobs()
+    whole.add(torch.from_numpy(ids), torch.from_numpy(lps), torch.from_numpy(ranks))
+    for a, b in ((0, 3), (3, 4), (4, 10)):
+        pieces.add(torch.from_numpy(ids[a:b]), torch.from_numpy(lps[a:b]), torch.from_numpy(ranks[a:b]))
+    assert len(whole) == len(pieces) == 11  # position 0 has no logprobs, as in vLLM's lists
+    for x, y, z in zip(whole.arrays(), pieces.arrays(), (ids, lps, ranks), strict=True):
+        assert np.array_equal(x, y) and np.array_equal(x, z)
+
+
 def test_writer_thread_writes_the_serial_paths_shards_byte_for_byte(tmp_path, teacher, llm):
     """The overlapped loop (batch and part writer threads behind bounded queues) against the serial one
     (write_queue=0): the same parts, each byte-identical, so the same rows in the same order and the same markers'
