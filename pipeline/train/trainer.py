@@ -91,7 +91,7 @@ class TrainConfig:
     # uld | gold: cross-tokenizer distillation from a cross-tokenizer cache (gkd score cross_tokenizer=true):
     # pipeline/train/xtok_loss.py, over the aligned spans; gold also matches equal token strings of both
     # vocabularies (JSD there, beta below) and weighs the parts gold_matched_weight / gold_unmatched_weight (null
-    # both: TRL's adaptive weights, matched ids / teacher vocabulary). Fused output layer only, no TP.
+    # both: TRL's adaptive weights, matched ids / teacher vocabulary). Fused output layer only; TP, DP and packing work.
     loss: str = "gkd"
     gold_matched_weight: float | None = None
     gold_unmatched_weight: float | None = None
@@ -189,9 +189,6 @@ class TrainConfig:
                 p.append(f"loss={self.loss} reads a cross-tokenizer cache; teacher_live scores in the student's tokens")
             if not self.fused_loss:
                 p.append(f"loss={self.loss} runs in the fused output layer only: drop fused_loss=false")
-            if self.tensor_model_parallel_size > 1:
-                p.append(f"loss={self.loss} sorts the student's whole vocabulary on one rank: use "
-                         "tensor_model_parallel_size=1 (data parallelism works)")
             if self.teachers:
                 p.append(f"loss={self.loss} reads one cross-tokenizer cache: drop teachers (routing)")
         if (self.gold_matched_weight is None) != (self.gold_unmatched_weight is None):
@@ -459,7 +456,7 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
             output_tensor, output_weight(gpt), batch.labels, mask, batch.span_head, batch.teacher_ids,
             batch.teacher_logprobs, batch.teacher_valid, batch.teacher_tail, kind=cfg.loss, matched=matched,
             weights=weights, beta=cfg.kd_beta, sft_mask=batch.sft_mask if cfg.sft_alpha > 0 else None,
-            kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size)
+            kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size, tp_group=tp_group)
         return out.loss, out.kd_count, metrics.terms(out.kd_sum, out.sft_sum, opd_sum, opd_kl)
     if cfg.fused_loss:
         out = fused_gkd_loss(

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,7 @@ from pipeline.train.data import ScoredLoader
 from pipeline.train.xtok_loss import gold_weights, xtok_loss_reference
 
 SEQ = 128
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +139,39 @@ def test_packed_layout_equals_the_padded_one_sample_by_sample(xt):
             sp, sq = packed.span_head[r, o:o + n], padded.span_head[i, :n]
             assert torch.equal(sp >= 0, sq >= 0)
             assert torch.equal(sp[sp >= 0] - (r * wp + o), sq[sq >= 0] - i * wq)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["gold", "uld"])
+def test_tp2_trains_like_tp1(xt, tmp_path, kind):
+    """`gkd train loss=gold|uld` at TP=2 (torchrun, gloo: the student's vocabulary split over two ranks) vs TP=1 on
+    the same micro-batches: the same loss, KD and SFT terms at every step, and the same weight change after SGD
+    steps (tests/tolerance.py's cross-layout rule), read from both exports."""
+    from tolerance import assert_layout_close
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.cli import main as cli
+
+    args = dict(student=str(xt["student"]), cache=f"[{xt['cache']}]", micro_batch_size=2, global_batch_size=4,
+                seq_length=SEQ, train_steps=3, warmup_steps=1, save_interval=3, progress=False, prefetch=1,
+                optimizer="sgd", lr=0.5, loss=kind, sft_alpha=0.5, gold_matched_weight=1.0, gold_unmatched_weight=1.0)
+    argv = [f"{k}={v}" for k, v in args.items()]
+    assert cli(["train", *argv, f"save_dir={tmp_path / 'tp1'}"]) == 0
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "pipeline.train.run", *argv, f"save_dir={tmp_path / 'tp2'}",
+                    "tensor_model_parallel_size=2"], check=True, env=env, cwd=REPO, timeout=600)
+    runs = {}
+    for name in ("tp1", "tp2"):
+        metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert len(metrics) == 3 and all(m["jsd"] > 0 and m["sft"] > 0 for m in metrics), metrics
+        assert cli(["export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf")]) == 0
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf", dtype=torch.float32)
+        runs[name] = (metrics, model.state_dict())
+    init = AutoModelForCausalLM.from_pretrained(xt["student"], dtype=torch.float32).state_dict()
+    for (one, two) in zip(runs["tp1"][0], runs["tp2"][0], strict=True):
+        for key in ("loss", "jsd", "sft"):
+            assert_layout_close(torch.tensor(two[key]), torch.tensor(one[key]), f"step {one['step']} {key}")
+    delta = {name: {k: v - init[k] for k, v in sd.items()} for name, (_, sd) in runs.items()}
+    assert float(delta["tp1"]["lm_head.weight"].abs().max()) > 1e-4  # trained, not the initial weights
+    assert_layout_close(delta["tp2"], delta["tp1"], "weight change")
