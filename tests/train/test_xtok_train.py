@@ -95,7 +95,10 @@ def _train(xt, save: Path, **kw) -> list[dict]:
 def test_first_step_loss_equals_the_definition_on_the_students_own_forward(xt, tmp_path, kind):
     from transformers import AutoModelForCausalLM
 
-    metrics = _train(xt, tmp_path / kind, loss=kind, sft_alpha=0.5)
+    # gold: both parts at full weight (TRL's adaptive matched weight is ~3 % here, too little to see β) and the
+    # default β (`beta: null`), which for gold is 0: forward KL on the matched ids (TrainConfig.kd_beta)
+    full = dict(gold_matched_weight=1.0, gold_unmatched_weight=1.0) if kind == "gold" else {}
+    metrics = _train(xt, tmp_path / kind, loss=kind, sft_alpha=0.5, **full)
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
     # step 1 (lr 0 in warmup: the initial student) by hand, padded layout: row i is the step's sample i at offset 0
     loader = ScoredLoader([xt["cache"]], micro_batch_size=2, seq_length=SEQ, seed=1234, vocab_size=len(xt["s_tok"]),
@@ -106,10 +109,13 @@ def test_first_step_loss_equals_the_definition_on_the_students_own_forward(xt, t
     with torch.no_grad():
         logits = model(mb.input_ids).logits  # padding sits after each sample: causal, so it changes nothing before
     matched = mb.xtok_matched
-    weights = gold_weights(int(matched.sum()) if matched is not None else 0, mb.xtok_teacher_vocab)
-    total, count = xtok_loss_reference(logits, mb.labels, mb.loss_mask, mb.span_head, mb.teacher_ids,
-                                       mb.teacher_logprobs.double(), mb.teacher_valid, mb.teacher_tail.double(),
-                                       kind=kind, matched=matched, weights=weights, beta=0.5)
+    weights = (1.0, 1.0) if kind == "gold" else gold_weights(0, mb.xtok_teacher_vocab)
+    args = (logits, mb.labels, mb.loss_mask, mb.span_head, mb.teacher_ids, mb.teacher_logprobs.double(),
+            mb.teacher_valid, mb.teacher_tail.double())
+    total, count = xtok_loss_reference(*args, kind=kind, matched=matched, weights=weights, beta=0.0)
+    if kind == "gold":  # the test tells the default β from the JSD's
+        other, _ = xtok_loss_reference(*args, kind=kind, matched=matched, weights=weights, beta=0.5)
+        assert abs(float((other - total) / count)) > 1e-2
     # fp32 Megatron forward vs fp64 transformers: ~1e-5 per logit; a misaligned span or row is off by far more
     assert metrics[0]["jsd"] == pytest.approx(float(total / count), abs=1e-3)
     lsm = torch.log_softmax(logits, -1)
