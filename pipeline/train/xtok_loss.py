@@ -134,7 +134,8 @@ def span_divergence(z: Tensor, logc: Tensor, t_lp: Tensor, t_sid: Tensor, t_vali
     s = (z - (lse - logc.to(dtype)).unsqueeze(-1)).exp()  # softmax(z) · c
     t = torch.where(t_valid, t_lp.to(dtype).exp(), 0.0)
     tail = t_tail.to(dtype).exp()
-    vocab = n_vocab if tp_rank_world(group)[1] > 1 else None
+    world = tp_rank_world(group)[1]
+    vocab = None if world == 1 else (n_vocab if n_vocab is not None else s.shape[-1] * world)  # whole vocabulary
     if kind == "uld":
         return _sorted_l1(s, t, t_valid, tail, group, vocab)
     w_m, w_u = weights
