@@ -200,7 +200,7 @@ def plain_vs_trainer(cache: str, rounds: int = 3, micro_batch_size: int = 8, seq
 
         def plain(mb) -> None:
             logits = hf(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
-            kd_sum, n = gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=cfg.beta,
+            kd_sum, n = gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask, beta=cfg.kd_beta,
                                  temperature=cfg.temperature, mode=cfg.topk_mode, teacher_tail=mb.teacher_tail,
                                  teacher_valid=mb.teacher_valid, vocab_size=vocab)
             (kd_sum / n.clamp_min(1)).backward()

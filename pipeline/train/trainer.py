@@ -91,11 +91,13 @@ class TrainConfig:
     # uld | gold: cross-tokenizer distillation from a cross-tokenizer cache (gkd score cross_tokenizer=true):
     # pipeline/train/xtok_loss.py, over the aligned spans; gold also matches equal token strings of both
     # vocabularies (JSD there, beta below) and weighs the parts gold_matched_weight / gold_unmatched_weight (null
-    # both: TRL's adaptive weights, matched ids / teacher vocabulary). Fused output layer only, no TP.
+    # both: TRL's adaptive weights, matched ids / teacher vocabulary). Fused output layer only; TP, DP and packing work.
     loss: str = "gkd"
     gold_matched_weight: float | None = None
     gold_unmatched_weight: float | None = None
-    beta: float = 0.5  # 0 forward KL, 1 reverse KL, else generalised JSD
+    # 0 forward KL, 1 reverse KL, else generalised JSD. null: the loss's default (`kd_beta`): 0.5 for gkd/opd,
+    # 0 for gold (forward KL on the matched ids, see `kd_beta`); uld has no β.
+    beta: float | None = None
     temperature: float = 1.0
     topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
     # The loss applies the output layer itself, chunk by chunk: no [tokens, vocab] logits (pipeline/train/fused_loss.py).
@@ -138,6 +140,18 @@ class TrainConfig:
     prefetch: int = 2  # micro-batches decoded ahead in a background thread
     progress: bool = True  # tqdm bar on rank 0
 
+    @property
+    def kd_beta(self) -> float:
+        """The β the loss runs with: `beta` as set, else the loss's default. GKD's is 0.5 (the GKD paper's JSD).
+        GOLD's is 0 (forward KL on the matched ids): the JSD's (1 − β)·s·log(s/m) term pays the student to shrink
+        mass the teacher does not share, and on GOLD's merged vectors that is the student's own text at split spans
+        (docs/architecture.md, cross-tokenizer); forward KL has no such term and is the classical offline
+        distillation objective on fixed teacher answers. Measured in BENCHMARKS.md (xtok): β 0 vs 0.5 against SFT,
+        confirmed on a held-out split and student init not used to pick it."""
+        if self.beta is not None:
+            return float(self.beta)
+        return 0.0 if self.loss in ("uld", "gold") else 0.5
+
     def validate(self) -> list[str]:
         p = []
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps", "save_interval",
@@ -167,7 +181,7 @@ class TrainConfig:
             p.append(f"context_parallel_size={cp} needs attention=sdpa (its keys and values are gathered over the "
                      "context-parallel ranks); Megatron's attention=local has context parallelism only through "
                      "Transformer Engine. Set attention=sdpa, or context_parallel_size=1")
-        p += loss_arg_problems(self.beta, self.temperature, self.topk_mode, mode_key="topk_mode")
+        p += loss_arg_problems(self.kd_beta, self.temperature, self.topk_mode, mode_key="topk_mode")
         if self.loss not in ("gkd", "opd", "uld", "gold"):
             p.append(f"loss must be gkd, opd, uld or gold, got {self.loss!r}")
         if self.loss in ("uld", "gold"):
@@ -175,9 +189,6 @@ class TrainConfig:
                 p.append(f"loss={self.loss} reads a cross-tokenizer cache; teacher_live scores in the student's tokens")
             if not self.fused_loss:
                 p.append(f"loss={self.loss} runs in the fused output layer only: drop fused_loss=false")
-            if self.tensor_model_parallel_size > 1:
-                p.append(f"loss={self.loss} sorts the student's whole vocabulary on one rank: use "
-                         "tensor_model_parallel_size=1 (data parallelism works)")
             if self.teachers:
                 p.append(f"loss={self.loss} reads one cross-tokenizer cache: drop teachers (routing)")
         if (self.gold_matched_weight is None) != (self.gold_unmatched_weight is None):
@@ -444,13 +455,13 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         out = fused_xtok_loss(
             output_tensor, output_weight(gpt), batch.labels, mask, batch.span_head, batch.teacher_ids,
             batch.teacher_logprobs, batch.teacher_valid, batch.teacher_tail, kind=cfg.loss, matched=matched,
-            weights=weights, beta=cfg.beta, sft_mask=batch.sft_mask if cfg.sft_alpha > 0 else None,
-            kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size)
+            weights=weights, beta=cfg.kd_beta, sft_mask=batch.sft_mask if cfg.sft_alpha > 0 else None,
+            kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size, tp_group=tp_group)
         return out.loss, out.kd_count, metrics.terms(out.kd_sum, out.sft_sum, opd_sum, opd_kl)
     if cfg.fused_loss:
         out = fused_gkd_loss(
             output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
-            beta=cfg.beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
+            beta=cfg.kd_beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
             sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
             opd_mask=opd_mask, teacher_actual=batch.teacher_actual, opd_weight=kd_weight,
         )
@@ -464,7 +475,7 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
         if batch.teacher_ids.shape[-1] or bool(kd_mask.any()):
             kd_sum, kd_n = gkd_loss(
-                logits, batch.teacher_ids, batch.teacher_logprobs, kd_mask, beta=cfg.beta,
+                logits, batch.teacher_ids, batch.teacher_logprobs, kd_mask, beta=cfg.kd_beta,
                 temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,
             )
         else:  # k = 0 rows (loss=opd, student-sourced only): no divergence to compute

@@ -4,7 +4,7 @@ Under tensor parallelism each rank holds `V_local` output-layer rows (its slice 
 `[rank * V_local, (rank + 1) * V_local)`), and Megatron pads the vocabulary to a multiple of the TP size, so the last
 slices end in padding columns that are no token. A group of None means no tensor parallelism (not the default
 world group: the trainer always passes its TP group). Used by train/loss.py (the unfused reference),
-train/fused_loss.py and train/live_teacher.py.
+train/fused_loss.py, train/xtok_loss.py and train/live_teacher.py.
 """
 
 from __future__ import annotations
@@ -43,3 +43,46 @@ def global_lse(lse_local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
     g = torch.where(torch.isfinite(g), g, 0.0)  # a shift only: any finite value is exact
     return g + all_reduce((lse_local - g).exp(), group).log()
+
+
+# Differentiable collectives for a loss that every TP rank computes identically from the reduced or gathered values
+# (the fused losses' convention: the loss is replicated over the TP group). Each rank's backward then already holds
+# the whole gradient of the reduced/gathered value, so its input's share needs no communication: the incoming
+# gradient (a sum) or its own slice (a gather). A value every rank holds and feeds into its own slice (the global
+# logsumexp, a span's factor) has, on each rank, only that slice's part of its gradient: the caller sums those over
+# the group (`all_reduce`), as train/xtok_loss.py does.
+class _ReplicatedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        return all_reduce(t.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g, None
+
+
+class _ReplicatedGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        rank, world = tp_rank_world(group)
+        ctx.rank, ctx.width = rank, t.shape[-1]
+        if world == 1:
+            return t.clone()
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width], None
+
+
+def replicated_sum(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Σ over the TP ranks of `t`, differentiable under the replicated-loss convention above (a copy without TP)."""
+    return _ReplicatedSum.apply(t, group)
+
+
+def replicated_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Every rank's `t` (same shape) concatenated along the last dimension in rank order, differentiable under the
+    replicated-loss convention above (a copy without TP)."""
+    return _ReplicatedGather.apply(t, group)

@@ -33,8 +33,17 @@ Fused (the only path: no `[tokens, vocab]` logits): three passes over chunks of 
 logits and consuming them: (1) members' label logprobs → each span's student factor; (2) heads: the span loss and
 its gradient w.r.t. the head's logits (autograd inside the chunk, through the top-k) and w.r.t. the factor;
 (3) members and SFT rows: the factor's gradient times (onehot − softmax), and CE's softmax − onehot. ∂h and ∂W are
-formed per chunk as in fused_loss.py; backward only scales them. TP is not supported (the sort needs the whole
-vocabulary on one rank).
+formed per chunk as in fused_loss.py; backward only scales them.
+
+Tensor parallelism (each rank holds a slice of the student vocabulary, train/vocab_parallel.py): the loss needs no
+full vector on any rank. The student's logsumexp and label logit are all-reduced as in fused_loss.py; the matched
+JSD is a sum over ids (each rank's partial sum, all-reduced); the sorted L1 needs the student's top-k values and the
+row's sum: each rank's local top-k, all-gathered, and the top-k of those k·TP candidates are the global top-k
+exactly (an entry of the global top-k is in its own rank's top-k), and the sum is all-reduced. Every rank then
+computes the same loss (replicated, vocab_parallel.py's `replicated_sum`/`replicated_gather`), and the gradient
+reaches each rank's own slice only: inside a chunk autograd runs with the global logsumexp L and the span factor
+log c as leaves, their per-rank gradient parts are summed over the group, and ∂/∂z_v gains ∂D/∂L · softmax_v.
+∂h is all-reduced once at the end (fused_loss.py's rule).
 """
 
 from __future__ import annotations
@@ -42,9 +51,18 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from pipeline.train.fused_loss import CHUNK_BYTES, FusedOut
+from pipeline.train.vocab_parallel import (
+    all_reduce,
+    global_lse,
+    replicated_gather,
+    replicated_sum,
+    tp_rank_world,
+    valid_columns,
+)
 
 EPS = 1e-8  # TRL's clamp of probabilities (token factors and the JSD's logs)
 LOG_EPS = math.log(EPS)
@@ -59,20 +77,27 @@ def gold_weights(matched: int, teacher_vocab: int, matched_weight: float | None 
     return w, 1.0 - w
 
 
-def _sorted_l1(s: Tensor, t: Tensor, t_on: Tensor, tail: Tensor) -> Tensor:
+def _sorted_l1(s: Tensor, t: Tensor, t_on: Tensor, tail: Tensor, group: dist.ProcessGroup | None = None,
+               vocab: int | None = None) -> Tensor:
     """Σ_{r<q} |s_(r) − t_(r)| + |Σ_{r≥q} s_(r) − τ| per row; s [n, V] (entries out of play are 0), t [n, k] with
     t_on marking its q entries in play (the rest 0), tail τ [n]. Only the student's first k sorted entries are
     compared one by one, so a top-k (not a sort of all V) finds them, and the rest is the row's sum less theirs: the
-    loss's hot spot at a real vocabulary (V = 150k, k = 32)."""
-    width = min(s.shape[-1], t.shape[-1])
-    ss = torch.topk(s, width, dim=-1, sorted=True).values
+    loss's hot spot at a real vocabulary (V = 150k, k = 32). Under TP `s` is this rank's slice of a `vocab`-wide
+    vector: the global top-k is the top-k of the ranks' gathered local ones, the sum all-reduced (module docstring)."""
+    width = min(s.shape[-1] if vocab is None else vocab, t.shape[-1])
+    ss = torch.topk(s, min(width, s.shape[-1]), dim=-1, sorted=True).values
+    total = s.sum(-1)
+    if tp_rank_world(group)[1] > 1:  # a rank with fewer columns than `width` offers zeros (no entry is below 0)
+        ss = torch.nn.functional.pad(ss, (0, width - ss.shape[-1]))
+        ss = torch.topk(replicated_gather(ss, group), width, dim=-1, sorted=True).values
+        total = replicated_sum(total, group)
     tt = torch.sort(torch.where(t_on, t, 0.0), dim=-1, descending=True).values
     if tt.shape[-1] > width:  # V < k: the student's missing ranks hold 0
         ss = torch.nn.functional.pad(ss, (0, tt.shape[-1] - width))
     q = t_on.sum(-1)
     head = torch.arange(ss.shape[-1], device=s.device).unsqueeze(0) < q.unsqueeze(-1)  # [n, k]
     known = torch.where(head, (ss - tt).abs(), 0.0).sum(-1)
-    rest = s.sum(-1) - torch.where(head, ss, 0.0).sum(-1)
+    rest = total - torch.where(head, ss, 0.0).sum(-1)
     return known + (rest - tail).abs()
 
 
@@ -92,24 +117,33 @@ def _jsd_terms(s: Tensor, t: Tensor, beta: float) -> Tensor:
 
 def span_divergence(z: Tensor, logc: Tensor, t_lp: Tensor, t_sid: Tensor, t_valid: Tensor, t_tail: Tensor, *,
                     kind: str, matched: Tensor | None = None, weights: tuple[float, float] = (0.0, 1.0),
-                    beta: float = 0.5, n_vocab: int | None = None) -> Tensor:
+                    beta: float = 0.5, n_vocab: int | None = None, lse: Tensor | None = None,
+                    group: dist.ProcessGroup | None = None, offset: int = 0) -> Tensor:
     """Per span (row): ULD or GOLD between the student's merged vector softmax(z)·exp(logc) over its vocabulary and
     the teacher's merged top-k (logprobs t_lp, student ids t_sid (-1: unmatched), t_valid) and tail (log, merged).
-    `matched`: bool [V] of the student ids in the vocabulary map (GOLD). `n_vocab`: columns past it are padding."""
-    if n_vocab is not None and n_vocab < z.shape[-1]:
+    `matched`: bool [V] of the student ids in the vocabulary map (GOLD). `n_vocab`: the vocabulary's size; columns
+    past it are padding. Under TP (`group`), z is this rank's slice (ids from `offset`, `matched` its slice of the
+    map, padding columns -inf), `lse` the global logsumexp of each row and n_vocab the whole vocabulary's size; the
+    result is the same on every rank."""
+    if tp_rank_world(group)[1] == 1 and n_vocab is not None and n_vocab < z.shape[-1]:
         z = z[:, :n_vocab]
         matched = None if matched is None else matched[:n_vocab]
     dtype = torch.promote_types(z.dtype, torch.float32)
-    s = torch.softmax(z.to(dtype), -1) * logc.to(dtype).exp().unsqueeze(-1)
+    z = z.to(dtype)
+    lse = torch.logsumexp(z, -1) if lse is None else lse.to(dtype)
+    s = (z - (lse - logc.to(dtype)).unsqueeze(-1)).exp()  # softmax(z) · c
     t = torch.where(t_valid, t_lp.to(dtype).exp(), 0.0)
     tail = t_tail.to(dtype).exp()
+    world = tp_rank_world(group)[1]
+    vocab = None if world == 1 else (n_vocab if n_vocab is not None else s.shape[-1] * world)  # whole vocabulary
     if kind == "uld":
-        return _sorted_l1(s, t, t_valid, tail)
+        return _sorted_l1(s, t, t_valid, tail, group, vocab)
     w_m, w_u = weights
-    is_m = t_valid & (t_sid >= 0)
-    dense = torch.zeros_like(s).scatter_add_(1, torch.where(is_m, t_sid, 0).long(), torch.where(is_m, t, 0.0))
-    jsd = torch.where(matched.unsqueeze(0), _jsd_terms(s, dense, beta), 0.0).sum(-1)
-    unmatched = _sorted_l1(torch.where(matched.unsqueeze(0), 0.0, s), t, t_valid & (t_sid < 0), tail)
+    local = t_sid - offset
+    own = t_valid & (t_sid >= 0) & (local >= 0) & (local < s.shape[-1])  # matched entries of this rank's ids
+    dense = torch.zeros_like(s).scatter_add_(1, torch.where(own, local, 0).long(), torch.where(own, t, 0.0))
+    jsd = replicated_sum(torch.where(matched.unsqueeze(0), _jsd_terms(s, dense, beta), 0.0).sum(-1), group)
+    unmatched = _sorted_l1(torch.where(matched.unsqueeze(0), 0.0, s), t, t_valid & (t_sid < 0), tail, group, vocab)
     return w_m * jsd + w_u * unmatched
 
 
@@ -153,9 +187,17 @@ class _FusedXtok(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, heads, members, extra, head_of, y, sft_on, teacher, opts):
         t_lp, t_sid, t_valid, t_tail = teacher
-        kind, matched, weights, beta, n_vocab, chunk, kd_weight, sft_weight = opts
+        kind, matched, weights, beta, n_vocab, chunk, kd_weight, sft_weight, group = opts
+        rank, world = tp_rank_world(group)
         v_local = weight.shape[0]
-        n_valid = v_local if n_vocab is None else min(n_vocab, v_local)
+        offset = rank * v_local
+        n_valid = valid_columns(n_vocab, rank, v_local)
+        vocab = n_vocab if n_vocab is not None else v_local * world  # the whole vocabulary's real size
+        if matched is not None:  # this rank's slice of the map, False on padding columns
+            matched = torch.nn.functional.pad(matched[offset:offset + n_valid], (0, v_local - n_valid))
+        y_local = y - offset
+        y_own = (y_local >= 0) & (y_local < n_valid)
+        y_idx = y_local.clamp(0, max(v_local - 1, 0)).unsqueeze(-1)
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         want_h, want_w = hidden.requires_grad, weight.requires_grad
         grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_h else None
@@ -166,64 +208,79 @@ class _FusedXtok(torch.autograd.Function):
         kd_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
         sft_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
 
-        def logits(rows: Tensor) -> Tensor:
+        def logits(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            """This rank's [rows, V_local] logits (padding columns -inf), the global logsumexp and label logit."""
             z = (hidden[rows].to(weight.dtype) @ weight.t()).to(cdtype)
-            return z[:, :n_valid] if n_valid < v_local else z
+            if n_valid < v_local:
+                z[:, n_valid:] = -math.inf
+            lse = global_lse(torch.logsumexp(z, -1), group)
+            zy = all_reduce(torch.where(y_own[rows], z.gather(1, y_idx[rows]).squeeze(-1), 0.0), group)
+            return z, lse, zy
 
         def apply(rows: Tensor, gz: Tensor) -> None:
             if n_valid < v_local:
-                gz = torch.nn.functional.pad(gz, (0, v_local - n_valid))
-            if want_h:
+                gz[:, n_valid:] = 0.0
+            if want_h:  # this rank's part; all-reduced at the end
                 grad_h[rows] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_w:
                 grad_w.add_(gz.t().to(weight.dtype) @ hidden[rows].to(weight.dtype))
 
+        def softmax_times(z: Tensor, lse: Tensor, coef: Tensor) -> Tensor:
+            """coef · softmax(z) over this rank's columns (in place on z), finite where a row has no mass."""
+            return z.sub_(lse.unsqueeze(-1)).exp_().mul_(torch.where(torch.isfinite(lse), coef, 0.0).unsqueeze(-1))
+
         # (1) members: label logprobs -> each span's student factor log c (clamped as TRL's 1e-8)
         for s in range(0, members.numel(), chunk):
             rows = members[s:s + chunk]
-            z = logits(rows)
-            lp = z.gather(1, y[rows].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
-            logc.index_add_(0, head_of[rows], lp.clamp_min(LOG_EPS))
+            z, lse, zy = logits(rows)
+            logc.index_add_(0, head_of[rows], (zy - lse).clamp_min(LOG_EPS))
             del z
-        # (2) heads: the span divergence and its gradients w.r.t. the head's logits and the factor (+ CE)
+        # (2) heads: the span divergence and its gradients w.r.t. the head's logits and the factor (+ CE). The global
+        # logsumexp L and log c are leaves: each rank's autograd sees only its slice's part of their gradients.
         for s in range(0, heads.numel(), chunk):
             rows = heads[s:s + chunk]
+            z, lse, zy = logits(rows)
             with torch.enable_grad():
-                z = logits(rows).detach().requires_grad_()
+                zl = z.detach().requires_grad_()
+                ll = lse.detach().requires_grad_()
                 lc = logc[rows].detach().requires_grad_()
-                d = span_divergence(z, lc, t_lp[rows], t_sid[rows], t_valid[rows], t_tail[rows], kind=kind,
-                                    matched=matched, weights=weights, beta=beta)
-                total = kd_weight * d.sum()
-                on = sft_on[rows]
-                ce = torch.where(on, torch.logsumexp(z, -1) - z.gather(1, y[rows].unsqueeze(-1)).squeeze(-1), 0.0)
-                total = total + sft_weight * ce.sum()
-                gz, gl = torch.autograd.grad(total, [z, lc])
+                d = span_divergence(zl, lc, t_lp[rows], t_sid[rows], t_valid[rows], t_tail[rows], kind=kind,
+                                    matched=matched, weights=weights, beta=beta, n_vocab=vocab, lse=ll,
+                                    group=group, offset=offset)
+                gz, gll, gl = torch.autograd.grad(kd_weight * d.sum(), [zl, ll, lc], allow_unused=True)
+            gz = torch.zeros_like(z) if gz is None else gz
+            gll = all_reduce(torch.zeros_like(lse) if gll is None else gll, group)
+            gl = all_reduce(torch.zeros_like(lse) if gl is None else gl, group)
+            on = sft_on[rows]
+            ce = torch.where(on, lse - zy, 0.0)
             kd_sum += d.detach().sum()
-            sft_sum += ce.detach().sum()
+            sft_sum += ce.sum()
             g_logc[rows] = gl  # d total / d log c of each span (kd_weight included)
             if want_h or want_w:
+                # ∂L/∂z_v = softmax_v: the divergence's ∂D/∂L and CE's sft_weight (CE = L − z_y)
+                gz = gz.add_(softmax_times(z, lse, gll + sft_weight * on.to(cdtype)))
+                gz.scatter_add_(1, y_idx[rows], ((y_own[rows] & on).to(gz.dtype) * -sft_weight).unsqueeze(-1))
                 apply(rows, gz)
             del z, gz
         # (3) members and SFT-only rows: ∂(kd_weight·D)/∂log c · ∂log c/∂z = g·(onehot − softmax) where unclamped
         rest = torch.cat([members, extra]).sort().values
         for s in range(0, rest.numel(), chunk):
             rows = rest[s:s + chunk]
-            z = logits(rows)
-            lse = torch.logsumexp(z, -1)
-            zy = z.gather(1, y[rows].unsqueeze(-1)).squeeze(-1)
+            z, lse, zy = logits(rows)
             on = sft_on[rows]
-            ce = torch.where(on, lse - zy, 0.0)
-            sft_sum += ce.sum()
+            sft_sum += torch.where(on, lse - zy, 0.0).sum()
             if not (want_h or want_w):
                 continue
             hd = head_of[rows]
             live = (hd >= 0) & (zy - lse > LOG_EPS)
             g = torch.where(live, g_logc[hd.clamp_min(0)], 0.0)  # d total / d log p(y)
             coef = sft_weight * on.to(cdtype) - g  # total = ... + g·log p(y) − ... ; CE = −log p(y)
-            gz = torch.softmax(z, -1).mul_(coef.unsqueeze(-1))
-            gz.scatter_add_(1, y[rows].unsqueeze(-1), (-coef).unsqueeze(-1))
+            gz = softmax_times(z, lse, coef)
+            gz.scatter_add_(1, y_idx[rows], torch.where(y_own[rows], -coef, 0.0).unsqueeze(-1))
             apply(rows, gz)
             del z, gz
+        if want_h:
+            all_reduce(grad_h, group)  # every rank's vocabulary slice adds its part of ∂h
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.have = (want_h, want_w)
         ctx.weight_dtype = weight.dtype
@@ -246,10 +303,12 @@ def fused_xtok_loss(hidden: Tensor, weight: Tensor, labels: Tensor, mask: Tensor
                     teacher_ids: Tensor, teacher_logprobs: Tensor, teacher_valid: Tensor, teacher_tail: Tensor, *,
                     kind: str, matched: Tensor | None = None, weights: tuple[float, float] = (0.0, 1.0),
                     beta: float = 0.5, sft_mask: Tensor | None = None, kd_weight: float = 1.0,
-                    sft_weight: float = 0.0, vocab_size: int | None = None, chunk_size: int | None = None) -> FusedOut:
+                    sft_weight: float = 0.0, vocab_size: int | None = None, chunk_size: int | None = None,
+                    tp_group: dist.ProcessGroup | None = None) -> FusedOut:
     """ULD/GOLD over aligned spans (and SFT CE) of ``logits = hidden · weightᵀ`` without materialising them.
     ``mask``: span heads (KD positions); ``span_head``: per position the flat index of its span's head (members),
-    -1 elsewhere; teacher arrays [..., k] at the heads (ids: the student id of a matched entry, -1 unmatched)."""
+    -1 elsewhere; teacher arrays [..., k] at the heads (ids: the student id of a matched entry, -1 unmatched).
+    Under TP, ``weight`` is this rank's vocabulary slice and ``matched`` the whole map (module docstring)."""
     if kind not in ("uld", "gold"):
         raise ValueError(f"kind must be 'uld' or 'gold', got {kind!r}")
     if kind == "gold" and matched is None:
@@ -265,7 +324,7 @@ def fused_xtok_loss(hidden: Tensor, weight: Tensor, labels: Tensor, mask: Tensor
     chunk = chunk_size or int(min(256, max(8, CHUNK_BYTES // (32 * max(1, weight.shape[0])))))
     loss, kd_sum, sft_sum = _FusedXtok.apply(
         h, weight, heads, members, extra, span_head.reshape(-1), y, sft_on, teacher,
-        (kind, matched, weights, float(beta), vocab_size, chunk, float(kd_weight), float(sft_weight)))
+        (kind, matched, weights, float(beta), vocab_size, chunk, float(kd_weight), float(sft_weight), tp_group))
     zero = torch.zeros((), dtype=kd_sum.dtype, device=h.device)
     return FusedOut(loss, kd_sum.detach(), torch.tensor(heads.numel(), device=h.device), sft_sum.detach(),
                     torch.tensor(int(sft_on.sum()), device=h.device), zero, zero, torch.tensor(0, device=h.device))

@@ -49,6 +49,11 @@ def test_shipped_config_loads_and_unknown_keys_fail():
         load_config(TrainConfig, DEFAULT_CONFIG, ["lrr=1"])
     with pytest.raises(ConfigError, match="beta must be.*topk_mode must be"):
         load_config(TrainConfig, DEFAULT_CONFIG, ["beta=2", "topk_mode=full"])
+    # beta: null (the shipped default) is the loss's own β: GKD's JSD 0.5, gold's forward KL 0; a set beta wins
+    assert cfg.beta is None and cfg.kd_beta == 0.5
+    assert load_config(TrainConfig, DEFAULT_CONFIG, ["loss=gold"]).kd_beta == 0.0
+    assert load_config(TrainConfig, DEFAULT_CONFIG, ["loss=gold", "beta=0.5"]).kd_beta == 0.5
+    assert load_config(TrainConfig, DEFAULT_CONFIG, ["beta=0.2"]).kd_beta == 0.2
 
 
 def test_end_to_end_alignment(tiny):

@@ -7,8 +7,10 @@ the fused pass (no [tokens, vocab] logits) against the plain autograd definition
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +20,7 @@ import torch
 from pipeline.store import align
 from pipeline.train.xtok_loss import EPS, fused_xtok_loss, gold_weights, span_divergence, xtok_loss_reference
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = "<|im_start|>user\nWhat is 3 × 4?<|im_end|>\n<|im_start|>assistant\n"
 ANSWER = "The answer is twelve: 3 × 4 = 12. Knowledge distillation trains a small model, naïvely.<|im_end|>"
 
@@ -232,3 +235,15 @@ def test_sorted_l1_by_top_k_equals_the_full_sort(vocab):
         q = len(tt)
         want.append((ss[:q] - tt).abs().sum() + (ss[q:].sum() - tail[i]).abs())
     torch.testing.assert_close(_sorted_l1(s, t, on, tail), torch.stack(want), rtol=0, atol=1e-12)
+
+
+@pytest.mark.distributed
+def test_tp2_matches_tp1():
+    """ULD and GOLD (β 0 and 0.5, with and without SFT) on a vocab-split output weight (TP=2, torchrun, gloo) equal
+    TP=1 and the plain definition: loss, ∂h, each rank's rows of ∂W (tests/train/_xtok_tp_worker.py)."""
+    worker = Path(__file__).with_name("_xtok_tp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TP2 OK") == 2, proc.stdout[-3000:]

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,7 @@ from pipeline.train.data import ScoredLoader
 from pipeline.train.xtok_loss import gold_weights, xtok_loss_reference
 
 SEQ = 128
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +95,10 @@ def _train(xt, save: Path, **kw) -> list[dict]:
 def test_first_step_loss_equals_the_definition_on_the_students_own_forward(xt, tmp_path, kind):
     from transformers import AutoModelForCausalLM
 
-    metrics = _train(xt, tmp_path / kind, loss=kind, sft_alpha=0.5)
+    # gold: both parts at full weight (TRL's adaptive matched weight is ~3 % here, too little to see β) and the
+    # default β (`beta: null`), which for gold is 0: forward KL on the matched ids (TrainConfig.kd_beta)
+    full = dict(gold_matched_weight=1.0, gold_unmatched_weight=1.0) if kind == "gold" else {}
+    metrics = _train(xt, tmp_path / kind, loss=kind, sft_alpha=0.5, **full)
     assert len(metrics) == 2 and all(math.isfinite(m["loss"]) for m in metrics)
     # step 1 (lr 0 in warmup: the initial student) by hand, padded layout: row i is the step's sample i at offset 0
     loader = ScoredLoader([xt["cache"]], micro_batch_size=2, seq_length=SEQ, seed=1234, vocab_size=len(xt["s_tok"]),
@@ -102,10 +109,13 @@ def test_first_step_loss_equals_the_definition_on_the_students_own_forward(xt, t
     with torch.no_grad():
         logits = model(mb.input_ids).logits  # padding sits after each sample: causal, so it changes nothing before
     matched = mb.xtok_matched
-    weights = gold_weights(int(matched.sum()) if matched is not None else 0, mb.xtok_teacher_vocab)
-    total, count = xtok_loss_reference(logits, mb.labels, mb.loss_mask, mb.span_head, mb.teacher_ids,
-                                       mb.teacher_logprobs.double(), mb.teacher_valid, mb.teacher_tail.double(),
-                                       kind=kind, matched=matched, weights=weights, beta=0.5)
+    weights = (1.0, 1.0) if kind == "gold" else gold_weights(0, mb.xtok_teacher_vocab)
+    args = (logits, mb.labels, mb.loss_mask, mb.span_head, mb.teacher_ids, mb.teacher_logprobs.double(),
+            mb.teacher_valid, mb.teacher_tail.double())
+    total, count = xtok_loss_reference(*args, kind=kind, matched=matched, weights=weights, beta=0.0)
+    if kind == "gold":  # the test tells the default β from the JSD's
+        other, _ = xtok_loss_reference(*args, kind=kind, matched=matched, weights=weights, beta=0.5)
+        assert abs(float((other - total) / count)) > 1e-2
     # fp32 Megatron forward vs fp64 transformers: ~1e-5 per logit; a misaligned span or row is off by far more
     assert metrics[0]["jsd"] == pytest.approx(float(total / count), abs=1e-3)
     lsm = torch.log_softmax(logits, -1)
@@ -135,3 +145,39 @@ def test_packed_layout_equals_the_padded_one_sample_by_sample(xt):
             sp, sq = packed.span_head[r, o:o + n], padded.span_head[i, :n]
             assert torch.equal(sp >= 0, sq >= 0)
             assert torch.equal(sp[sp >= 0] - (r * wp + o), sq[sq >= 0] - i * wq)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["gold", "uld"])
+def test_tp2_trains_like_tp1(xt, tmp_path, kind):
+    """`gkd train loss=gold|uld` at TP=2 (torchrun, gloo: the student's vocabulary split over two ranks) vs TP=1 on
+    the same micro-batches: the same loss, KD and SFT terms at every step, and the same weight change after SGD
+    steps (tests/tolerance.py's cross-layout rule), read from both exports."""
+    from tolerance import assert_layout_close
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.cli import main as cli
+
+    args = dict(student=str(xt["student"]), cache=f"[{xt['cache']}]", micro_batch_size=2, global_batch_size=4,
+                seq_length=SEQ, train_steps=3, warmup_steps=1, save_interval=3, progress=False, prefetch=1,
+                optimizer="sgd", lr=0.5, loss=kind, sft_alpha=0.5, gold_matched_weight=1.0, gold_unmatched_weight=1.0)
+    argv = [f"{k}={v}" for k, v in args.items()]
+    assert cli(["train", *argv, f"save_dir={tmp_path / 'tp1'}"]) == 0
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "pipeline.train.run", *argv, f"save_dir={tmp_path / 'tp2'}",
+                    "tensor_model_parallel_size=2"], check=True, env=env, cwd=REPO, timeout=600)
+    runs = {}
+    for name in ("tp1", "tp2"):
+        metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert len(metrics) == 3 and all(m["jsd"] > 0 and m["sft"] > 0 for m in metrics), metrics
+        assert cli(["export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf")]) == 0
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-hf", dtype=torch.float32)
+        runs[name] = (metrics, model.state_dict())
+    init = AutoModelForCausalLM.from_pretrained(xt["student"], dtype=torch.float32).state_dict()
+    for (one, two) in zip(runs["tp1"][0], runs["tp2"][0], strict=True):
+        for key in ("loss", "jsd", "sft"):
+            assert_layout_close(torch.tensor(two[key]), torch.tensor(one[key]), f"step {one['step']} {key}")
+    delta = {name: {k: v - init[k] for k, v in sd.items()} for name, (_, sd) in runs.items()}
+    assert float(delta["tp1"]["lm_head.weight"].abs().max()) > 1e-4  # trained, not the initial weights
+    assert_layout_close(delta["tp2"], delta["tp1"], "weight change")
