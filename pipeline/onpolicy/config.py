@@ -19,6 +19,7 @@ from typing import Any
 from pipeline.config import ConfigError, load_config
 from pipeline.generate.sampler import GenerateConfig
 from pipeline.score.scorer import ScoreConfig
+from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.train.trainer import TrainConfig
 
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
@@ -165,8 +166,6 @@ class OnPolicyConfig:
     def decide_cross_tokenizer(self, student: Path, teacher: Path) -> None:
         """cross_tokenizer=null: true iff the two tokenizers' fingerprints differ (the store's one rule); the stage
         settings are rebuilt and the cross-tokenizer limits checked (ConfigError) before any cycle."""
-        from pipeline.store.fingerprint import tokenizer_fingerprint
-
         self._student_dir = str(student)
         if self.cross_tokenizer is None:
             self.cross_tokenizer = tokenizer_fingerprint(student) != tokenizer_fingerprint(teacher)

@@ -36,6 +36,7 @@ from pipeline.store import align
 from pipeline.store.rollouts import iter_rollouts
 from pipeline.train.batch import Block, LiveRow, MicroBatch, XtokLive, assemble, matched_ids, student_layout
 from pipeline.train.live_teacher import teacher_topk
+from pipeline.train.sources import resolve_rollouts
 from pipeline.train.vocab_parallel import tp_rank_world
 
 
@@ -70,8 +71,6 @@ def open_live_xtok(student_dir: Path, teacher_dir: Path, teacher_vocab: int, stu
 
 def check_rollouts(paths: Sequence[str | Path], xt: LiveXtok) -> None:
     """Refuse, before any work, rollouts whose text does not round-trip (the score stage's `retokenize` rule)."""
-    from pipeline.train.sources import resolve_rollouts
-
     bad = []
     shards = [p for p, _ in resolve_rollouts(paths, None)]
     for r in iter_rollouts(shards):

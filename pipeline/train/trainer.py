@@ -60,6 +60,7 @@ class TrainConfig:
     cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
     # A live teacher instead of a cache (pipeline/train/live_teacher.py): an HF folder of the student's tokenizer,
     # run frozen in the trainer on every micro-batch of `rollouts` (rollout dirs/shards); then cache must be [].
+    # With loss=gold|uld a teacher of another tokenizer, run on its own tokens (pipeline/train/live_xtok.py).
     teacher_live: str | None = None
     rollouts: list[str] = field(default_factory=list)
     teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
@@ -362,9 +363,8 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
     if not (teacher_dir / "config.json").exists():
         raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
     fp = tokenizer_fingerprint(teacher_dir)
-    if cfg.loss in ("uld", "gold") and fp == student_tokenizer:
-        live_xtok.refuse_same_tokenizer(teacher_dir, cfg.loss)
-    if fp != student_tokenizer and cfg.loss not in ("uld", "gold"):  # uld|gold: train/live_xtok.py aligns them
+    # uld|gold: another tokenizer, checked before the model by live_xtok_setup (train/live_xtok.py aligns them)
+    if fp != student_tokenizer and cfg.loss not in ("uld", "gold"):
         raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
                                      f"{student_tokenizer}; teacher ids would index the wrong tokens")
     if backend == "hf":

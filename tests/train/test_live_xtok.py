@@ -89,3 +89,12 @@ def test_live_cross_tokenizer_teacher_trains_like_its_exact_cache(xl, tmp_path, 
         assert cli(["export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf")]) == 0
     w_live, w_cache = (load_file(tmp_path / f"{n}-hf" / "model.safetensors") for n in ("live", "cache"))
     assert_layout_close({k: w_live[k] - start[k] for k in start}, {k: w_cache[k] - start[k] for k in start}, "update")
+
+
+def test_hf_backend_live_cross_tokenizer_teacher_trains_like_its_exact_cache(xl, tmp_path):
+    """The same comparison on the transformers backend (student and live teacher HF models): 2 SGD steps of GOLD."""
+    live = _train(xl, tmp_path / "live", "live", loss="gold", backend="hf", train_steps=2, save_interval=2)
+    cached = _train(xl, tmp_path / "cache", "cache", loss="gold", backend="hf", train_steps=2, save_interval=2)
+    assert [m["active_tokens"] for m in live] == [m["active_tokens"] for m in cached]
+    for a, b in zip(live, cached, strict=True):
+        assert abs(a["jsd"] - b["jsd"]) <= 1e-5 * b["jsd"] and abs(a["sft"] - b["sft"]) <= 1e-5 * b["sft"], (a, b)
