@@ -94,6 +94,11 @@ def rollout_block(xt: LiveXtok, keys: list[str], is_dataset: np.ndarray, prompts
     teacher tokens and spans for the live teacher (`Block.xtok_live`)."""
     rows, teacher_rows = [], [0]
     for key, ds, p, c in zip(keys, is_dataset.tolist(), prompts, completions, strict=True):
+        if not c:  # no scored position: in the block, never in a micro-batch (the loader's order skips it)
+            rows.append(LiveRow(key=key, is_dataset=bool(ds), student_ids=np.asarray(p, np.int64),
+                                student_first=len(p), teacher_ids=np.zeros(0, np.int64), teacher_first=0,
+                                span_student=np.zeros(1, np.int32), span_teacher=np.zeros(1, np.int32)))
+            continue
         got = align.retokenize(xt.student, xt.teacher, p, c)
         if isinstance(got, str):  # check_rollouts refused these before training; a shard changed since
             raise RoundTripError(f"sample {key}: {got} (the rollouts changed after the start-up check)")

@@ -98,3 +98,59 @@ def test_hf_backend_live_cross_tokenizer_teacher_trains_like_its_exact_cache(xl,
     assert [m["active_tokens"] for m in live] == [m["active_tokens"] for m in cached]
     for a, b in zip(live, cached, strict=True):
         assert abs(a["jsd"] - b["jsd"]) <= 1e-5 * b["jsd"] and abs(a["sft"] - b["sft"]) <= 1e-5 * b["sft"], (a, b)
+
+
+def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
+    """Before the teacher runs, a live micro-batch already has the cache's heads, span pointers and SFT mask; and
+    once `with_teacher` has placed rows computed from the cache's own teacher rows, it equals the cache's micro-batch
+    (the same layout functions). A rollout with an empty completion (never trained on) does not stop the loader."""
+    from transformers import AutoConfig
+
+    from pipeline.store.rollouts import iter_rollouts, rollout_row
+    from pipeline.train.data import ScoredLoader
+    from pipeline.train.live_xtok import open_live_xtok
+
+    rows = list(iter_rollouts([xl["root"] / "rollouts" / "r-00000-of-00001.parquet"]))
+    empty = rollout_row(prompt_id="e", prompt_ids=rows[0]["prompt_ids"], completion_ids=[], source="dataset")
+    s_fp = tokenizer_fingerprint(xl["student"])
+    write_rollouts(tmp_path / "r.parquet", [*rows, empty], tokenizer_fingerprint=s_fp)
+    vocab = AutoConfig.from_pretrained(xl["student"]).vocab_size
+    xt = open_live_xtok(xl["student"], xl["teacher"], AutoConfig.from_pretrained(xl["teacher"]).vocab_size, vocab, True)
+    n = len(rows)
+    live = ScoredLoader([tmp_path / "r.parquet"], micro_batch_size=n, seq_length=SEQ, seed=0, live_k=8,
+                        tokenizer_fingerprint=s_fp, live_xtok=xt).micro_batch(0)
+    cache = ScoredLoader([xl["root"] / "cache"], micro_batch_size=n, seq_length=SEQ, seed=0, vocab_size=vocab,
+                         tokenizer_fingerprint=s_fp, xtok_map=xt.vmap).micro_batch(0)
+    assert live.samples == cache.samples == n and live.xtok_live is not None and live.xtok_live.vmap is xt.vmap
+    assert torch.equal(live.xtok_matched, cache.xtok_matched) and live.xtok_teacher_vocab == cache.xtok_teacher_vocab
+    where = {tuple(cache.input_ids[i, :int((cache.doc_ids[i] >= 0).sum())].tolist()): i for i in range(n)}
+    order = [where[tuple(live.input_ids[i, :int((live.doc_ids[i] >= 0).sum())].tolist())] for i in range(n)]
+    assert sorted(order) == list(range(n))
+    for name in ("loss_mask", "sft_mask", "labels"):
+        assert torch.equal(getattr(live, name), getattr(cache, name)[order]), name
+    w = live.input_ids.shape[1]
+    heads = cache.span_head[order]
+    moved = torch.where(heads >= 0, heads % w + torch.arange(n)[:, None] * w, heads)  # row index of the live layout
+    assert torch.equal(live.span_head, moved)
+    assert not live.teacher_logprobs.any()  # placeholders until the teacher runs
+    # the teacher's rows as the test's cache writer computes them (a transformers forward, top-8, actual token)
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.store.codec import tail_logprob
+    from pipeline.train.live_xtok import teacher_batch, with_teacher
+
+    tb = teacher_batch(live.xtok_live)
+    model = AutoModelForCausalLM.from_pretrained(xl["teacher"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(tb.input_ids).logits.float(), -1)
+    top = lp.topk(8, -1)
+    actual = lp.gather(-1, tb.labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    on = tb.loss_mask
+    assert int(on.sum()) == sum(len(r.teacher_ids) - r.teacher_first for r in live.xtok_live.rows)
+    filled = with_teacher(live, tb, top.indices.int(), top.values, tail_logprob(top.values, torch).float(),
+                          torch.where(on, actual, 0.0))
+    m = cache.loss_mask[order]
+    assert torch.equal(filled.teacher_ids[m], cache.teacher_ids[order][m])
+    torch.testing.assert_close(filled.teacher_logprobs[m], cache.teacher_logprobs[order][m], rtol=0, atol=1e-5)
+    torch.testing.assert_close(filled.teacher_tail[m], cache.teacher_tail[order][m], rtol=0, atol=1e-4)
+    assert torch.equal(filled.teacher_valid, cache.teacher_valid[order])
