@@ -19,6 +19,7 @@ from typing import Any
 from pipeline.config import ConfigError, load_config
 from pipeline.generate.sampler import GenerateConfig
 from pipeline.score.scorer import ScoreConfig
+from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.train.trainer import TrainConfig
 
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
@@ -42,6 +43,7 @@ DRIVER_SET: dict[str, dict[str, str]] = {
                  "seed": "generate_seed / seed + cycle", "policy_version": "the trainer step",
                  "on_bad_prompt": "always skip (a cycle does not stop on one bad prompt)"},
     "score": {"rollouts": "the cycle's rollouts", "cache": "cache / offpolicy_cache", "teacher": "teacher",
+              "cross_tokenizer": "cross_tokenizer", "student_tokenizer": "student (cross_tokenizer)",
               "shard": "the task", "num_shards": "slurm_score_shards",
               "on_overlong": "always skip (a cycle does not stop on one overlong sample)"},
     "train": {"student": "student", "cache": "the cycle's view", "seed": "seed", "train_steps":
@@ -58,6 +60,11 @@ class OnPolicyConfig:
     student: str = "default"  # HF folder; "default" = the SmolLM2 6-layer student (pipeline.assets)
     teacher: str = "default"  # HF folder; "default" = SmolLM2-135M-Instruct
     cache: str = "runs/onpolicy/cache"  # teacher cache the student rollouts are scored into (shareable, incremental)
+    # A teacher with another tokenizer (docs/architecture.md, "Cross-tokenizer distillation"): the score stage
+    # aligns the student's rollouts to the teacher's tokens (score.cross_tokenizer) and the trainer uses
+    # loss=gold (or train.loss=uld). null: decided when the run opens (Workspace.open), by comparing the two
+    # tokenizers' fingerprints (store/fingerprint.py); true/false: forced.
+    cross_tokenizer: bool | None = None
     # -- schedule
     num_cycles: int = 4
     steps_per_generation: int = 2
@@ -130,6 +137,7 @@ class OnPolicyConfig:
         if stage_problems:
             return p + stage_problems
         gen, sc, tr = self.generate_settings, self.score_settings, self.train_settings
+        p += self.cross_problems()
         if sc.topk == 0 and tr.loss != "opd":
             p.append("score.topk=0 stores no teacher top-k: only train.loss=opd can train from it")
         if sc.topk == 0 and self.heldout_prompts:
@@ -137,6 +145,34 @@ class OnPolicyConfig:
         if gen.max_model_len is not None and gen.max_tokens >= gen.max_model_len:
             p.append("generate.max_tokens must be < generate.max_model_len (the prompt needs room)")
         return p
+
+    def cross_problems(self) -> list[str]:
+        """What a cross-tokenizer run (cross_tokenizer true, set or detected) cannot do; [] otherwise."""
+        if not self.cross_tokenizer:
+            return []
+        p = []
+        if self.train_settings.loss not in ("uld", "gold"):
+            p.append(f"the teacher has another tokenizer than the student (cross_tokenizer): train.loss="
+                     f"{self.train_settings.loss} needs the teacher's rows in the student's tokens; use train.loss=gold "
+                     "(the default here) or train.loss=uld")
+        if self.heldout_prompts:
+            p.append("the teacher has another tokenizer than the student (cross_tokenizer): the held-out KL compares "
+                     "per-token distributions over one vocabulary; set heldout_prompts: null")
+        if self.teacher_prompt_field:
+            p.append("the teacher has another tokenizer than the student (cross_tokenizer): a privileged teacher "
+                     "prompt (teacher_prompt_field) is scored in the teacher's own tokens only; drop it")
+        return p
+
+    def decide_cross_tokenizer(self, student: Path, teacher: Path) -> None:
+        """cross_tokenizer=null: true iff the two tokenizers' fingerprints differ (the store's one rule); the stage
+        settings are rebuilt and the cross-tokenizer limits checked (ConfigError) before any cycle."""
+        self._student_dir = str(student)
+        if self.cross_tokenizer is None:
+            self.cross_tokenizer = tokenizer_fingerprint(student) != tokenizer_fingerprint(teacher)
+            for name in ("score_settings", "train_settings"):
+                self.__dict__.pop(name, None)  # computed before the decision
+        if problems := self.cross_problems():
+            raise ConfigError("; ".join(problems))
 
     @classmethod
     def key_hint(cls, key: str) -> str | None:
@@ -221,16 +257,22 @@ class OnPolicyConfig:
             "policy_version": policy_version, "on_bad_prompt": "skip"})
 
     def score_config(self, rollouts: Path, cache: str) -> ScoreConfig:
+        cross = {}
+        if self.cross_tokenizer:  # the rollouts' tokenizer is the student's (resolved by decide_cross_tokenizer)
+            cross = {"cross_tokenizer": True, "student_tokenizer": getattr(self, "_student_dir", self.student)}
         return load_config(ScoreConfig, None, {
             **self.stage_values("score"), "rollouts": str(rollouts), "cache": cache, "teacher": self.teacher,
-            "shard": 0, "num_shards": 1, "on_overlong": "skip"})
+            "shard": 0, "num_shards": 1, "on_overlong": "skip", **cross})
 
     def train_config(self, save_dir: Path, sources: list[str], exit_after: int | None,
                      data_position: int | None) -> TrainConfig:
         """The trainer of the whole run: train_steps is the run's total (so the LR schedule is that of one long
         run), and each cycle stops after its steps_per_generation with `exit_after` (a checkpoint at each end)."""
+        values = self.stage_values("train")
+        if self.cross_tokenizer and "loss" not in values:  # a teacher with another tokenizer: GOLD by default
+            values["loss"] = "gold"
         return load_config(TrainConfig, None, {
-            **self.stage_values("train"), "student": self.student, "cache": list(sources), "seed": self.seed,
+            **values, "student": self.student, "cache": list(sources), "seed": self.seed,
             "train_steps": self.total_steps, "save_dir": str(save_dir), "save_interval": self.steps_per_generation,
             "exit_after": exit_after, "data_position": data_position, "progress": False})
 

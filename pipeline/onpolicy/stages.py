@@ -77,7 +77,9 @@ class Workspace:
         student = resolve_student(cfg.student)
         # the trainer's own backend rule: a student neither backend trains is refused before any cycle
         resolve_backend(student, cfg.train_settings.backend, cfg.train_settings.seq_length)
-        return cls(cfg, student, resolve_teacher(cfg.teacher))
+        teacher = resolve_teacher(cfg.teacher)
+        cfg.decide_cross_tokenizer(student, teacher)  # a teacher of another family: cross-tokenizer cycles
+        return cls(cfg, student, teacher)
 
     # -- paths ---------------------------------------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ import pyarrow.parquet as pq
 
 from pipeline.store import TeacherCache
 from pipeline.store import images as image_store
+from pipeline.store.align import TEACHER_TOKENIZER
 from pipeline.store.cache import DESCRIPTOR, SHARDS
 from pipeline.store.codec import concat_encoded
 from pipeline.store.index import INDEX, rebuild
@@ -75,8 +77,10 @@ def rollout_keys(rollouts_dir: Path, cache: TeacherCache, prompt_order: Sequence
     if prompt_order is not None:
         rank = {p: i for i, p in enumerate(prompt_order)}
         rows = iter(sorted(rows, key=lambda r: rank.get(r["prompt_id"], len(rank))))  # stable
+    # a cross-tokenizer cache's keys cover both tokenizers (the score stage's CrossTokenizer.key)
+    cross = (d.tokenizer_fingerprint, d.student_tokenizer_fingerprint) if d.cross_tokenizer else None
     for r in rows:
-        key = rollout_key(r, d.teacher_fingerprint, d.k, d.logprob_mode)
+        key = rollout_key(r, d.teacher_fingerprint, d.k, d.logprob_mode, cross=cross)
         if key is not None:  # the rows the score stage skips as empty have no key
             keys.append(key)
     return list(dict.fromkeys(keys))
@@ -129,6 +133,12 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
                 image_store.put(view, image_store.read(cache.root, h))
         write_shard(dest, table, "scored", extra={"view_of": sources}, footer=footer)
     out = [str(dest)] if parts else []
+    if cache.descriptor.cross_tokenizer and not (view / TEACHER_TOKENIZER).exists():
+        # the trainer builds the vocabulary map from the cache's copy of the teacher's tokenizer (store/align.py)
+        staged = view / f".{TEACHER_TOKENIZER}.partial"
+        shutil.rmtree(staged, ignore_errors=True)
+        shutil.copytree(cache.root / TEACHER_TOKENIZER, staged)
+        staged.rename(view / TEACHER_TOKENIZER)
     if not (view / DESCRIPTOR).exists():
         cache.descriptor.write(view / DESCRIPTOR)
     if not (view / INDEX).exists():  # the trainer reads the view through its index

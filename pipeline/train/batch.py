@@ -51,6 +51,9 @@ class MicroBatch:
     span_head: torch.Tensor | None = None
     xtok_matched: torch.Tensor | None = None  # bool [student vocab]; None: ULD (no map)
     xtok_teacher_vocab: int = 0
+    # A live teacher with another tokenizer (train/live_xtok.py): the samples' teacher tokens and their layout here,
+    # from which the trainer computes the teacher rows; None otherwise.
+    xtok_live: XtokLive | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The tensors moved to `device` (a no-op on CPU)."""
@@ -81,6 +84,45 @@ class Block:
     # positions back its head is; and at heads the span's student length
     member_back: np.ndarray | None = None
     span_len: np.ndarray | None = None
+    xtok_live: list[LiveRow] | None = None  # per row: its teacher tokens and spans (a live cross-tokenizer teacher)
+
+
+@dataclass
+class LiveRow:
+    """A rollout for a live teacher with another tokenizer: its student and teacher tokens and aligned spans
+    (store/align.py `retokenize`), what a cross-tokenizer cache row holds besides the teacher rows."""
+
+    key: str
+    is_dataset: bool
+    student_ids: np.ndarray  # int64 [Ls]
+    student_first: int
+    teacher_ids: np.ndarray  # int64 [Lt]
+    teacher_first: int
+    span_student: np.ndarray  # int32 [G + 1]
+    span_teacher: np.ndarray  # int32 [G + 1]
+
+
+@dataclass
+class XtokLive:
+    """A micro-batch's live cross-tokenizer samples and the `assemble` arguments that laid them out, so the teacher's
+    rows, once computed, are placed by the same call (train/live_xtok.py `with_teacher`)."""
+
+    rows: list[LiveRow]
+    row_of: np.ndarray
+    offsets: np.ndarray
+    full_lengths: np.ndarray
+    B: int
+    seq_length: int
+    k: int
+    pad_id: int
+    vmap: np.ndarray | None = None  # teacher id -> student id (loss=gold; the loader sets it)
+
+
+def matched_ids(vmap: np.ndarray, vocab_size: int | None) -> torch.Tensor:
+    """The vocabulary map's student side: bool [student vocab], True for student ids some teacher id maps to."""
+    matched = np.zeros(int(vocab_size or (vmap.max() + 1)), bool)
+    matched[vmap[(vmap >= 0) & (vmap < len(matched))]] = True
+    return torch.from_numpy(matched)
 
 
 def student_layout(keys: list[str], is_dataset: np.ndarray, row_offsets: np.ndarray, tids: np.ndarray,
@@ -209,6 +251,9 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
                 mask[r, t0:t1] = whole
                 members = np.flatnonzero((mb > 0) & whole[np.maximum(pos - mb - t0, 0)])
                 span_head[r, pos[members]] = r * width + pos[members] - mb[members]
+    live = None
+    if any(blk.xtok_live is not None for blk, _ in fetched):
+        live = XtokLive([blk.xtok_live[j] for blk, j in fetched], row_of, offsets, full, B, S, k, pad_id)
     gaps = ~mask  # exactly the positions the loop did not write
     t_ids[gaps], t_lp[gaps], t_valid[gaps] = 0, 0.0, False
     # x_{t+1} where t and t+1 belong to the same sample: no label crosses a sample boundary or enters padding
@@ -237,4 +282,5 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         folded_positions=folded,
         teacher_route=None if route is None else torch.from_numpy(route),
         span_head=None if span_head is None else torch.from_numpy(span_head),
+        xtok_live=live,
     )

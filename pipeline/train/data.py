@@ -75,7 +75,8 @@ from pipeline.store.cache import Descriptor, cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, file_sha256, verify_shard
-from pipeline.train.batch import Block, MicroBatch, assemble, fold_past_vocab, student_layout
+from pipeline.train.batch import Block, MicroBatch, assemble, fold_past_vocab, matched_ids, student_layout
+from pipeline.train.live_xtok import LiveXtok, rollout_block
 from pipeline.train.packing import pack, row_offsets
 from pipeline.train.prefetch import prefetched
 from pipeline.train.sources import (
@@ -138,6 +139,7 @@ class ScoredLoader:
         on_unrouted: str = "error",
         use_index: bool = True,
         xtok_map: np.ndarray | None = None,
+        live_xtok: LiveXtok | None = None,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
@@ -164,6 +166,10 @@ class ScoredLoader:
             resolved = [(p, d, None) for p, d in resolve_rollouts(sources, tokenizer_fingerprint)]
             self.k = int(live_k)
             self.topp = self.min_k = None
+            self.live_xtok = live_xtok  # a live teacher with another tokenizer (train/live_xtok.py)
+            if live_xtok is not None:
+                self.cross, self.xtok_map = True, live_xtok.vmap
+                self.xtok_matched, self.xtok_teacher_vocab = live_xtok.matched, live_xtok.teacher_vocab
             self._build_index(resolved, verify_checksums)
             self._init_state()
             return
@@ -181,11 +187,7 @@ class ScoredLoader:
             self.actual = True  # the span merge reads the later teacher tokens' actual logprobs
             self.xtok_teacher_vocab = max(r[1].vocab_size for r in resolved)
             if xtok_map is not None:
-                import torch
-
-                matched = np.zeros(int(vocab_size or (xtok_map.max() + 1)), bool)
-                matched[xtok_map[(xtok_map >= 0) & (xtok_map < len(matched))]] = True
-                self.xtok_matched = torch.from_numpy(matched)
+                self.xtok_matched = matched_ids(xtok_map, vocab_size)
         self.k, self.topp, self.min_k = agreed.k, agreed.topp, agreed.min_k
         self._build_index(resolved, verify_checksums)
         self._init_state()
@@ -433,6 +435,9 @@ class ScoredLoader:
         except (pa.ArrowException, OSError) as e:
             raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
         prompts, completions = t.column("prompt_ids").to_pylist(), t.column("completion_ids").to_pylist()
+        if self.live_xtok is not None:  # in the layout of a cross-tokenizer cache row, with the teacher's tokens
+            return rollout_block(self.live_xtok, t.column("sample_id").to_pylist(), pc.equal(
+                t.column("source"), "dataset").to_numpy(zero_copy_only=False), prompts, completions, self.k)
         seqs = [np.asarray(p + c, dtype=np.int64) for p, c in zip(prompts, completions, strict=True)]
         num = np.asarray([len(c) for c in completions], np.int64)
         positions = int(num.sum())
@@ -557,6 +562,8 @@ class ScoredLoader:
         """A cross-tokenizer micro-batch carries the vocabulary map's student side and the teacher's vocabulary."""
         if self.cross:
             mb.xtok_matched, mb.xtok_teacher_vocab = self.xtok_matched, self.xtok_teacher_vocab
+        if mb.xtok_live is not None:
+            mb.xtok_live.vmap = self.xtok_map
         return mb
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:

@@ -39,7 +39,7 @@ from pipeline.store import align
 from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import atomic_write_bytes
-from pipeline.train import context_parallel, hf_model, metrics
+from pipeline.train import context_parallel, hf_model, live_xtok, metrics
 from pipeline.train.data import ScoredLoader, batch_split_problem
 from pipeline.train.families import BACKENDS, resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
@@ -60,6 +60,7 @@ class TrainConfig:
     cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
     # A live teacher instead of a cache (pipeline/train/live_teacher.py): an HF folder of the student's tokenizer,
     # run frozen in the trainer on every micro-batch of `rollouts` (rollout dirs/shards); then cache must be [].
+    # With loss=gold|uld a teacher of another tokenizer, run on its own tokens (pipeline/train/live_xtok.py).
     teacher_live: str | None = None
     rollouts: list[str] = field(default_factory=list)
     teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
@@ -185,8 +186,9 @@ class TrainConfig:
         if self.loss not in ("gkd", "opd", "uld", "gold"):
             p.append(f"loss must be gkd, opd, uld or gold, got {self.loss!r}")
         if self.loss in ("uld", "gold"):
-            if self.teacher_live is not None:
-                p.append(f"loss={self.loss} reads a cross-tokenizer cache; teacher_live scores in the student's tokens")
+            if self.teacher_live is not None and self.context_parallel_size > 1:
+                p.append(f"loss={self.loss} with teacher_live runs the teacher on whole samples: use "
+                         "context_parallel_size=1")
             if not self.fused_loss:
                 p.append(f"loss={self.loss} runs in the fused output layer only: drop fused_loss=false")
             if self.teachers:
@@ -364,14 +366,16 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
 def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = "megatron"):
     """The frozen teacher of `teacher_live` on the student's backend, with its TP split and precision: HF weights,
     eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
-    output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights."""
+    output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights, except with
+    loss=uld|gold, which needs one (train/live_xtok.py)."""
     from pipeline.train.model import build_model, load_hf_weights
 
     teacher_dir = Path(cfg.teacher_live)
     if not (teacher_dir / "config.json").exists():
         raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
     fp = tokenizer_fingerprint(teacher_dir)
-    if fp != student_tokenizer:
+    # uld|gold: another tokenizer, checked before the model by live_xtok_setup (train/live_xtok.py aligns them)
+    if fp != student_tokenizer and cfg.loss not in ("uld", "gold"):
         raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
                                      f"{student_tokenizer}; teacher ids would index the wrong tokens")
     if backend == "hf":
@@ -536,12 +540,15 @@ def score_live(teacher, batch, attn: dict, cfg: TrainConfig, student_vocab: int)
 
     from megatron.core import parallel_state
 
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if batch.xtok_live is not None:  # another tokenizer: the teacher runs on its own tokens of the samples
+        return live_xtok.score(teacher, batch, cfg.teacher_live_topk, lambda tb: model_inputs(tb, cfg, teacher),
+                               output_weight(teacher), teacher.hf_vocab_size, tp_group)
     with torch.no_grad():
         hidden = teacher(batch.input_ids, **attn)
         ids, lps, tail, valid = teacher_topk(
             hidden, output_weight(teacher), batch.loss_mask, cfg.teacher_live_topk,
-            tp_group=parallel_state.get_tensor_model_parallel_group(), vocab_size=teacher.hf_vocab_size,
-            student_vocab=student_vocab)
+            tp_group=tp_group, vocab_size=teacher.hf_vocab_size, student_vocab=student_vocab)
     return dataclasses.replace(batch, teacher_ids=ids, teacher_logprobs=lps, teacher_tail=tail, teacher_valid=valid)
 
 
@@ -681,6 +688,23 @@ def xtok_map(cfg: TrainConfig, tokenizer) -> np.ndarray | None:
                            desc.vocab_size)
 
 
+def live_xtok_setup(cfg: TrainConfig, hf_dir: Path, tokenizer) -> live_xtok.LiveXtok:
+    """A live teacher with another tokenizer (loss=uld|gold teacher_live=DIR), checked before any work: its
+    tokenizer differs from the student's (else plain GKD), both decode deterministically, every rollout round-trips
+    (train/live_xtok.py); with the vocabulary map for loss=gold."""
+    from transformers import AutoConfig
+
+    teacher_dir = Path(cfg.teacher_live)
+    if not (teacher_dir / "config.json").exists():
+        raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
+    if tokenizer_fingerprint(teacher_dir) == tokenizer_fingerprint(tokenizer):
+        live_xtok.refuse_same_tokenizer(teacher_dir, cfg.loss)
+    xt = live_xtok.open_live_xtok(hf_dir, teacher_dir, AutoConfig.from_pretrained(teacher_dir).vocab_size,
+                                  AutoConfig.from_pretrained(hf_dir).vocab_size, cfg.loss == "gold")
+    live_xtok.check_rollouts(cfg.rollouts, xt)
+    return xt
+
+
 # MicroBatch counters summed over a step (all ranks) for the metrics: positions = real + padding tokens.
 _DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
 
@@ -740,6 +764,9 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if cfg.teacher_live is None:
         check_cache_holds_loss(cfg)  # before the model is built: a cache that cannot feed this loss is refused
+    xt = None
+    if cfg.teacher_live is not None and cfg.loss in ("uld", "gold"):  # before the model: tokenizers, round trips
+        xt = live_xtok_setup(cfg, hf_dir, tokenizer)
     if rank == 0:
         print(f"[train] backend={backend}: {why}", file=sys.stderr)
     model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir, backend)
@@ -751,7 +778,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
         window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
         live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
         routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
-        xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in ("uld", "gold") else None,
+        xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in ("uld", "gold") and xt is None else None, live_xtok=xt,
     )
 
     save_dir = Path(cfg.save_dir)

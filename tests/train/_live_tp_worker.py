@@ -1,5 +1,6 @@
 """TP=2 worker for tests/train/test_live_teacher.py: the live teacher's top-k and tail from a vocab-split weight
-equal the TP=1 reduction (a vocab of 51 padded to 52, so one rank's slice ends in a padding column).
+equal the TP=1 reduction (a vocab of 51 padded to 52, so one rank's slice ends in a padding column), and so does the
+actual-token logprob of a live cross-tokenizer teacher (train/live_xtok.py `actual_logprobs`, each logit on one rank).
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_live_tp_worker.py``.
 """
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.train.live_teacher import teacher_topk
+from pipeline.train.live_xtok import actual_logprobs
 
 
 def main() -> None:
@@ -25,6 +27,10 @@ def main() -> None:
     assert torch.equal(out[0], ref[0]), "ids"
     for a, b, name in ((out[1], ref[1], "logprobs"), (out[2], ref[2], "tail")):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)  # float32 outputs of a float64 computation
+    labels = torch.randint(0, 51, (13,), generator=g)  # next tokens on both ranks' slices
+    act = actual_logprobs(h, w_pad[rank * 26:(rank + 1) * 26], mask, labels, out[0], out[1], tp_group=group)
+    torch.testing.assert_close(act, actual_logprobs(h, w, mask, labels, ref[0], ref[1]), rtol=0, atol=1e-6,
+                               msg="actual")
     print(f"TP2 OK rank {rank}", flush=True)
     dist.destroy_process_group()
 

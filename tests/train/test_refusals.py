@@ -179,7 +179,15 @@ def xtok(tiny, tmp_path_factory) -> dict:
     rows = xtok_rollouts(AutoTokenizer.from_pretrained(tiny["student"]), n=4)
     score_cross_into_cache(teacher, tiny["student"], root / "cross", rows)
     score_into_cache(teacher, root / "plain", random_samples(4, 49152))
-    return {"cross": root / "cross", "plain": root / "plain", "root": root}
+    return {"cross": root / "cross", "plain": root / "plain", "root": root, "teacher": teacher, "rows": rows}
+
+
+def _rollouts(tiny, path: Path, rows: list[dict]) -> Path:
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+    from pipeline.store.rollouts import write_rollouts
+
+    write_rollouts(path / "r-00000-of-00001.parquet", rows, tokenizer_fingerprint=tokenizer_fingerprint(tiny["student"]))
+    return path
 
 
 def _refused(tiny, tmp_path, capsys, **kw) -> str:
@@ -224,3 +232,30 @@ def test_tokenizer_whose_decode_is_not_deterministic(tiny, xtok, tmp_path, capsy
     err = _refused(tiny, tmp_path, capsys, loss="gold", cache=f"[{xtok['cross']}]", student=str(student))
     assert f"student tokenizer {student}" in err and "decode is not deterministic and concatenative" in err, err
     assert "byte-level" in err, err
+
+
+def test_live_cross_tokenizer_rollouts_that_do_not_round_trip(tiny, xtok, tmp_path, capsys):
+    """A sampled completion need not be its text's canonical tokenization ("T" + "he answer"): the live teacher
+    with another tokenizer cannot align it, refused by sample before the model is built."""
+    from transformers import AutoTokenizer
+
+    from pipeline.store import align
+    from pipeline.store.rollouts import rollout_row
+
+    tok = AutoTokenizer.from_pretrained(tiny["student"])
+    odd = tok("T", add_special_tokens=False).input_ids + tok("he answer", add_special_tokens=False).input_ids
+    assert isinstance(align.retokenize(tok, tok, xtok["rows"][0]["prompt_ids"], odd), str)  # really non-canonical
+    bad = rollout_row(prompt_id="odd", prompt_ids=xtok["rows"][0]["prompt_ids"], completion_ids=odd, source="dataset")
+    rollouts = _rollouts(tiny, tmp_path / "rollouts", [*xtok["rows"], bad])
+    err = _refused(tiny, tmp_path, capsys, loss="gold", cache="[]", teacher_live=str(xtok["teacher"]),
+                   rollouts=f"[{rollouts}]", teacher_live_topk=8)
+    assert "1 rollout(s) do not round-trip through the text" in err and f"sample {bad['sample_id']}" in err, err
+    assert "on_mismatch=skip" in err and "[train] backend=" not in err, err
+
+
+def test_live_gold_with_a_same_tokenizer_teacher(tiny, xtok, tmp_path, capsys):
+    rollouts = _rollouts(tiny, tmp_path / "rollouts", xtok["rows"])
+    err = _refused(tiny, tmp_path, capsys, loss="gold", cache="[]", teacher_live=str(tiny["model"]),
+                   rollouts=f"[{rollouts}]", teacher_live_topk=8)
+    assert f"teacher_live {tiny['model']}: its tokenizer is the student's" in err, err
+    assert "plain GKD: train with loss=gkd" in err and "[train] backend=" not in err, err
