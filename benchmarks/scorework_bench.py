@@ -11,6 +11,8 @@ faster than this CPU's, measured with a replay engine.
   hands the recorded outputs back to `score()`, for copies of the rollouts (`tiled`) in parts of the default size: unpaced, so the stage's own work (extraction, checks, encoding,
   Parquet writes, fsync, commits) is all that is timed; and paced at a teacher's speed, against a bare loop that
   only receives the same outputs at the same pace. Rounds interleaved (the machine is shared).
+- Output processing: vLLM's `_update_prompt_logprobs` on the recorded requests' own engine tensors, into its Python
+  lists (a plain request) and into the arrays the score stage's requests keep (pipeline/engine.py).
 """
 
 from __future__ import annotations
@@ -226,6 +228,15 @@ def markdown(res: dict) -> str:
         "(five fsyncs, the marker, the index line) decide the figure; a user's part is 512 rows of 1k-32k tokens. A task's last part is encoded and written after the engine's last "
         f"batch, which the paced row pays in full: here 1 of {r['parts']['paced']} parts, in a task of 10^5 "
         "rows 1 of ~200.",
+        "",
+        "How the engine hands its outputs over: vLLM's output processor runs in the process that calls "
+        "`LLM.generate`, the score stage's, and for a plain request turns each prompt's logprobs tensors into "
+        "Python lists (k + 1 ids, logprobs and a rank per position), which the stage then turns back into arrays. "
+        "The score stage's requests now keep the engine core's arrays (`pipeline/engine.py`, "
+        "`ArrayPromptLogprobs`); the recorded outputs are those arrays, so the replay hands the stage what the real "
+        "engine does. The output-processing row times vLLM's own `_update_prompt_logprobs` both ways on the "
+        "recorded requests' tensors: the lists' cost was paid in our process on top of every row below, and a "
+        "replay of lists (built by vLLM's code from the same tensors) shows the stage's own work on them.",
         "",
         "| measurement | value | beside it | goal |",
         "|---|---|---|---|",
