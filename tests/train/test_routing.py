@@ -103,7 +103,7 @@ def test_loss_weights_each_teachers_positions(two, single_process):
     count = float(mb.loss_mask.sum())
     loss, n, report = loss_func(mb, (count, 1.0), cfg, two["tiny"]["vocab"], None, logits)
     parts = [gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask & (mb.teacher_route == i),
-                      beta=cfg.beta, mode=cfg.topk_mode, teacher_tail=mb.teacher_tail,
+                      beta=cfg.kd_beta, mode=cfg.topk_mode, teacher_tail=mb.teacher_tail,
                       teacher_valid=mb.teacher_valid) for i in (0, 1)]
     expect = (2.0 * parts[0][0] + 0.5 * parts[1][0]) / count
     torch.testing.assert_close(loss, expect, rtol=1e-6, atol=0)  # the same sums, added in the same order
