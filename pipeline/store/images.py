@@ -16,11 +16,13 @@ score stage compares vLLM's expansion with the stored one, sample by sample (pip
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +54,68 @@ def put(root: str | Path, data: bytes) -> str:
     if path.exists() and path.stat().st_size == len(data):
         return digest
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{digest}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with _writing(Path(root)):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{digest}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return digest
+
+
+# Temporaries of a killed writer: image writers of one store are not serialised (score tasks of an array write their
+# parts' images concurrently, outside the cache's commit lock), so a temporary may be a live writer's. Each `put`
+# holds a shared flock on ROOT/.images.lock while its temporary exists; `remove_stale_temporaries` removes them only
+# when it gets the exclusive lock at once, i.e. when no put is under way anywhere (the kernel drops a killed
+# writer's lock), and otherwise leaves them to a later writer. The lock file sits beside images/, not in it, so a
+# listing of the store holds images only.
+WRITERS_LOCK = ".images.lock"
+
+
+@contextlib.contextmanager
+def _writing(root: Path) -> Iterator[None]:
+    try:
+        fd = os.open(root / WRITERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a read-only store fails at the write below, with its own message
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:  # no flock on this filesystem: write unlocked; the clean-up then never runs here
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(root: str | Path) -> int:
+    """Remove the temporaries killed writers left in `root/images/` when no writer is under way (see WRITERS_LOCK);
+    returns how many (0 also when a writer holds the lock)."""
+    root = Path(root)
+    if not image_dir(root).is_dir():
+        return 0
+    try:
+        fd = os.open(root / WRITERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return 0
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a put is under way (or no flock): its temporary is not stale
+        os.close(fd)
+        return 0
+    try:
+        stale = list(image_dir(root).glob(".*.tmp"))
+        for t in stale:
+            t.unlink(missing_ok=True)
+        return len(stale)
+    finally:
+        os.close(fd)
 
 
 def read(root: str | Path, digest: str, *, sample: str = "") -> bytes:

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.store import images
 from pipeline.store.shards import (
     MARKER_SUFFIX,
     ShardError,
@@ -252,6 +253,7 @@ class IndexAppender:
                 index = rebuild(self.root, self.descriptor)
             self.keys = set(index.keys.astype(str).tolist())
             remove_stale_temporaries_in(self.root / "shards")  # under the commit lock: every one is a killed writer's
+            images.remove_stale_temporaries(self.root)  # once per writer too; see images.WRITERS_LOCK
             self._offset = _cut_torn_tail(self.path)
             self._inode = self.path.stat().st_ino
             return

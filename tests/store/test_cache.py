@@ -141,3 +141,28 @@ def test_a_1_0_descriptor_is_read_but_takes_no_rows_until_it_says_how_it_was_sco
     assert line in str(e.value)
     path.write_text(path.read_text().rstrip()[:-1] + ", " + line + "}")
     assert TeacherCache.create_or_open(cache.root, replace(make_descriptor(), numerics=FP32)).descriptor.numerics == FP32
+
+
+def test_a_killed_image_writers_temporary_is_removed_by_the_next_writer_unless_one_is_under_way(tmp_path):
+    """An image put killed between its temporary and the rename leaves `.HASH.*.tmp` in CACHE/images/; the next
+    writer's first commit removes it, but not while another put holds the store's writer lock (it may be that
+    put's own temporary)."""
+    import fcntl
+    import os
+
+    from pipeline.store import images
+
+    d = make_descriptor()
+    cache = TeacherCache.create_or_open(tmp_path / "cache", d)
+    digest = cache.add_image(b"\x89PNG not really")
+    stale = images.image_dir(cache.root) / f".{digest}.dead1234.tmp"
+    stale.write_bytes(b"half")
+    # a writer under way: its shared lock (flock locks belong to the open file, so this fd stands for another put)
+    fd = os.open(cache.root / images.WRITERS_LOCK, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    assert images.remove_stale_temporaries(cache.root) == 0 and stale.exists()
+    os.close(fd)  # that writer ends (or is killed: the kernel drops its lock the same way)
+    rng = np.random.default_rng(0)
+    TeacherCache.create_or_open(cache.root, d).add_rows("p0", [make_row(rng, d, length=8, prompt_len=2)])
+    assert not stale.exists()
+    assert sorted(p.name for p in images.image_dir(cache.root).iterdir()) == [digest]  # the stored image stays
