@@ -11,7 +11,11 @@ the same way. `gkd` marks itself too (pipeline/cli.py), for the commands without
 never imports the package (a third-party spawn worker: multiprocessing re-imports no `pkg.__main__`, so `python -m
 pipeline train`'s spawn worker, by its timing dist_checkpointing's (megatron/core/dist_checkpointing/strategies
 use the spawn context), and its resource tracker stayed; an exec'd tool) is caught by the
-command's watchdog, a small process `mark_command` starts once per process (see `watchdog`).
+command's watchdog, a small process `mark_command` starts once per process (see `watchdog`); one started too
+shortly before the kill for the watchdog to have seen it is found after the command's death by what it inherited
+(re-parented beside the watchdog, started after the command, the command's pid in its environment; seen: a
+`gkd train` killed as Megatron's checkpoint workers started, two of them left). A daemon meant to outlive its
+command is started without that variable (the local Slurm's, pipeline/slurm/local.py).
 
 A watch thread rather than prctl(PR_SET_PDEATHSIG): the kernel sends that signal when the parent *thread* that
 started the child exits (prctl(2), "the parent" is the creating thread), which would kill a child that a worker
@@ -60,6 +64,11 @@ def watchdog(pid: int, start: int, poll_s: float = 1.0) -> None:
     while os.getppid() == pid and (s := _stat(pid)) and s[2] == start:
         seen = {p: t for p, t in {**seen, **descendants(pid)}.items() if p != me and _started(p) == t}
         time.sleep(poll_s)
+    # A process the command started in the last poll interval was never seen; orphaned now, it is found by what it
+    # inherited: re-parented to the same reaper as this watchdog (init or a subreaper), started after the command,
+    # with the command's pid in its environment. (A daemon meant to outlive its command is started without it:
+    # pipeline/slurm/local.py.)
+    seen.update(_orphans(pid, start, os.getppid(), me))
     for p in list(seen):
         seen.update(descendants(p))  # what they started since the last look (they are alive: found below them)
     for p, t in seen.items():
@@ -68,6 +77,23 @@ def watchdog(pid: int, start: int, poll_s: float = 1.0) -> None:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _orphans(pid: int, start: int, reaper: int, me: int) -> dict[int, int]:
+    """Live children of `reaper` started at or after `start` whose environment names `pid` as their command."""
+    mark = f"{ENV}={pid}".encode()
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me or not (s := _stat(int(d.name))):
+            continue
+        if s[0] != reaper or s[2] < start or s[1] == "Z":
+            continue
+        try:
+            if mark in (d / "environ").read_bytes().split(b"\0"):
+                out[int(d.name)] = s[2]
+        except OSError:  # gone, or another user's
+            continue
+    return out
 
 
 def _started(pid: int) -> int | None:

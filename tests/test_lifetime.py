@@ -69,3 +69,43 @@ def test_a_process_the_command_did_not_start_is_left_alone(tmp_path):
         out = subprocess.run(["sh", "-c", f"{sys.executable} -c '{code}'; true"], env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0 and "gkd-parent-watch" not in out.stdout and "MainThread" in out.stdout, out
+
+
+# The command starts a child that never imports the package and is SIGKILLed at once, before its watchdog's next look
+# (once a second) can have seen the child; and a daemon started without the command's pid in its environment (as
+# pipeline/slurm/local.py starts Slurm's), which is meant to outlive it.
+QUICK = """
+import os, signal, subprocess, sys
+from pipeline import lifetime
+
+lifetime.mark_command()
+daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                          env={k: v for k, v in os.environ.items() if k != lifetime.ENV})
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, daemon.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_child_started_just_before_the_kill_dies_and_a_daemon_without_the_mark_lives(tmp_path):
+    script = tmp_path / "quick.py"
+    script.write_text(QUICK)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("GKD_PARENT_PID", None)
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    child, daemon = (int(x) for x in proc.stdout.readline().split())
+    proc.wait(timeout=60)
+    procs = {p: s for p in (child, daemon) if (s := _start_ticks(p)) is not None}
+    try:
+        assert survivors({child: procs[child]}, wait_s=30) == [], "a child started just before the kill outlived it"
+        time.sleep(3)  # the watchdog has acted by now (it polls once a second)
+        assert _start_ticks(daemon) == procs[daemon], "the unmarked daemon was killed with the command"
+    finally:
+        survivors(procs, wait_s=0)
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except OSError:
+        return None

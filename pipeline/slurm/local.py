@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import lifetime
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 
@@ -155,7 +157,9 @@ class LocalSlurm:
             raise RuntimeError(f"a local Slurm is already running under {self.root}; stop it first")
         self.write_config()
         r, pids = self.root, self.pid_files()
-        env = {**os.environ, **self.env()}
+        # The daemons outlive this command by design: without the command's pid in their environment, so its
+        # watchdog does not take them for its orphans (pipeline/lifetime.py).
+        env = {k: v for k, v in {**os.environ, **self.env()}.items() if k != lifetime.ENV}
         daemons = [
             ["munged", "-f", f"--key-file={r / 'munge' / 'munge.key'}", f"--socket={r / 'munge' / 'munge.socket'}",
              f"--pid-file={pids['munged']}", f"--log-file={r / 'log' / 'munged.log'}",
