@@ -14,7 +14,7 @@ use the spawn context), and its resource tracker stayed; an exec'd tool) is caug
 command's watchdog, a small process `mark_command` starts once per process (see `watchdog`); one started too
 shortly before the kill for the watchdog to have seen it is found after the command's death by what it inherited
 (re-parented beside the watchdog, started after the command, the command's pid in its environment; seen: a
-`gkd train` killed as Megatron's checkpoint workers started, two of them left). A daemon meant to outlive its
+`gkd train` killed 6 s after its start on a loaded machine left two processes). A daemon meant to outlive its
 command is started without that variable (the local Slurm's, pipeline/slurm/local.py).
 
 A watch thread rather than prctl(PR_SET_PDEATHSIG): the kernel sends that signal when the parent *thread* that
