@@ -4,6 +4,7 @@ at 4,096 and 16,384 tokens: tokens/s, model FLOPs utilisation (MFU) and peak GPU
 
     python -m benchmarks.gpu_bench --out gpu_bench.json          # on a CUDA machine (prints a markdown table)
     python -m benchmarks.gpu_bench --tiny                        # a 2-layer shape, CPU or GPU: checks the script
+    python -m benchmarks.gpu_bench --write gpu_bench.json        # here, afterwards: its section of BENCHMARKS.md
 
 Each (tokens, variant) runs in its own process, so peak memory is its own and an out-of-memory unfused step is
 recorded as such instead of ending the run. The step is the trainer's own: `setup_model_and_optimizer` (bf16
@@ -144,7 +145,7 @@ def run(tokens: list[int], steps: int, tiny: bool, peak_tflops: float | None) ->
     work = Path(tempfile.mkdtemp(prefix="gkd-gpu-bench-"))
     student = build_student(work / "student", shape)
     res = {"device": device, "shape": "tiny" if tiny else "Qwen2.5-0.5B", "peak_tflops": peak_tflops,
-           "steps": steps, "bf16": True, "runs": []}
+           "steps": steps, "bf16": True, "started": _now(), "machine": _machine(device), "runs": []}
     for t in tokens:
         cache = build_cache(work / f"cache-{t}", student, t, rows=steps + 1, vocab=shape["vocab_size"])
         for fused in (True, False):
@@ -157,11 +158,28 @@ def run(tokens: list[int], steps: int, tiny: bool, peak_tflops: float | None) ->
                 flops = model_flops_per_token(shape, t) * row["tokens_per_s"]
                 row["mfu"] = flops / (peak_tflops * 1e12) if peak_tflops else None
             else:
-                tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-                row["error"] = "out of memory" if "out of memory" in proc.stderr.lower() else tail[0][-300:]
+                tail = proc.stderr.strip().splitlines() or ["(no output)"]
+                row["error"] = "out of memory" if "out of memory" in proc.stderr.lower() else tail[-1][-300:]
+                print("\n".join(tail[-40:]), file=sys.stderr, flush=True)  # the failed child's own account
             res["runs"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return res
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _machine(device: str) -> str:
+    """What BENCHMARKS.md names as the machine: the device, its memory, the software, the host's cores and load."""
+    import megatron.core
+    import torch
+
+    mem = f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB, " if torch.cuda.is_available() else ""
+    return (f"{device} ({mem}torch {torch.__version__}, megatron-core {megatron.core.__version__}), host with "
+            f"{os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.1f}")
 
 
 def markdown(res: dict) -> str:
@@ -175,7 +193,25 @@ def markdown(res: dict) -> str:
             mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "n/a"
             peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "n/a"
             lines.append(f"| {r['tokens']:,} | {r['variant']} | {r['tokens_per_s']:,.0f} | {mfu} | {peak} |")
+    by = {(r["tokens"], r["variant"]): r for r in res["runs"] if "error" not in r}
+    for t in sorted({r["tokens"] for r in res["runs"]}):
+        f, u = by.get((t, "fused")), by.get((t, "unfused"))
+        if f and u and f.get("peak_gib") and u.get("peak_gib"):
+            lines.append(f"\nAt {t:,} tokens the fused step runs at {f['tokens_per_s'] / u['tokens_per_s']:.2f}x the "
+                         f"unfused step's tokens/s in {f['peak_gib'] / u['peak_gib']:.2f}x its peak GPU memory.")
     return "\n".join(lines)
+
+
+def write_section(path: Path, benchmarks: Path) -> None:
+    """BENCHMARKS.md's `gpu` section from a run's JSON (the run happens on the GPU machine, the file is written here),
+    stamped with the machine and time the JSON itself recorded."""
+    from benchmarks.report import Stamp, old_sections, section, write_benchmarks
+
+    res = json.loads(path.read_text())
+    stamp = Stamp("python -m benchmarks.gpu_bench --out gpu_bench.json", res["started"], res["machine"])
+    sections = old_sections(benchmarks)
+    sections["gpu"] = section("gpu", markdown(res), res, stamp)
+    write_benchmarks(benchmarks, sections)
 
 
 def main() -> int:
@@ -185,8 +221,13 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer shape (checks the script on any machine)")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--write", metavar="JSON", default=None,
+                    help="write BENCHMARKS.md's GPU section from a run's --out file (no run)")
     ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.write:
+        write_section(Path(a.write), Path(__file__).resolve().parents[1] / "BENCHMARKS.md")
+        return 0
     if a._child:
         student, cache, t, fused, steps = a._child
         print(json.dumps(_child(student, cache, int(t), fused == "1", int(steps), bf16=True)))
