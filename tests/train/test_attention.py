@@ -11,6 +11,10 @@ takes one full softmax, so the two round differently. Measured here: logits and 
 twice unit scale, so sharper softmaxes). We allow 1e-5 of the scale (~5x margin); the bugs
 this test exists for (a wrong scale, an inverted or ignored mask, a wrong GQA head mapping, a transposed output)
 move logits by 1e-2 to 1 of their scale (the packed case checks that the mask moves them at all).
+
+Device: the inputs go where Megatron computes (`_device`: the model's parameters, which build_model moves to CUDA
+when there is one; for the bare attention modules, the current CUDA device their buffers are allocated on), so the
+same tests run on a CPU machine and a CUDA one. The numbers above were measured on CPU.
 """
 
 from __future__ import annotations
@@ -47,6 +51,15 @@ def block_causal_mask(lengths_per_row: list[list[int]], seq: int) -> torch.Tenso
 PACKED = [[10, 14], [5, 7, 8]]  # row 0 fills all 24 positions; row 1 has a 4-token tail
 
 
+def _device(model: torch.nn.Module | None = None) -> torch.device:
+    """Where Megatron computes: `model`'s parameters (build_model moves them to CUDA when there is one), else, for
+    a parameterless module such as DotProductAttention, the device its buffers are allocated on (Megatron's
+    torch.cuda.current_device(); the CPU under pipeline/train/compat.py)."""
+    if model is not None:
+        return next(model.parameters()).device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     scale = expected.abs().max().item()
     assert scale > 0, name
@@ -69,8 +82,11 @@ def packed_doc_ids(lengths_per_row: list[list[int]], seq: int) -> torch.Tensor:
 def _forward_backward(hf_dir: Path, attention: str, mask: torch.Tensor | None, ids: torch.Tensor, **attn):
     model = build_model(hf_dir, attention=attention)
     load_hf_weights(model, hf_dir)
-    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), mask, **attn)
-    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    dev = _device(model)
+    ids = ids.to(dev)
+    logits = model(ids, torch.arange(ids.shape[1], device=dev).expand_as(ids), None if mask is None else mask.to(dev),
+                   **attn)
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(dev)
     (logits * weights).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -126,15 +142,17 @@ def test_core_attention_module_matches_megatron(single_process, groups, config_k
     # Megatron's module ignores the call's attn_mask_type and uses its constructor's: give both the same one.
     mask_type = AttnMaskType.no_mask if case == "no_mask" else AttnMaskType.causal
     local, sdpa = _core_pair(4, groups, mask_type, **config_kw)
-    g = torch.Generator().manual_seed(0)
+    dev = _device()  # the modules have no parameters; Megatron's allocates its buffers there
+    g = torch.Generator().manual_seed(0)  # drawn on the CPU (same numbers on any machine), then moved
     sq, b = 24, 2
-    q = (2 * torch.randn(sq, b, 4, 16, generator=g)).requires_grad_()
-    k = (2 * torch.randn(sq, b, groups, 16, generator=g)).requires_grad_()
-    v = torch.randn(sq, b, groups, 16, generator=g).requires_grad_()
+    q = (2 * torch.randn(sq, b, 4, 16, generator=g)).to(dev).requires_grad_()
+    k = (2 * torch.randn(sq, b, groups, 16, generator=g)).to(dev).requires_grad_()
+    v = torch.randn(sq, b, groups, 16, generator=g).to(dev).requires_grad_()
     mask = block_causal_mask(PACKED, sq) if case == "packed" else None
     if case == "any_mask":  # not block-diagonal: SDPA applies it as given (a token always sees itself)
         mask = (torch.rand(b, 1, sq, sq, generator=g) < 0.5) & ~torch.eye(sq, dtype=torch.bool)
-    weights = torch.randn(sq, b, 4 * 16, generator=g)
+    mask = None if mask is None else mask.to(dev)
+    weights = torch.randn(sq, b, 4 * 16, generator=g).to(dev)
     results = []
     for module in (local, sdpa):
         out = module(q, k, v, mask, attn_mask_type=mask_type)
@@ -258,24 +276,39 @@ def test_bad_document_spans_and_thd_params_are_refused(single_process):
         sdpa(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
 
 
+def _peak_growth(run, dev: torch.device) -> int:
+    """Bytes the peak memory of `dev` grows by while `run()` runs: the process's peak RSS on the CPU, the caching
+    allocator's peak on CUDA (there the activations and the mask live in GPU memory, which RSS does not see)."""
+    if dev.type != "cuda":
+        return peak_rss_growth(run)
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    run()
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - before
+
+
 @needs_peak_rss
 def test_packed_rows_cost_no_seq_squared_memory(hf_dirs, single_process):
     """A packed row of 8,192 tokens through the model as the trainer feeds it (document spans): peak memory stays
-    below one S x S bool (64 MiB; measured 37 MiB, the activations and logits). The same row given the
+    below one S x S bool (64 MiB; measured 37 MiB on CPU, the activations and logits). The same row given the
     block-diagonal mask measured 262 MiB (the mask, and packed_segments reading it back), which the first bound
-    catches and the second shows."""
+    catches and the second shows. On CUDA the memory measured is the GPU's (`_peak_growth`): the mask is built on
+    the model's device from doc_ids there, and it and packed_segments' S x S temporaries are the same bytes."""
     from pipeline.train.attention import attention_inputs
 
     s = 8192
     model = build_model(hf_dirs["llama"])
-    doc = (torch.arange(s) // 100).to(torch.int32)[None]  # 82 documents of 100 tokens (the last 92)
-    ids = torch.randint(0, 256, (1, s), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(s)[None]
+    dev = _device(model)
+    doc = (torch.arange(s) // 100).to(torch.int32)[None].to(dev)  # 82 documents of 100 tokens (the last 92)
+    ids = torch.randint(0, 256, (1, s), generator=torch.Generator().manual_seed(0)).to(dev)
+    pos = torch.arange(s, device=dev)[None]
     growth = {}
     with torch.no_grad():
         model(ids[:, :64], pos[:, :64], **attention_inputs(doc[:, :64], True, "sdpa"))  # one-off allocations
         for backend in ("sdpa", "local"):  # local: the mask route, run here by sdpa's own masked path
-            growth[backend] = peak_rss_growth(lambda b=backend: model(ids, pos, **attention_inputs(doc, True, b)))
+            growth[backend] = _peak_growth(lambda b=backend: model(ids, pos, **attention_inputs(doc, True, b)), dev)
     assert growth["sdpa"] < s * s, {k: v / 2**20 for k, v in growth.items()}
     assert growth["local"] > 3 * s * s, {k: v / 2**20 for k, v in growth.items()}
 

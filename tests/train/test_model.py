@@ -5,6 +5,10 @@ Tiny random models (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256): Llama 
 SmolLM2, Qwen2 with qkv bias and untied embeddings. Weights are re-drawn at a larger scale than HF's init so
 logits are O(1) and a wrong mapping cannot hide under a tiny tolerance; norms get non-unit weights so a swapped
 norm shows up too.
+
+Device: build_model puts the Megatron model on CUDA when there is one, so its inputs go to its parameters' device
+and its logits come back to the CPU to be compared with transformers' (run on the CPU). The tests of
+pipeline/train/compat.py's CPU layer itself are skipped on CUDA, where apply_cpu_compat() is inert by design.
 """
 
 from __future__ import annotations
@@ -42,9 +46,16 @@ def _hf_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
+def _device(model) -> torch.device:
+    """The Megatron model's device (build_model moves it to CUDA when there is one)."""
+    return next(model.parameters()).device
+
+
 def _megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits on the CPU, where _hf_logits computes the reference."""
+    ids = ids.to(_device(model))
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+        return model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None).cpu()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -110,8 +121,8 @@ def test_qkv_is_grouped_per_query_group(hf_dirs):
 
 
 def test_cpu_compat_train_step_and_checkpoint(hf_dirs, single_process, tmp_path):
-    """The Megatron paths the trainer uses, on CPU: schedule (2 micro-batches), DDP, plain Adam with grad
-    clipping, dist_checkpointing save + load."""
+    """The Megatron paths the trainer uses, on CPU (through compat.py) or on the model's CUDA device: schedule
+    (2 micro-batches), DDP, plain Adam with grad clipping, dist_checkpointing save + load."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -123,13 +134,14 @@ def test_cpu_compat_train_step_and_checkpoint(hf_dirs, single_process, tmp_path)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1e-3, params_dtype=torch.float32)
     optimizer = get_megatron_optimizer(opt_config, [ddp])
-    ids = _ids()
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    ids = _ids().to(_device(model))
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
 
     def forward_step(data, module):
         def loss_func(logits):
             loss = logits.logsumexp(-1).sum()
-            return loss, torch.tensor(logits.shape[0] * logits.shape[1]), {"loss": loss.detach()}
+            num_tokens = torch.tensor(logits.shape[0] * logits.shape[1], device=logits.device)
+            return loss, num_tokens, {"loss": loss.detach()}
 
         return module(next(data), positions, None), loss_func
 
@@ -155,6 +167,9 @@ def test_cpu_compat_train_step_and_checkpoint(hf_dirs, single_process, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason=(
+    "tests compat.py's CPU stand-in for Megatron's clip_grad_by_total_norm_fp32, installed only where CUDA is "
+    "absent; on CUDA Megatron's own function runs (and asserts CUDA grads)"))
 def test_cpu_grad_clipping_scales_in_place(single_process):
     from megatron.core.optimizer import clip_grads
 
@@ -164,14 +179,21 @@ def test_cpu_grad_clipping_scales_in_place(single_process):
     torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8]))
 
 
-def test_cpu_compat_is_idempotent_and_inert_with_cuda(monkeypatch):
+@pytest.mark.skipif(torch.cuda.is_available(), reason=(
+    "apply_cpu_compat() patches only where CUDA is absent (on CUDA it returns False and patches nothing, by "
+    "design: test_cpu_compat_is_inert_with_cuda)"))
+def test_cpu_compat_is_idempotent():
     import megatron.core.transformer.utils as mutils
 
     assert compat.apply_cpu_compat() and compat.apply_cpu_compat()
     patched = mutils.torch
     assert patched is not torch and mutils.get_default_causal_mask(3).device.type == "cpu"
     assert compat.apply_cpu_compat() and mutils.torch is patched  # second call changes nothing
-    # On a GPU machine it must touch nothing, even if it never ran before in the process.
+
+
+def test_cpu_compat_is_inert_with_cuda(monkeypatch):
+    """On a GPU machine it must touch nothing, even if it never ran before in the process (on a CPU machine CUDA
+    is faked; on a CUDA one the fake changes nothing)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(compat, "_APPLIED", False)
     monkeypatch.setattr(compat.importlib, "import_module", lambda name: pytest.fail(f"patched {name}"))

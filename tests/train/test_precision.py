@@ -4,6 +4,9 @@ loss equals pipeline/evaluate.py's held-out KL on the same rows and weights (one
 
 Run: ``python -m pytest tests/train/test_precision.py``. Tiny random Llamas and a cache scored from one of them
 (tests/train/conftest.py).
+
+Precision is always passed explicitly: the trainer's default (bf16 unset) means bf16 where CUDA is available and
+fp32 elsewhere (TrainConfig.precision), so a run meant as fp32 says bf16=false and runs fp32 on a CUDA machine too.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def test_fused_step_equals_unfused(tiny, tied_student, tmp_path, which):
     for fused in (True, False):
         save = tmp_path / f"fused-{fused}"
         assert cli(_args(tiny, save, student, train_steps=2, optimizer="sgd", lr=0.5, temperature=2.0,
-                         fused_loss=str(fused).lower())) == 0
+                         fused_loss=str(fused).lower(), bf16="false")) == 0  # the rule's float32 tolerance
         runs[fused] = (_metrics(save), _export(save, tmp_path / f"hf-{fused}"))
     (m_on, w_on), (m_off, w_off) = runs[True], runs[False]
     for a, b in zip(m_on, m_off, strict=True):
@@ -70,7 +73,7 @@ def test_fused_step_equals_unfused(tiny, tied_student, tmp_path, which):
 @pytest.fixture(scope="module")
 def fp32_run(tiny, tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("fp32") / "run"
-    assert cli(_args(tiny, save, train_steps=20, save_interval=10, lr=5e-3)) == 0
+    assert cli(_args(tiny, save, train_steps=20, save_interval=10, lr=5e-3, bf16="false")) == 0
     return save
 
 
@@ -130,7 +133,8 @@ def test_train_loss_equals_heldout_kl_on_the_same_rows(tiny, tmp_path):
 
     save = tmp_path / "lr0"
     assert cli(_args(tiny, save, train_steps=1, micro_batch_size=4, global_batch_size=24, seq_length=64, lr=0.0,
-                     min_lr=0.0, warmup_steps=0, beta=0.0, sft_alpha=0.0, packing="false")) == 0  # 24 rows: 24 samples
+                     min_lr=0.0, warmup_steps=0, beta=0.0, sft_alpha=0.0, packing="false",
+                     bf16="false")) == 0  # 24 rows: 24 samples; fp32 (evaluate.py: float64)
     (m,) = _metrics(save)
     ref = heldout_kl(tiny["student"], tiny["cache"])
     assert m["active_tokens"] == ref["heldout_tokens"]
