@@ -209,7 +209,7 @@ def loader_throughput(sources: Sequence[str | Path], *, micro_batch_size: int = 
     tokens = scored = positions = 0
     cpu = wall = 0.0
     for e in range(epochs):
-        loader._blocks.clear()
+        loader.reader.blocks.clear()
         c0, w0 = time.process_time(), time.perf_counter()
         while True:
             mb = next(batches)

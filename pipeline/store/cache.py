@@ -462,7 +462,7 @@ class TeacherCache:
         try:
             idx = shard_index.load(self.root, d, say=lambda _: None)
             problems += [f"{self.root / shard_index.INDEX}: {c}; run `gkd cache index {self.root}`" for c in idx.changes]
-            for name, size, sha in zip(idx.names, idx.nbytes.tolist(), idx.sha256, strict=True):
+            for name, size, sha in zip(idx.names, idx.nbytes.tolist(), idx.sha256.astype(str), strict=True):
                 p = self.shard_dir / f"{name}.parquet"
                 if p.exists() and (p.stat().st_size != size or (read_marker(p) or {}).get("sha256") != sha):
                     problems.append(f"{p}: size or sha256 differs from the cache index (replaced or truncated "

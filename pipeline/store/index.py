@@ -24,6 +24,7 @@ naming it (`CacheIndex.changes`); truncation (size vs `bytes`) is caught where a
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import sys
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from pipeline.store import images
@@ -103,15 +106,17 @@ def listing(shard_dir: Path) -> list[str]:
 
 @dataclass
 class CacheIndex:
-    """Every complete shard of a cache, sorted by name, with its rows' keys and lengths as flat arrays: shard s
-    holds rows [row_starts[s], row_starts[s+1])."""
+    """Every complete shard of a cache, sorted by name, as flat arrays (no object per shard or row, so 10^5 shards
+    cost arrays, not a Python heap): shard s holds rows [row_starts[s], row_starts[s+1]) and row groups
+    [rg_starts[s], rg_starts[s+1]) of `rg_rows`."""
 
     path: Path
     names: list[str]
     nbytes: np.ndarray  # int64 [shards]
-    sha256: list[str]
+    sha256: np.ndarray  # S64 [shards] (hex)
     scored_tokens: np.ndarray  # int64 [shards]
-    row_groups: list[list[int]]
+    rg_rows: np.ndarray  # int64 [row groups]: the rows of each row group, shard after shard
+    rg_starts: np.ndarray  # int64 [shards + 1]
     row_starts: np.ndarray  # int64 [shards + 1]
     keys: np.ndarray  # S32 [rows]
     first_scored: np.ndarray  # int64 [rows]
@@ -121,59 +126,123 @@ class CacheIndex:
     def shard_keys(self, s: int) -> np.ndarray:
         return self.keys[self.row_starts[s]: self.row_starts[s + 1]]
 
+    def row_groups(self, s: int) -> np.ndarray:
+        return self.rg_rows[self.rg_starts[s]: self.rg_starts[s + 1]]
 
-def _parse(data: bytes, path: Path, want: str) -> tuple[dict[str, tuple], int]:
-    """Shard name -> its fields, and the byte length of the complete lines (a last line without its newline is a
-    write in progress or a killed writer's, and is ignored)."""
-    end = data.rfind(b"\n") + 1
-    lines = data[:end].split(b"\n")[:-1]
-    if not lines:
+
+# One index line's fields, as pyarrow's JSON reader parses them (all of them: a line missing one is unreadable).
+_SCHEMA = pa.schema([("shard", pa.string()), ("bytes", pa.int64()), ("sha256", pa.string()),
+                     ("scored_tokens", pa.int64()), ("row_groups", pa.list_(pa.int64())),
+                     ("keys", pa.list_(pa.string())), ("first_scored", pa.list_(pa.int64())),
+                     ("num_scored", pa.list_(pa.int64()))])
+
+
+def _header(lines_end: int, data: bytes, path: Path, want: str) -> int:
+    """Check the first line (version, identity); returns where the shard lines start."""
+    if lines_end == 0:
         raise IndexError(f"{path}: empty cache index; rebuild it with `gkd cache index {path.parent}`")
+    first = data[: data.index(b"\n") + 1]
     try:
-        head = json.loads(lines[0])
+        head = json.loads(first)
     except json.JSONDecodeError:
         head = {}
-    if head.get("gkd_index") != VERSION:
-        raise IndexError(f"{path}: not a cache index of version {VERSION} (first line {lines[0][:80]!r}); rebuild it "
+    if not isinstance(head, dict) or head.get("gkd_index") != VERSION:
+        raise IndexError(f"{path}: not a cache index of version {VERSION} (first line {first[:80]!r}); rebuild it "
                          f"with `gkd cache index {path.parent}`")
     if head.get("identity") != want:
         raise IndexError(f"{path}: index of another cache (identity {head.get('identity')}, this cache's "
                          f"{path.parent / 'cache.json'} gives {want}); it was copied in or the descriptor was edited. "
                          f"Rebuild it from this cache's shards with `gkd cache index {path.parent}`")
-    out: dict[str, tuple] = {}
-    for n, raw in enumerate(lines[1:], start=2):
+    return len(first)
+
+
+def _bad_line(body: bytes, path: Path, err: Exception) -> IndexError:
+    """The refusal naming the first unreadable line (found line by line, only once the fast read has failed)."""
+    for n, raw in enumerate(body.split(b"\n")[:-1], start=2):
         try:
             e = json.loads(raw)
-            out[e["shard"]] = (e["bytes"], e["sha256"], e["scored_tokens"], e["row_groups"], e["keys"],
-                               e["first_scored"], e["num_scored"])
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise IndexError(f"{path}:{n}: unreadable index line ({err}); rebuild it with "
-                             f"`gkd cache index {path.parent}`") from err
-    return out, end
+            missing = [f.name for f in _SCHEMA if e.get(f.name) is None]
+            if missing:
+                raise KeyError(missing[0])
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as line_err:
+            return IndexError(f"{path}:{n}: unreadable index line ({line_err!r}); rebuild it with "
+                              f"`gkd cache index {path.parent}`")
+    return IndexError(f"{path}: unreadable cache index ({err}); rebuild it with `gkd cache index {path.parent}`")
 
 
-def _from_footer(shard_dir: Path, name: str) -> tuple:
+def _parse(data: bytes, path: Path, want: str) -> tuple[pa.Table, int]:
+    """The shard lines as one table (pyarrow's JSON reader: columns, not a dict per line), and the byte length of
+    the complete lines (a last line without its newline is a write in progress or a killed writer's, and is
+    ignored). A shard listed twice keeps its last line."""
+    end = data.rfind(b"\n") + 1
+    body = data[_header(end, data, path, want): end]
+    if not body:
+        return _SCHEMA.empty_table(), end
+    try:  # one block: a line is never split between blocks, however many keys a shard holds
+        table = pj.read_json(io.BytesIO(body), read_options=pj.ReadOptions(block_size=len(body) + 1),
+                             parse_options=pj.ParseOptions(explicit_schema=_SCHEMA, unexpected_field_behavior="ignore"))
+    except pa.ArrowException as e:
+        raise _bad_line(body, path, e) from e
+    if any(table.column(f.name).null_count for f in _SCHEMA) or any(
+            pc.sum(pc.is_null(pc.list_flatten(table.column(c)))).as_py() for c in ("keys", "row_groups", "first_scored",
+                                                                             "num_scored")):
+        raise _bad_line(body, path, ValueError("a field is missing or null"))
+    names = table.column("shard").to_pylist()
+    if len(set(names)) != len(names):  # the last line of a shard wins
+        last = {n: i for i, n in enumerate(names)}
+        table = table.take(sorted(last.values()))
+    return table, end
+
+
+def _from_footer(shard_dir: Path, name: str) -> dict:
     path = shard_dir / f"{name}.parquet"
     marker = read_marker(path) or {}
-    e = json.loads(entry_line(path, marker.get("rows", 0), marker.get("bytes", path.stat().st_size),
-                              marker.get("sha256", ""), marker.get("scored_tokens", 0)))
-    return (e["bytes"], e["sha256"], e["scored_tokens"], e["row_groups"], e["keys"], e["first_scored"],
-            e["num_scored"])
+    return json.loads(entry_line(path, marker.get("rows", 0), marker.get("bytes", path.stat().st_size),
+                                 marker.get("sha256", ""), marker.get("scored_tokens", 0)))
 
 
-def _assemble(path: Path, entries: dict[str, tuple], changes: list[str]) -> CacheIndex:
-    names = sorted(entries)
-    cols = [entries[n] for n in names]
-    counts = np.asarray([len(c[4]) for c in cols], np.int64)
-    flat = [x for c in cols for x in c[4]]
+def _flat(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
+    """A list column's values and the lengths of its lists."""
+    arr = column.combine_chunks()
+    return arr.flatten(), pc.list_value_length(arr).fill_null(0).to_numpy().astype(np.int64)
+
+
+def _keys(values: pa.Array) -> np.ndarray:
+    """String keys as S32, straight from the Arrow buffer when every key is 32 bytes (content keys are)."""
+    if len(values) == 0:
+        return np.zeros(0, "S32")
+    width = np.int64 if values.type == pa.large_string() else np.int32
+    offsets = np.frombuffer(values.buffers()[1], width)[values.offset: values.offset + len(values) + 1]
+    if np.all(np.diff(offsets) == 32):
+        data = np.frombuffer(values.buffers()[2], np.uint8)[offsets[0]: offsets[-1]]
+        return data.view("S32").copy()
+    return np.asarray(values.to_pylist(), dtype="S32")
+
+
+def _assemble(path: Path, table: pa.Table, changes: list[str]) -> CacheIndex:
+    table = table.sort_by("shard")
+    rg_values, rg_counts = _flat(table.column("row_groups"))
+    key_values, counts = _flat(table.column("keys"))
+    sha = table.column("sha256").to_pylist()
     return CacheIndex(
-        path=path, names=names, nbytes=np.asarray([c[0] for c in cols], np.int64), sha256=[c[1] for c in cols],
-        scored_tokens=np.asarray([c[2] for c in cols], np.int64), row_groups=[list(c[3]) for c in cols],
+        path=path, names=table.column("shard").to_pylist(),
+        nbytes=table.column("bytes").to_numpy().astype(np.int64),
+        sha256=np.asarray(sha, dtype="S64") if sha else np.zeros(0, "S64"),
+        scored_tokens=table.column("scored_tokens").to_numpy().astype(np.int64),
+        rg_rows=rg_values.to_numpy(zero_copy_only=False).astype(np.int64),
+        rg_starts=np.concatenate([[0], np.cumsum(rg_counts)]).astype(np.int64),
         row_starts=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        keys=np.asarray(flat, dtype="S32") if flat else np.zeros(0, "S32"),
-        first_scored=np.fromiter((x for c in cols for x in c[5]), np.int64, int(counts.sum())),
-        num_scored=np.fromiter((x for c in cols for x in c[6]), np.int64, int(counts.sum())),
+        keys=_keys(key_values),
+        first_scored=_flat(table.column("first_scored"))[0].to_numpy(zero_copy_only=False).astype(np.int64),
+        num_scored=_flat(table.column("num_scored"))[0].to_numpy(zero_copy_only=False).astype(np.int64),
         changes=changes)
+
+
+def _with_footers(table: pa.Table, shard_dir: Path, names: list[str]) -> pa.Table:
+    """The table with the given shards' entries read from their footers appended."""
+    if not names:
+        return table
+    return pa.concat_tables([table, pa.Table.from_pylist([_from_footer(shard_dir, n) for n in names], _SCHEMA)])
 
 
 def load(root: Path, descriptor, *, say: Callable[[str], None] | None = None) -> CacheIndex:
@@ -191,24 +260,26 @@ def load(root: Path, descriptor, *, say: Callable[[str], None] | None = None) ->
         if names:
             say(f"[cache] {root}: no shard index (a cache written before {INDEX} existed); reading {len(names)} "
                 f"shard footers instead. `gkd cache index {root}` writes it once, so later opens read one file")
-        return _assemble(path, {n: _from_footer(shard_dir, n) for n in names}, [])
-    entries, _ = _parse(data, path, identity(descriptor))
+        return _assemble(path, _with_footers(_SCHEMA.empty_table(), shard_dir, names), [])
+    table, _ = _parse(data, path, identity(descriptor))
+    del data
     names = listing(shard_dir)
     present = set(names)
-    gone = sorted(n for n in entries if n not in present)
-    added = [n for n in names if n not in entries]
+    indexed = table.column("shard").to_pylist()
+    known = set(indexed)
+    gone = sorted(n for n in indexed if n not in present)
+    added = [n for n in names if n not in known]
     changes = [f"{shard_dir / n}.parquet: in the index but gone (removed behind it); not read" for n in gone]
     changes += [f"{shard_dir / n}.parquet: complete but not in the index (added behind it, or being committed now); "
                 f"read from its footer" for n in added]
-    for n in gone:
-        del entries[n]
-    for n in added:
-        entries[n] = _from_footer(shard_dir, n)
+    if gone:
+        table = table.filter(pa.array([n in present for n in indexed]))
+    table = _with_footers(table, shard_dir, added)
     if changes:
         shown = "; ".join(changes[:5]) + (f"; ... ({len(changes) - 5} more)" if len(changes) > 5 else "")
         say(f"[cache] {path}: {len(gone)} shard(s) removed and {len(added)} added behind the index: {shown}. "
             f"`gkd cache index {root}` brings it up to date")
-    return _assemble(path, entries, changes)
+    return _assemble(path, table, changes)
 
 
 def rebuild(root: Path, descriptor) -> CacheIndex:

@@ -51,17 +51,17 @@ entries with ids >= the student's vocab cannot be represented. They are marked `
 logprob -inf) and their mass is added to `teacher_tail` (log-add-exp in float64), so the tail mode's k+1-th bin
 holds it and the renorm mode drops it; positions with such entries are counted (`folded_positions`).
 
-Where the parts live: the sources and their descriptor checks in sources.py, micro-batch layout in batch.py, the
-packing plan's first-fit in packing.py, the prefetch thread in prefetch.py; the loader's throughput is measured by
+Where the parts live: the sources and their descriptor checks in sources.py, the shards as arrays in shard_table.py,
+routing in routing.py, the epoch order and the packing plan in order.py (its first-fit in packing.py), reading and
+decoding blocks in blocks.py, micro-batch layout in batch.py, the prefetch thread in prefetch.py; this file joins
+them: the index of keys and lengths, and the micro-batches. The loader's throughput is measured by
 benchmarks/train_bench.py (`loader_throughput`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,35 +70,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError
-from pipeline.errors import InputError
-from pipeline.store.cache import Descriptor, cache_root
-from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import scored_from
-from pipeline.store.shards import ShardError, file_sha256, verify_shard
-from pipeline.train.batch import Block, MicroBatch, assemble, fold_past_vocab, matched_ids, student_layout
-from pipeline.train.live_xtok import LiveXtok, rollout_block
-from pipeline.train.packing import pack, row_offsets
+from pipeline.store.shards import ShardError, verify_shard
+from pipeline.train.batch import MicroBatch, assemble, matched_ids
+from pipeline.train.blocks import BlockReader
+from pipeline.train.live_xtok import LiveXtok
+from pipeline.train.order import EpochOrder, StepPlan
 from pipeline.train.prefetch import prefetched
-from pipeline.train.sources import (
-    IndexedShard,
-    check_sources,
-    resolve_rollouts,
-    resolve_sources,
-    student_lengths,
-)
-
-# what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
-_COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
-
-
-@dataclass
-class _Shard:
-    path: Path
-    descriptor: Descriptor | None  # None: a rollout shard (live teacher)
-    rg_starts: np.ndarray  # first global row of each row group, plus the end
-    fold: bool  # teacher vocab larger than the student's: fold ids past it into the tail
-    nbytes: int | None = None  # the cache index's size of the file (checked when it is opened), None: footer-read
-    sha256: str | None = None  # the cache index's checksum (verify_checksums: checked when this rank first reads it)
+from pipeline.train.routing import Router
+from pipeline.train.shard_table import ShardTable
+from pipeline.train.sources import Source, check_sources, resolve_rollouts, resolve_sources, student_lengths
 
 
 def batch_split_problem(global_batch_size: int, micro_batch_size: int, dp: int, why: str = "") -> str | None:
@@ -153,81 +134,78 @@ class ScoredLoader:
         # live_k: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each
         # micro-batch are placeholders of width live_k that the trainer fills from its live teacher.
         self.live = live_k is not None
-        # Routing: `routes` {TAG: cache dir, "default": cache dir} replaces `sources`; a sample (sample_id) is taken
-        # from the cache of its tags[route_key] (or "default"); see _route.
-        self.route_names = sorted(routes) if routes else []
-        self.route_key, self.on_unrouted, self.unrouted = route_key, on_unrouted, 0
-        self._routes = {n: Path(routes[n]).resolve() for n in self.route_names}
-        if routes:
-            sources = sorted({str(v) for v in self._routes.values()})
+        # Routing (routing.py): `routes` {TAG: cache dir, "default": cache dir} replaces `sources`.
+        self.router = Router(routes, route_key, on_unrouted) if routes else None
+        self.route_names = self.router.names if self.router else []
+        if self.router:
+            sources = self.router.caches()
         # A cross-tokenizer cache (store/align.py) sets these below; rollouts for a live teacher are never one.
         self.cross, self.xtok_map, self.xtok_matched, self.xtok_teacher_vocab = False, None, None, 0
+        self.live_xtok = live_xtok if self.live else None  # a live teacher with another tokenizer (live_xtok.py)
         if self.live:
-            resolved = [(p, d, None) for p, d in resolve_rollouts(sources, tokenizer_fingerprint)]
+            resolved = resolve_rollouts(sources, tokenizer_fingerprint)
             self.k = int(live_k)
             self.topp = self.min_k = None
-            self.live_xtok = live_xtok  # a live teacher with another tokenizer (train/live_xtok.py)
             if live_xtok is not None:
                 self.cross, self.xtok_map = True, live_xtok.vmap
                 self.xtok_matched, self.xtok_teacher_vocab = live_xtok.matched, live_xtok.teacher_vocab
-            self._build_index(resolved, verify_checksums)
-            self._init_state()
-            return
-        # The cache index (store/index.py) instead of every shard's footer and columns; routing reads each row's
-        # tags, which the index does not hold, so it stays on the footers.
-        indexed = use_index and not self.route_names
-        resolved = resolve_sources(sources, indexed=indexed)
-        if not indexed:
-            resolved = [(p, d, None) for p, d in resolved]
-        agreed = check_sources(resolved, tokenizer_fingerprint, vocab_size)
-        # A cross-tokenizer cache (store/align.py): rows in the teacher's tokens with spans, laid out in the
-        # student's (batch.student_layout); `xtok_map` maps teacher ids to student ids (GOLD; None: ULD).
-        self.cross, self.xtok_map = agreed.cross, xtok_map
-        if self.cross:
-            self.actual = True  # the span merge reads the later teacher tokens' actual logprobs
-            self.xtok_teacher_vocab = max(r[1].vocab_size for r in resolved)
-            if xtok_map is not None:
-                self.xtok_matched = matched_ids(xtok_map, vocab_size)
-        self.k, self.topp, self.min_k = agreed.k, agreed.topp, agreed.min_k
+        else:
+            # The cache index (store/index.py) instead of every shard's footer and columns; routing reads each
+            # row's tags, which the index does not hold, so it stays on the footers.
+            resolved = resolve_sources(sources, indexed=use_index and not self.router)
+            agreed = check_sources(resolved, tokenizer_fingerprint, vocab_size)
+            # A cross-tokenizer cache (store/align.py): rows in the teacher's tokens with spans, laid out in the
+            # student's (batch.student_layout); `xtok_map` maps teacher ids to student ids (GOLD; None: ULD).
+            self.cross, self.xtok_map = agreed.cross, xtok_map
+            if self.cross:
+                self.actual = True  # the span merge reads the later teacher tokens' actual logprobs
+                self.xtok_teacher_vocab = max(r.descriptor.vocab_size for r in resolved)
+                if xtok_map is not None:
+                    self.xtok_matched = matched_ids(xtok_map, vocab_size)
+            self.k, self.topp, self.min_k = agreed.k, agreed.topp, agreed.min_k
         self._build_index(resolved, verify_checksums)
-        self._init_state()
+        self.epochs = EpochOrder(self._block_starts, self.valid, seed, window_rows)
+        self.steps = StepPlan(self.epochs, self.lengths, self.G, self.S)
+        self.reader = BlockReader(self.shards, self._shard_starts, self._block_starts, k=self.k,
+                                  window_rows=window_rows, actual=self.actual, cross=self.cross,
+                                  vocab_size=vocab_size, xtok_map=self.xtok_map, route_of=self.route_of,
+                                  live=self.live, live_xtok=self.live_xtok)
 
-    def _init_state(self) -> None:
-        self._files: OrderedDict[int, tuple[pq.ParquetFile, Decoder]] = OrderedDict()
-        self._blocks: OrderedDict[int, Block] = OrderedDict()
-        self._orders: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._plans: OrderedDict[int, tuple[int, np.ndarray, np.ndarray]] = OrderedDict()
-        self._bounds = [0]  # packed: start positions of steps 0, 1, ... counted from position 0 (for micro_batch(m))
+    @property
+    def unrouted(self) -> int:
+        """Samples skipped under on_unrouted=skip (the trainer's metrics)."""
+        return self.router.unrouted if self.router else 0
 
     # -- index: cheap columns only ----------------------------------------------------------------------------
-    def _build_index(self, resolved: list[tuple[Path, Descriptor | None, IndexedShard | None]], verify_checksums: bool
-                     ) -> None:
-        """Keys, lengths and row groups of every shard: from the cache index where `resolved` carries it (no file is
-        opened here; with `verify_checksums` a shard's sha256 is checked against the index's where this rank first
-        reads it, `_file`, so start-up does not grow with the cache and each rank checks only what it trains on),
-        else from each shard's footer and cheap columns (verified on every rank, here)."""
-        self.shards: list[_Shard] = []
+    def _build_index(self, resolved: list[Source], verify_checksums: bool) -> None:
+        """Keys, lengths and row groups of every shard: from the cache index where a source is read through it
+        (no file is opened here; with `verify_checksums` a shard's sha256 is checked against the index's where this
+        rank first reads it, blocks.py, so start-up does not grow with the cache and each rank checks only what it
+        trains on), else from each shard's footer and cheap columns (verified on every rank, here)."""
+        self.shards = ShardTable()
         keys, nums, firsts, starts = [], [], [], [0]
-        route_rows: list[np.ndarray] = []  # routing: per row, the teacher index it is kept for (-1 drop, -2 no route)
-        self._route_ids: list[np.ndarray] = []  # routing: sample ids and tags of every row, for the checks
-        self._route_tags: list[str | None] = []
+        route_rows: list[np.ndarray] = []  # routing: per row, the teacher index it is kept for (routing.py)
         h = hashlib.blake2b(digest_size=16)
-        self._verified: set[int] = set()  # shards whose checksum this process has checked (index mode)
-        for path, desc, ix in resolved:
-            if ix is not None:
-                key, num, first, rg, nrows = ix.keys, ix.num_scored, ix.first_scored, ix.row_groups, len(ix.keys)
-                if desc is not None and desc.cross_tokenizer:  # the student's lengths lay the samples out
-                    num, first = student_lengths(path)
-                self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]),
-                                          desc is not None and self.vocab_size is not None
-                                          and desc.vocab_size > self.vocab_size, ix.nbytes,
-                                          ix.sha256 if verify_checksums else None))
-                keys.append(key)
+        for src in resolved:
+            desc = src.descriptor
+            fold = desc is not None and self.vocab_size is not None and desc.vocab_size > self.vocab_size
+            if src.index is not None:
+                ix, shard_dir = src.index, src.shard_dir
+                self.shards.add(shard_dir, ix.names, desc, fold, ix.rg_rows, np.diff(ix.rg_starts), ix.nbytes,
+                                ix.sha256 if verify_checksums else None)
+                num, first = ix.num_scored, ix.first_scored
+                if desc.cross_tokenizer:  # the student's lengths lay the samples out
+                    parts = [student_lengths(shard_dir / f"{n}.parquet") for n in ix.names]
+                    num = np.concatenate([p[0] for p in parts]) if parts else num
+                    first = np.concatenate([p[1] for p in parts]) if parts else first
+                keys.append(ix.keys)
                 nums.append(np.asarray(num, dtype=np.int64))
                 firsts.append(np.asarray(first, dtype=np.int64))
-                starts.append(starts[-1] + nrows)
-                h.update(f"{path}|{nrows}|".encode())  # resolve_sources resolved the cache root once
+                starts += (starts[-1] + ix.row_starts[1:]).tolist()
+                for n, rows in zip(ix.names, np.diff(ix.row_starts).tolist(), strict=True):
+                    h.update(f"{shard_dir}/{n}.parquet|{rows}|".encode())  # the root resolved once, not per shard
                 continue
+            path = src.shard
             problems = verify_shard(path, "rollout" if self.live else "scored", checksum=verify_checksums)
             if problems:
                 raise ShardError("; ".join(problems))
@@ -249,20 +227,22 @@ class ScoredLoader:
                     first = table.column("first_scored").to_numpy()
                     if desc is not None and desc.cross_tokenizer:
                         num, first = student_lengths(path)
-                    if self.route_names:
-                        route_rows.append(self._route(pf, path))
+                    if self.router:
+                        route_rows.append(self.router.rows(pf, path))
             except (pa.ArrowException, OSError) as e:
                 raise ShardError(f"{path}: cannot read its key and length columns ({e})") from e
             rg = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
-            fold = desc is not None and self.vocab_size is not None and desc.vocab_size > self.vocab_size
-            self.shards.append(_Shard(path, desc, starts[-1] + np.concatenate([[0], np.cumsum(rg)]), fold))
+            resolved_path = path.resolve()
+            self.shards.add(resolved_path.parent, [resolved_path.name[: -len(".parquet")]], desc, fold,
+                            np.asarray(rg, np.int64), np.asarray([len(rg)]))
             keys.append(np.asarray(key.to_pylist(), dtype="S32"))
             nums.append(np.asarray(num, dtype=np.int64))
             firsts.append(np.asarray(first, dtype=np.int64))
             starts.append(starts[-1] + table.num_rows)
-            h.update(f"{path.resolve()}|{table.num_rows}|".encode())
-        if self.route_names:  # other routes keep other rows: another order
-            h.update(f"routes|{self.route_key}|{sorted((n, str(v)) for n, v in self._routes.items())}".encode())
+            h.update(f"{resolved_path}|{table.num_rows}|".encode())
+        self.shards.freeze()
+        if self.router:  # other routes keep other rows: another order
+            h.update(self.router.fingerprint().encode())
         self.fingerprint = h.hexdigest()  # changes when the set of shards changes: the order would too
         all_keys = np.concatenate(keys) if keys else np.zeros(0, "S32")
         num = np.concatenate(nums).astype(np.int64) if nums else np.zeros(0, np.int64)
@@ -273,280 +253,49 @@ class ScoredLoader:
         keep[first] = True
         keep &= num > 0
         self.route_of = None
-        if self.route_names:
-            keep &= self._check_routes(np.concatenate(route_rows), keep)
+        if self.router:
+            self.route_of = np.concatenate(route_rows)
+            keep &= self.router.check(self.route_of, keep)
         self.valid = keep
         self.num_samples = int(keep.sum())
         self.duplicates = len(all_keys) - len(first)
         self._shard_starts = np.asarray(starts, np.int64)
-        self._block_starts = np.unique(np.concatenate([s.rg_starts for s in self.shards]))
+        self._block_starts = np.unique(np.concatenate([self.shards.row_group_starts(), self._shard_starts]))
         if self.num_samples == 0:
-            raise ShardError(f"no scored rows in {', '.join(str(s.path) for s in self.shards)}")
-        self._mean_length = float(np.minimum(self.lengths[keep], self.S).mean())
+            raise ShardError(f"no scored rows in {', '.join(self.shards.paths())}")
 
-    def _route(self, pf: pq.ParquetFile, path: Path) -> np.ndarray:
-        """Per row of a scored shard: the index of the teacher (route) it is kept for; -1: its sample routes to
-        another cache; -2: its tag has no route (and there is no default)."""
-        if "tags" not in pf.schema_arrow.names:
-            raise ShardError(f"{path}: scored before schema 1.1, its rows carry no tags to route on; rescore it with "
-                             "gkd score, or train on it with cache=[...] instead of teachers")
-        cache = cache_root(path).resolve()
-        table = pf.read(columns=["sample_id", "tags"])
-        self._route_ids.append(np.asarray(table.column("sample_id").to_pylist(), "U"))
-        out = np.empty(table.num_rows, np.int64)
-        for i, tags in enumerate(table.column("tags").to_pylist()):
-            tag = dict(tags or []).get(self.route_key)
-            name = tag if tag in self._routes and tag != "default" else "default" if "default" in self._routes else None
-            self._route_tags.append(tag)
-            if name is None:
-                out[i] = -2
-            else:
-                out[i] = self.route_names.index(name) if self._routes[name] == cache else -1
-        return out
-
-    def _check_routes(self, route: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """Which rows to keep under routing; refuses (or skips and counts) samples whose tag has no route, and
-        samples whose route's cache has no row for them."""
-        ids, tags = np.concatenate(self._route_ids), self._route_tags
-        unrouted = route == -2
-        if unrouted.any():
-            found = sorted({str(tags[i]) for i in np.flatnonzero(unrouted)})
-            if self.on_unrouted == "error":
-                raise InputError(
-                    f"{int(unrouted.sum())} cached row(s) have {self.route_key}={', '.join(found)}, which no teacher "
-                    f"route covers (teachers: {', '.join(self.route_names)}); add a route or `default`, or "
-                    "on_unrouted=skip to skip and count them")
-            self.unrouted = len(set(ids[unrouted]))
-        kept = route >= 0
-        missing = set(ids[(route != -2)]) - set(ids[kept & keep])
-        if missing:
-            first = sorted(missing)[:5]
-            where = {str(ids[i]): (tags[i], self.route_names[route[i]] if route[i] >= 0 else None) for i in range(len(ids))}
-            raise ShardError(
-                f"{len(missing)} sample(s) route to a teacher cache that has no row for them, e.g. "
-                + ", ".join(f"{s} ({self.route_key}={where[s][0]})" for s in first)
-                + "; score them into that cache (gkd score --tags TAG --cache CACHE)")
-        self.route_of = route
-        return kept
-
+    # -- order and plan (order.py) ----------------------------------------------------------------------------
     def order(self, epoch: int) -> np.ndarray:
-        """Global row ids of one epoch, in training order: a pure function of (seed, epoch) and the shards."""
-        if epoch not in self._orders:
-            rng = np.random.default_rng([self.seed, epoch])
-            starts = self._block_starts
-            parts, window, size = [], [], 0
-            for b in rng.permutation(len(starts) - 1):
-                rows = np.arange(starts[b], starts[b + 1])
-                window.append(rows[self.valid[rows]])
-                size += len(window[-1])
-                if size >= self.window_rows:
-                    parts.append(rng.permutation(np.concatenate(window)))
-                    window, size = [], 0
-            if window:
-                parts.append(rng.permutation(np.concatenate(window)))
-            self._orders[epoch] = np.concatenate(parts)
-            while len(self._orders) > 2:  # a micro-batch crossing an epoch boundary needs both
-                self._orders.popitem(last=False)
-        return self._orders[epoch]
+        return self.epochs.order(epoch)
 
     def sample_rows(self, start: int, count: int) -> np.ndarray:
-        """Global row ids of global samples [start, start + count) (crossing epochs as needed)."""
-        e0, e1 = start // self.num_samples, (start + count - 1) // self.num_samples if count else 0
-        if e0 == e1:
-            i = start - e0 * self.num_samples
-            return self.order(e0)[i : i + count]
-        g = np.arange(start, start + count)
-        epochs, idx = np.divmod(g, self.num_samples)
-        out = np.empty(count, np.int64)
-        for e in range(e0, e1 + 1):
-            out[epochs == e] = self.order(e)[idx[epochs == e]]
-        return out
+        return self.epochs.sample_rows(start, count)
 
-    # -- the packing plan: lengths only ------------------------------------------------------------------------
     def plan(self, start: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """Packed step starting at global sample `start`: (end position, row in [0, G) of each sample in
-        [start, end), its first column). A pure function of (seed, shards, start, G, seq_length); micro-batch q of
-        the step is its rows [qB, (q+1)B)."""
-        if start in self._plans:
-            return self._plans[start]
-        budget = self.G * self.S
-        count = int(2 * budget / self._mean_length) + self.G
-        while True:
-            lengths = np.minimum(self.lengths[self.sample_rows(start, count)], self.S)
-            over = np.flatnonzero(np.cumsum(lengths) > budget)
-            if over.size:  # that sample cannot be in the packed run: enough lengths
-                lengths = lengths[: over[0] + 1]
-                break
-            count *= 2
-        row_of = pack(lengths, self.G, self.S)
-        out = (start + len(row_of), row_of, row_offsets(row_of, lengths[: len(row_of)]))
-        self._plans[start] = out
-        while len(self._plans) > 4:
-            self._plans.popitem(last=False)
-        return out
+        return self.steps.plan(start)
 
-    def _step_start(self, step: int) -> int:
-        """Packed: start position of step `step` counted from position 0."""
-        while len(self._bounds) <= step + 1:
-            self._bounds.append(self.plan(self._bounds[-1])[0])
-        return self._bounds[step]
-
+    # -- micro-batches ----------------------------------------------------------------------------------------
     def _packed_micro_batch(self, start: int, q: int) -> MicroBatch:
         """Micro-batch q (rows [qB, (q+1)B)) of the packed step starting at `start`."""
         end, row_of, offsets = self.plan(start)
         sel = np.flatnonzero(row_of // self.B == q)
         rows = self.sample_rows(start, len(row_of))[sel]
-        mb = assemble(self._fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
+        mb = assemble(self.reader.fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
                       seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
         return self._with_xtok(mb)
 
-    # -- reading ----------------------------------------------------------------------------------------------
-    def _file(self, s: int) -> tuple[pq.ParquetFile, Decoder]:
-        if s not in self._files:
-            path = self.shards[s].path
-            expected = self.shards[s].nbytes
-            try:
-                fix = (f"restore it, or delete it and its .ok marker, run `gkd cache index {cache_root(path)}` and "
-                       "rescore")
-                if expected is not None and path.stat().st_size != expected:
-                    raise ShardError(f"{path}: size {path.stat().st_size} bytes, the cache index says {expected} "
-                                     f"(truncated or replaced behind the index); {fix}")
-                if self.shards[s].sha256 is not None and s not in self._verified:
-                    if file_sha256(path) != self.shards[s].sha256:  # the file's bytes, once per process
-                        raise ShardError(f"{path}: sha256 differs from the cache index (corrupted on disk, or "
-                                         f"replaced behind the index); {fix}")
-                    self._verified.add(s)
-                pf = pq.ParquetFile(path, page_checksum_verification=True)
-                self._files[s] = (pf, open_decoder(pf.schema_arrow.metadata or {}, where=str(path)))
-            except (pa.ArrowException, OSError, CodecError) as e:
-                raise ShardError(f"{path}: cannot open ({e})") from e
-            while len(self._files) > 16:
-                self._files.popitem(last=False)
-        self._files.move_to_end(s)
-        return self._files[s]
-
-    def _rollout_block(self, s: int, rg: int) -> Block:
-        """A rollout row group as a block: tokens = prompt + completion, and zero teacher arrays for the live
-        teacher to fill (their shapes are what the layout needs)."""
-        path = self.shards[s].path
-        try:
-            t = pq.ParquetFile(path).read_row_group(rg, columns=["sample_id", "source", "prompt_ids", "completion_ids"],
-                                                   use_threads=False)
-        except (pa.ArrowException, OSError) as e:
-            raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
-        prompts, completions = t.column("prompt_ids").to_pylist(), t.column("completion_ids").to_pylist()
-        if self.live_xtok is not None:  # in the layout of a cross-tokenizer cache row, with the teacher's tokens
-            return rollout_block(self.live_xtok, t.column("sample_id").to_pylist(), pc.equal(
-                t.column("source"), "dataset").to_numpy(zero_copy_only=False), prompts, completions, self.k)
-        seqs = [np.asarray(p + c, dtype=np.int64) for p, c in zip(prompts, completions, strict=True)]
-        num = np.asarray([len(c) for c in completions], np.int64)
-        positions = int(num.sum())
-        return Block(
-            token_offsets=np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64),
-            tokens=np.concatenate(seqs) if seqs else np.zeros(0, np.int64),
-            first_scored=scored_from(np.asarray([len(p) for p in prompts], np.int64)),
-            is_dataset=pc.equal(t.column("source"), "dataset").to_numpy(zero_copy_only=False),
-            keys=t.column("sample_id").to_pylist(), row_offsets=np.concatenate([[0], np.cumsum(num)]),
-            topk_ids=np.zeros((positions, self.k), np.int32), topk_logprobs=np.zeros((positions, self.k), np.float32),
-            tail=np.zeros(positions, np.float32), valid=None, folded=None,
-        )
-
-    def _block(self, b: int) -> Block:
-        """One row group, decoded whole (decoding row by row costs ~5x more); an LRU of a window's blocks bounds
-        memory to about `window_rows` decoded rows."""
-        if b not in self._blocks and self.live:
-            s = int(np.searchsorted(self._shard_starts, self._block_starts[b], side="right") - 1)
-            self._blocks[b] = self._rollout_block(s, int(np.searchsorted(self.shards[s].rg_starts, self._block_starts[b])))
-        if b not in self._blocks:
-            s = int(np.searchsorted(self._shard_starts, self._block_starts[b], side="right") - 1)
-            rg = int(np.searchsorted(self.shards[s].rg_starts, self._block_starts[b]))
-            pf, decoder = self._file(s)
-            path = self.shards[s].path
-            try:
-                columns = _COLUMNS + (["actual_rank", "actual_logprobs"] if self.actual else [])
-                table = pf.read_row_group(rg, columns=columns, use_threads=False).combine_chunks()
-                batch = table.to_batches(max_chunksize=table.num_rows)[0] if table.num_rows else None
-                num_scored = table.column("num_scored").to_numpy()
-                topk = decoder.decode(batch, num_scored, actual=self.actual)
-                ids = table.column("input_ids").chunk(0)
-                offsets = ids.offsets.to_numpy().astype(np.int64)
-                first = table.column("first_scored").to_numpy().astype(np.int64)
-                is_dataset = pc.equal(table.column("source"), "dataset").to_numpy(zero_copy_only=False)
-                images = None
-                if "images" in pf.schema_arrow.names:
-                    images = pf.read_row_group(rg, columns=["images"], use_threads=False).column(0).to_pylist()
-                    images = images if any(images) else None
-            except (pa.ArrowException, OSError) as e:
-                raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
-            except CodecError as e:
-                raise ShardError(f"{path}: {e}") from e
-            if not np.array_equal(np.diff(offsets), first + num_scored):
-                raise ShardError(f"{path}: row group {rg}: len(input_ids) != first_scored + num_scored")
-            if self.cross:
-                self._blocks[b] = self._student_block(pf, rg, path, table, is_dataset, topk)
-                self._trim_blocks()
-                self._blocks.move_to_end(b)
-                return self._blocks[b]
-            tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
-            if self.shards[s].fold:
-                tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
-            kept = topk.valid()  # a top-p cache: the padding after each position's kept entries is not a bin
-            if kept is not None:
-                valid = kept if valid is None else valid & kept
-                folded = np.zeros(len(tail), bool) if folded is None else folded
-            self._blocks[b] = Block(
-                token_offsets=offsets - offsets[0], tokens=ids.values.to_numpy().astype(np.int64)[offsets[0]:],
-                first_scored=first, is_dataset=is_dataset, keys=table.column("key").to_pylist(),
-                row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
-                actual=topk.actual_logprobs if self.actual else None,
-                route=None if self.route_of is None else
-                self.route_of[self._block_starts[b]: self._block_starts[b] + table.num_rows],
-                images=images, root=str(cache_root(path)),
-            )
-            self._trim_blocks()
-        self._blocks.move_to_end(b)
-        return self._blocks[b]
-
-    def _trim_blocks(self) -> None:
-        max_blocks = 2 * max(1, -(-self.window_rows // max(1, int(np.diff(self._block_starts).min())))) + 2
-        while len(self._blocks) > max_blocks:
-            self._blocks.popitem(last=False)
-
-    def _student_block(self, pf: pq.ParquetFile, rg: int, path: Path, table: pa.Table, is_dataset: np.ndarray,
-                       topk) -> Block:
-        """A cross-tokenizer row group in the student's tokens (batch.student_layout)."""
-        try:
-            t = pf.read_row_group(rg, columns=["student_ids", "student_first", "span_student", "span_teacher"],
-                                  use_threads=False)
-        except (pa.ArrowException, OSError) as e:
-            raise ShardError(f"{path}: row group {rg}: cannot read its cross-tokenizer columns ({e})") from e
-        valid = topk.valid()
-        return student_layout(
-            table.column("key").to_pylist(), is_dataset, topk.offsets, topk.topk_ids, topk.topk_logprobs,
-            topk.tail_logprobs, valid, topk.actual_logprobs,
-            [np.asarray(x, np.int64) for x in t.column("student_ids").to_pylist()],
-            t.column("student_first").to_numpy().astype(np.int64),
-            t.column("span_student").to_pylist(), t.column("span_teacher").to_pylist(), self.xtok_map,
-            root=str(cache_root(path)))
-
-    def _fetch(self, rows: np.ndarray) -> list[tuple[Block, int]]:
-        """(decoded block, row within it) for the given global rows, in their given order."""
-        blocks = np.searchsorted(self._block_starts, rows, side="right") - 1
-        return [(self._block(b), r - self._block_starts[b]) for b, r in zip(blocks.tolist(), rows.tolist(), strict=True)]
-
-    # -- micro-batches ----------------------------------------------------------------------------------------
     def micro_batch(self, m: int) -> MicroBatch:
         """Global micro-batch number m (counted from position 0), whichever rank it belongs to."""
         if not self.packing:
             round_end = (m - m % self.dp_size + self.dp_size) * self.B
             return self._assemble(m * self.B, np.arange(self.B), np.zeros(self.B, np.int64), round_end)
         step, q = divmod(m, self.G // self.B)
-        return self._packed_micro_batch(self._step_start(step), q)
+        return self._packed_micro_batch(self.steps.step_start(step), q)
 
     def _assemble(self, start: int, row_of: np.ndarray, offsets: np.ndarray, round_end: int) -> MicroBatch:
         """Samples [start, start + len(row_of)) laid out at (row_of, offsets) into one micro-batch."""
         rows = self.sample_rows(start, len(row_of))
-        fetched = self._fetch(rows)
+        fetched = self.reader.fetch(rows)
         mb = assemble(fetched, row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
                       k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
         mb = self._with_xtok(mb)

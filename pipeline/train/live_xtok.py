@@ -72,7 +72,7 @@ def open_live_xtok(student_dir: Path, teacher_dir: Path, teacher_vocab: int, stu
 def check_rollouts(paths: Sequence[str | Path], xt: LiveXtok) -> None:
     """Refuse, before any work, rollouts whose text does not round-trip (the score stage's `retokenize` rule)."""
     bad = []
-    shards = [p for p, _ in resolve_rollouts(paths, None)]
+    shards = [s.shard for s in resolve_rollouts(paths, None)]
     for r in iter_rollouts(shards):
         if not r["completion_ids"]:
             continue  # never trained on (no scored position)

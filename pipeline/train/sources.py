@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import InputError, MissingInputError, UserError
 from pipeline.store.cache import DESCRIPTOR, SHARDS, Descriptor, TeacherCache, cache_root
+from pipeline.store.index import CacheIndex
 from pipeline.store.rollouts import rollout_shards, tokenizer_mismatches
 from pipeline.store.shards import ShardError
 
@@ -27,23 +28,30 @@ class TokenizerMismatchError(UserError, ValueError):
 
 
 @dataclass(frozen=True)
-class IndexedShard:
-    """What the cache index says of one shard (pipeline/store/index.py): the columns _build_index reads."""
+class Source:
+    """What a run reads from one place: a cache directory through its index (`index`; store/index.py), or one shard
+    file through its footer (`shard`; a rollout shard for a live teacher has no descriptor)."""
 
-    keys: np.ndarray  # S32
-    num_scored: np.ndarray
-    first_scored: np.ndarray
-    row_groups: list[int]
-    nbytes: int
-    sha256: str
+    root: Path  # the cache directory (a rollout shard: its folder)
+    descriptor: Descriptor | None
+    index: CacheIndex | None = None
+    shard: Path | None = None
+
+    @property
+    def shard_dir(self) -> Path:
+        return self.root / SHARDS
+
+    def shard_paths(self) -> list[Path]:
+        if self.index is None:
+            return [self.shard]
+        return [self.shard_dir / f"{n}.parquet" for n in self.index.names]
 
 
-def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
-                    ) -> list[tuple[Path, Descriptor]] | list[tuple[Path, Descriptor, IndexedShard | None]]:
+def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False) -> list[Source]:
     """Cache directories (all complete shards) or explicit shard files (descriptor from their cache root).
-    `indexed`: a directory's shards come from its index (store/index.py: one file and one listing instead of every
-    footer), each with a third element, its `IndexedShard` columns (None for an explicit shard file)."""
-    out: list = []
+    `indexed`: a directory is one `Source` read through its index (one file and one listing instead of every
+    footer); else every shard is its own `Source`, read through its footer."""
+    out: list[Source] = []
     for src in sources:
         src = Path(src)
         if not src.exists() and src.suffix != ".parquet":
@@ -52,23 +60,18 @@ def resolve_sources(sources: Sequence[str | Path], *, indexed: bool = False
             cache = TeacherCache.open(src)
             if indexed:
                 idx = cache.index()
-                shard_dir = src.resolve() / SHARDS  # once, not a realpath per shard
-                out += [(shard_dir / f"{n}.parquet", cache.descriptor, IndexedShard(
-                    idx.keys[idx.row_starts[s]: idx.row_starts[s + 1]],
-                    idx.num_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
-                    idx.first_scored[idx.row_starts[s]: idx.row_starts[s + 1]],
-                    idx.row_groups[s], int(idx.nbytes[s]), idx.sha256[s])) for s, n in enumerate(idx.names)]
                 if not idx.names:
                     raise ShardError(f"{src}: teacher cache has no complete shards")
+                out.append(Source(src.resolve(), cache.descriptor, index=idx))  # resolved once, not per shard
                 continue
             shards = cache.shard_paths()
             if not shards:
                 raise ShardError(f"{src}: teacher cache has no complete shards")
-            out += [(p, cache.descriptor) for p in shards]
+            out += [Source(cache_root(p), cache.descriptor, shard=p) for p in shards]
         elif src.suffix == ".parquet":
             if not src.exists():
                 raise ShardError(f"{src}: shard file is missing")
-            out.append((src, Descriptor.read(cache_root(src) / DESCRIPTOR)) + ((None,) if indexed else ()))
+            out.append(Source(cache_root(src), Descriptor.read(cache_root(src) / DESCRIPTOR), shard=src))
         else:
             raise MissingInputError(f"{src}: neither a teacher cache directory nor a .parquet shard")
     return out
@@ -84,10 +87,10 @@ def student_lengths(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return pc.list_value_length(t.column("student_ids")).to_numpy().astype(np.int64) - first, first
 
 
-def resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str | None) -> list[tuple[Path, None]]:
+def resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str | None) -> list[Source]:
     """Rollout directories (all complete shards) or shard files, for a live teacher; each must record the student's
     tokenizer (a rollout tokenized by another one would be trained on the wrong tokens)."""
-    out: list[tuple[Path, None]] = []
+    out: list[Source] = []
     for src in map(Path, sources):
         if not src.exists():
             raise MissingInputError(f"{src}: no such rollout directory or shard (`gkd generate` / `gkd import` write them)")
@@ -99,7 +102,7 @@ def resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str |
             raise TokenizerMismatchError(
                 f"{p}: rollouts tokenized with {recorded or 'an unrecorded tokenizer'}, the student's is "
                 f"{tokenizer_fingerprint}; regenerate them with the student's tokenizer")
-        out += [(p, None) for p in paths]
+        out += [Source(p.parent, None, shard=p) for p in paths]
     return out
 
 
@@ -113,20 +116,20 @@ class Agreement:
     min_k: int | None
 
 
-def _roots(resolved: list) -> str:
+def _roots(resolved: list[Source]) -> str:
     """The sources' cache roots, sorted, for a refusal that names them."""
-    return ", ".join(sorted({str(cache_root(r[0])) for r in resolved}))
+    return ", ".join(sorted({str(r.root) for r in resolved}))
 
 
-def check_sources(resolved: list, tokenizer_fingerprint: str | None, vocab_size: int | None) -> Agreement:
+def check_sources(resolved: list[Source], tokenizer_fingerprint: str | None, vocab_size: int | None) -> Agreement:
     """Refuse sources that cannot be read together, before any row is read: cross- and same-tokenizer caches, a
     cache of another tokenizer than the student's (`tokenizer_fingerprint`), a larger vocabulary unverified by a
-    fingerprint, different k, different top-p settings. `resolved`: `resolve_sources`' (path, descriptor, ...)."""
-    kinds = {r[1].cross_tokenizer for r in resolved}
+    fingerprint, different k, different top-p settings."""
+    kinds = {r.descriptor.cross_tokenizer for r in resolved}
     if len(kinds) != 1:
         raise InputError(f"cross-tokenizer and same-tokenizer caches cannot be read together ({_roots(resolved)}): "
                          "train from one kind")
-    for where, desc in {cache_root(r[0]): r[1] for r in resolved}.items():
+    for where, desc in {r.root: r.descriptor for r in resolved}.items():
         if desc.cross_tokenizer:
             if tokenizer_fingerprint is not None and desc.student_tokenizer_fingerprint != tokenizer_fingerprint:
                 raise TokenizerMismatchError(
@@ -145,15 +148,15 @@ def check_sources(resolved: list, tokenizer_fingerprint: str | None, vocab_size:
                 f"{where}: cache vocab {desc.vocab_size} exceeds the student's {vocab_size} and no tokenizer "
                 "fingerprint was given to show they share a tokenizer"
             )
-    ks = {r[1].k for r in resolved}
+    ks = {r.descriptor.k for r in resolved}
     if len(ks) != 1:
-        per_cache = {str(cache_root(r[0])): r[1].k for r in resolved}
+        per_cache = {str(r.root): r.descriptor.k for r in resolved}
         raise InputError(f"caches with different k ({sorted(ks)}) cannot share a micro-batch: "
                          f"{', '.join(f'{c}: k={k}' for c, k in per_cache.items())}; train from caches of one k "
                          "(score them with the same --topk)")
     # (rows of one content key are the same sequence in every cache: which top-p setting a row comes from
     # would then depend on which cache is listed first)
-    tops = {(r[1].topp, r[1].min_k) for r in resolved}
+    tops = {(r.descriptor.topp, r.descriptor.min_k) for r in resolved}
     if len(tops) != 1:
         raise InputError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
                          f"read together ({_roots(resolved)}); train from one of them")

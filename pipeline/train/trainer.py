@@ -36,7 +36,6 @@ import torch.distributed as dist
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
 from pipeline.store import align
-from pipeline.store.cache import cache_root
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import atomic_write_bytes
 from pipeline.train import context_parallel, hf_model, live_xtok, metrics
@@ -630,29 +629,29 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     import pyarrow.parquet as pq
 
     # indexed: the one read of each cache's index, so a stale or foreign index is refused here, before the model
-    sources = [(p, d) for p, d, *_ in resolve_sources(cfg.cache, indexed=True)]
+    sources = resolve_sources(cfg.cache, indexed=True)
     check_cross_tokenizer(cfg, sources)
-    for path, desc in sources:
-        if desc.k > 0:
+    for src in sources:
+        if src.descriptor.k > 0:
             continue
-        where = cache_root(path)
         if cfg.loss == "gkd":
-            raise ConfigError(f"{where}: a k = 0 cache holds only the actual token's teacher logprob; loss=gkd "
+            raise ConfigError(f"{src.root}: a k = 0 cache holds only the actual token's teacher logprob; loss=gkd "
                               f"(topk_mode={cfg.topk_mode}) needs its top-k entries. Train with loss=opd, or score "
                               "with --topk >= 1")
-        dataset = pc.sum(pc.equal(pq.read_table(path, columns=["source"]).column("source"), "dataset")).as_py()
-        if dataset:
-            raise ConfigError(f"{path}: {dataset} dataset-sourced row(s); loss=opd trains them with the GKD loss "
-                              f"(topk_mode={cfg.topk_mode}), which needs top-k entries, and this cache has k = 0. "
-                              "Score them into a top-k cache, or leave them out")
+        for path in src.shard_paths():
+            dataset = pc.sum(pc.equal(pq.read_table(path, columns=["source"]).column("source"), "dataset")).as_py()
+            if dataset:
+                raise ConfigError(f"{path}: {dataset} dataset-sourced row(s); loss=opd trains them with the GKD "
+                                  f"loss (topk_mode={cfg.topk_mode}), which needs top-k entries, and this cache has "
+                                  "k = 0. Score them into a top-k cache, or leave them out")
 
 def check_cross_tokenizer(cfg: TrainConfig, sources: list) -> None:
     """Before any work: loss=uld|gold needs a cross-tokenizer cache (spans, scored schema 1.3) and tokenizers that
     decode deterministically; a cross-tokenizer cache needs loss=uld|gold."""
     from transformers import AutoTokenizer
 
-    cross = [d for _, d in sources if d.cross_tokenizer]
-    root = cache_root(sources[0][0]) if sources else Path(str(cfg.cache))
+    cross = [s.descriptor for s in sources if s.descriptor.cross_tokenizer]
+    root = sources[0].root if sources else Path(str(cfg.cache))
     if cfg.loss not in ("uld", "gold"):
         if cross:
             raise ConfigError(f"{root}: a cross-tokenizer cache (rows in the teacher's tokens, with spans); train "
@@ -660,7 +659,7 @@ def check_cross_tokenizer(cfg: TrainConfig, sources: list) -> None:
         return
     if len(cross) < len(sources):
         student = AutoTokenizer.from_pretrained(str(student_dir(cfg)))
-        desc = next(d for _, d in sources if not d.cross_tokenizer)
+        desc = next(s.descriptor for s in sources if not s.descriptor.cross_tokenizer)
         if desc.tokenizer_fingerprint == tokenizer_fingerprint(student):
             raise ConfigError(f"{root}: a same-tokenizer cache (the student's tokenizer is the teacher's): loss="
                               f"{cfg.loss} is for other tokenizers; this is plain GKD, train with loss=gkd")
@@ -682,8 +681,8 @@ def xtok_map(cfg: TrainConfig, tokenizer) -> np.ndarray | None:
 
     if cfg.loss != "gold":
         return None
-    sources = resolve_sources(cfg.cache)
-    root, desc = cache_root(sources[0][0]), sources[0][1]
+    first = resolve_sources(cfg.cache, indexed=True)[0]
+    root, desc = first.root, first.descriptor
     return align.vocab_map(tokenizer, AutoTokenizer.from_pretrained(str(root / align.TEACHER_TOKENIZER)),
                            desc.vocab_size)
 
@@ -827,7 +826,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
             if step % cfg.save_interval == 0 or done:
                 checkpoint.save(save_dir, step, model, optimizer, {
                     "data_position": position, "data_fingerprint": loader.fingerprint,
-                    "data_shards": [str(s.path.resolve()) for s in loader.shards],
+                    "data_shards": loader.shards.paths(),
                     "scheduler": scheduler.state_dict(), "config": to_dict(cfg), "student": str(hf_dir.resolve()),
                     "backend": backend,
                 })
@@ -861,7 +860,7 @@ def data_changed(resume: Path, meta: dict, loader) -> Exception:
     still filling them when the run started, or someone rescored): the data order would change under the run."""
     from pipeline.train.checkpoint import CheckpointMismatchError
 
-    now = [str(s.path.resolve()) for s in loader.shards]
+    now = loader.shards.paths()
     saved = meta.get("data_shards")
     what = ""
     if saved is not None:

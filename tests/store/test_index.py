@@ -137,3 +137,32 @@ def test_writers_see_each_others_keys_through_the_index(big):
         for f in (big.shard_dir / f"{name}.parquet", big.shard_dir / f"{name}.parquet.ok"):
             f.unlink()
     assert gkd(["cache", "index", str(big.root)]) == 0
+
+
+def test_index_columns_equal_each_shards_footer_and_a_bad_line_is_named(big, tmp_path):
+    """The columnar read (pyarrow's JSON reader) gives, shard by shard, the footer's keys, lengths and row groups;
+    a line that does not parse, or lacks a field, is refused naming the file and its line number."""
+    import pyarrow.parquet as pq
+
+    from pipeline.store import index as shard_index
+
+    idx = big.index()
+    assert idx.names == sorted(idx.names) and len(idx.names) == SHARDS and len(idx.keys) == ROWS
+    for s in (0, 1, 2, 997, SHARDS - 1):
+        pf = pq.ParquetFile(big.shard_dir / f"{idx.names[s]}.parquet")
+        t = pf.read(columns=["key", "first_scored", "num_scored"])
+        assert idx.shard_keys(s).astype(str).tolist() == t.column("key").to_pylist()
+        lo, hi = idx.row_starts[s], idx.row_starts[s + 1]
+        assert idx.first_scored[lo:hi].tolist() == t.column("first_scored").to_pylist()
+        assert idx.num_scored[lo:hi].tolist() == t.column("num_scored").to_pylist()
+        assert idx.row_groups(s).tolist() == [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+        assert idx.sha256[s].decode() == shard_index.read_marker(big.shard_dir / f"{idx.names[s]}.parquet")["sha256"]
+    copy = tmp_path / "copy"
+    shutil.copytree(big.root, copy, ignore=shutil.ignore_patterns("shards"))
+    (copy / "shards").mkdir()
+    lines = (big.root / INDEX).read_bytes().split(b"\n")
+    for n, bad in ((3, b"{not json"), (5, lines[4].replace(b'"keys"', b'"kees"'))):
+        broken = lines[: n - 1] + [bad] + lines[n:]
+        (copy / INDEX).write_bytes(b"\n".join(broken))
+        with pytest.raises(ShardError, match=rf"{copy / INDEX}:{n}: unreadable index line .*gkd cache index {copy}"):
+            shard_index.load(copy, big.descriptor, say=lambda _: None)
