@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,26 +144,29 @@ def run(tokens: list[int], steps: int, tiny: bool, peak_tflops: float | None) ->
     if peak_tflops is None:
         peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     work = Path(tempfile.mkdtemp(prefix="gkd-gpu-bench-"))
-    student = build_student(work / "student", shape)
-    res = {"device": device, "shape": "tiny" if tiny else "Qwen2.5-0.5B", "peak_tflops": peak_tflops,
-           "steps": steps, "bf16": True, "started": _now(), "machine": _machine(device), "runs": []}
-    for t in tokens:
-        cache = build_cache(work / f"cache-{t}", student, t, rows=steps + 1, vocab=shape["vocab_size"])
-        for fused in (True, False):
-            cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "--_child", str(student), str(cache), str(t),
-                   str(int(fused)), str(steps)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-            row = {"tokens": t, "variant": "fused" if fused else "unfused"}
-            if proc.returncode == 0:
-                row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-                flops = model_flops_per_token(shape, t) * row["tokens_per_s"]
-                row["mfu"] = flops / (peak_tflops * 1e12) if peak_tflops else None
-            else:
-                tail = proc.stderr.strip().splitlines() or ["(no output)"]
-                row["error"] = "out of memory" if "out of memory" in proc.stderr.lower() else tail[-1][-300:]
-                print("\n".join(tail[-40:]), file=sys.stderr, flush=True)  # the failed child's own account
-            res["runs"].append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+    try:
+        student = build_student(work / "student", shape)
+        res = {"device": device, "shape": "tiny" if tiny else "Qwen2.5-0.5B", "peak_tflops": peak_tflops,
+               "steps": steps, "bf16": True, "started": _now(), "machine": _machine(device), "runs": []}
+        for t in tokens:
+            cache = build_cache(work / f"cache-{t}", student, t, rows=steps + 1, vocab=shape["vocab_size"])
+            for fused in (True, False):
+                cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "--_child", str(student), str(cache), str(t),
+                       str(int(fused)), str(steps)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                row = {"tokens": t, "variant": "fused" if fused else "unfused"}
+                if proc.returncode == 0:
+                    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+                    flops = model_flops_per_token(shape, t) * row["tokens_per_s"]
+                    row["mfu"] = flops / (peak_tflops * 1e12) if peak_tflops else None
+                else:
+                    tail = proc.stderr.strip().splitlines() or ["(no output)"]
+                    row["error"] = "out of memory" if "out of memory" in proc.stderr.lower() else tail[-1][-300:]
+                    print("\n".join(tail[-40:]), file=sys.stderr, flush=True)  # the failed child's own account
+                res["runs"].append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the student and caches: GiBs at the full shape
     return res
 
 

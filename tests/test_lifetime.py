@@ -36,12 +36,17 @@ if __name__ == "__main__":
 """
 
 
-def test_children_die_with_a_killed_command(tmp_path):
-    script = tmp_path / "command.py"
-    script.write_text(COMMAND)
+def _launch(tmp_path: Path, name: str, code: str) -> subprocess.Popen:
+    """`code` as a command of its own (this package importable, no command's mark inherited), stdout piped."""
+    script = tmp_path / name
+    script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("GKD_PARENT_PID", None)
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def test_children_die_with_a_killed_command(tmp_path):
+    proc = _launch(tmp_path, "command.py", COMMAND)
     below: dict[int, int] = {}
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -88,11 +93,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_child_started_just_before_the_kill_dies_and_a_daemon_without_the_mark_lives(tmp_path):
-    script = tmp_path / "quick.py"
-    script.write_text(QUICK)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("GKD_PARENT_PID", None)
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    proc = _launch(tmp_path, "quick.py", QUICK)
     child, daemon = (int(x) for x in proc.stdout.readline().split())
     proc.wait(timeout=60)
     procs = {p: s for p in (child, daemon) if (s := _start_ticks(p)) is not None}

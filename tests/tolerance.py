@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -75,3 +76,26 @@ def assert_same(actual, expected, name: str = "tensor") -> None:
         assert torch.is_tensor(actual) and torch.equal(actual, expected), f"{name}: not bit-identical"
     else:
         assert actual == expected, f"{name}: {actual!r} != {expected!r}"
+
+
+def assert_trains_alike(live: list[dict], cached: list[dict], start: Path, runs: Path, names: tuple[str, str],
+                        label: str) -> None:
+    """Two training runs of the same steps (their metrics rows, `live` vs `cached`): the same active tokens, per-step
+    KD (jsd) and SFT losses within 1e-5 relative, and the weight updates of their exports (`runs/NAME` checkpoints,
+    from the student folder `start`) under the cross-layout rule."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    from pipeline.cli import main as cli
+
+    assert [m["active_tokens"] for m in live] == [m["active_tokens"] for m in cached]
+    worst = max(abs(a["jsd"] - b["jsd"]) / b["jsd"] for a, b in zip(live, cached, strict=True))
+    print(f"[{label}] worst per-step KD loss gap {worst:.2e} relative", file=sys.stderr)
+    for a, b in zip(live, cached, strict=True):
+        assert abs(a["jsd"] - b["jsd"]) <= 1e-5 * b["jsd"] and abs(a["sft"] - b["sft"]) <= 1e-5 * b["sft"], (a, b)
+    w0 = load_file(start / "model.safetensors")
+    for name in names:
+        assert cli(["export", "--checkpoint", str(runs / name), "--out", str(runs / f"{name}-hf")]) == 0
+    w_live, w_cache = (load_file(runs / f"{n}-hf" / "model.safetensors") for n in names)
+    assert_layout_close({k: w_live[k] - w0[k] for k in w0}, {k: w_cache[k] - w0[k] for k in w0}, "update")

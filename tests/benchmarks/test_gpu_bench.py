@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_gpu_bench_tiny_runs(tmp_path):
     out = tmp_path / "res.json"
+    before = set(Path(tempfile.gettempdir()).glob("gkd-gpu-bench-*"))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bench", "--tiny", "--tokens", "64", "--steps", "1",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(Path(tempfile.gettempdir()).glob("gkd-gpu-bench-*")) == before  # its student and caches removed
     res = json.loads(out.read_text())
     assert [(r["tokens"], r["variant"]) for r in res["runs"]] == [(64, "fused"), (64, "unfused")]
     assert all("error" not in r for r in res["runs"]), res["runs"]

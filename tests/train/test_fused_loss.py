@@ -7,14 +7,11 @@ Run: ``python -m pytest tests/train/test_fused_loss.py`` (the TP test launches t
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import needs_peak_rss, peak_rss_growth
+from train_fixtures import needs_peak_rss, peak_rss_growth, run_tp2_worker
 
 from pipeline.train.fused_loss import fused_gkd_loss
 from pipeline.train.loss import gkd_loss, vocab_parallel_ce
@@ -197,9 +194,4 @@ def test_peak_memory_does_not_grow_with_tokens_times_vocab(mode):
 
 @pytest.mark.distributed
 def test_tp2_matches_tp1():
-    worker = Path(__file__).with_name("_fused_tp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("TP2 OK") == 2, proc.stdout[-3000:]
+    run_tp2_worker("_fused_tp_worker.py")

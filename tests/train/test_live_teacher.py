@@ -112,23 +112,11 @@ def test_live_teacher_trains_like_its_exact_cache(same_rows, tmp_path):
     """10 SGD steps, same seed and samples, fp32: per-step losses within 1e-5 relative (the cache's rows come from
     a transformers forward, the live ones from Megatron's: logits agree to ~1e-6) and the trained weights under the
     cross-layout rule (tests/tolerance.py)."""
-    from safetensors.torch import load_file
-    from tolerance import assert_layout_close
-
-    from pipeline.cli import main as cli
+    from tolerance import assert_trains_alike
 
     live = _train(same_rows, tmp_path / "live", "live")
     cached = _train(same_rows, tmp_path / "exact", "exact-f32")
-    assert [m["active_tokens"] for m in live] == [m["active_tokens"] for m in cached]
-    worst = max(abs(a["jsd"] - b["jsd"]) / b["jsd"] for a, b in zip(live, cached, strict=True))
-    print(f"[exact codec] worst per-step loss gap {worst:.2e} relative", file=sys.stderr)
-    for a, b in zip(live, cached, strict=True):
-        assert abs(a["jsd"] - b["jsd"]) <= 1e-5 * b["jsd"] and abs(a["sft"] - b["sft"]) <= 1e-5 * b["sft"], (a, b)
-    start = load_file(same_rows["student"] / "model.safetensors")
-    for name in ("live", "exact"):
-        assert cli(["export", "--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf")]) == 0
-    w_live, w_cache = (load_file(tmp_path / f"{n}-hf" / "model.safetensors") for n in ("live", "exact"))
-    assert_layout_close({k: w_live[k] - start[k] for k in start}, {k: w_cache[k] - start[k] for k in start}, "update")
+    assert_trains_alike(live, cached, same_rows["student"], tmp_path, ("live", "exact"), "exact codec")
 
 
 def test_default_codec_stays_within_its_bound(same_rows, tmp_path):

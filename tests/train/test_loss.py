@@ -6,14 +6,10 @@ Run: ``python -m pytest tests/train/test_loss.py`` (the TP test launches torchru
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import needs_peak_rss, peak_rss_growth
+from train_fixtures import needs_peak_rss, peak_rss_growth, run_tp2_worker
 
 from pipeline.train.loss import gkd_loss, vocab_parallel_ce
 
@@ -218,9 +214,4 @@ def test_peak_memory_is_logits_grad_plus_one_chunk(mode):
 
 @pytest.mark.distributed
 def test_tp2_matches_tp1(tmp_path):
-    worker = Path(__file__).with_name("_loss_tp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("TP2 OK") == 2, proc.stdout[-3000:]
+    run_tp2_worker("_loss_tp_worker.py")

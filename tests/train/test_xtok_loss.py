@@ -7,7 +7,6 @@ the fused pass (no [tokens, vocab] logits) against the plain autograd definition
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from train_fixtures import run_tp2_worker
 
 from pipeline.store import align
 from pipeline.train.xtok_loss import EPS, fused_xtok_loss, gold_weights, span_divergence, xtok_loss_reference
@@ -241,9 +241,4 @@ def test_sorted_l1_by_top_k_equals_the_full_sort(vocab):
 def test_tp2_matches_tp1():
     """ULD and GOLD (β 0 and 0.5, with and without SFT) on a vocab-split output weight (TP=2, torchrun, gloo) equal
     TP=1 and the plain definition: loss, ∂h, each rank's rows of ∂W (tests/train/_xtok_tp_worker.py)."""
-    worker = Path(__file__).with_name("_xtok_tp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("TP2 OK") == 2, proc.stdout[-3000:]
+    run_tp2_worker("_xtok_tp_worker.py")

@@ -4,12 +4,16 @@ in conftest.py."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import SMALL
 
+REPO = Path(__file__).resolve().parents[2]
 ARCHS = ["llama", "qwen2"]  # the SMALL GQA Llama (tied) and Qwen2 (qkv bias, untied) of tiny_models.build_random_hf
 
 
@@ -33,3 +37,13 @@ def peak_rss_growth(run: Callable[[], object]) -> int:
     before = _status_bytes("VmRSS")
     run()
     return _status_bytes("VmHWM") - before
+
+
+def run_tp2_worker(worker: str) -> None:
+    """tests/train/WORKER under torchrun, 2 gloo processes (one thread each): both ranks must print `TP2 OK`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).with_name(worker))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TP2 OK") == 2, proc.stdout[-3000:]
