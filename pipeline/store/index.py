@@ -24,7 +24,6 @@ naming it (`CacheIndex.changes`); truncation (size vs `bytes`) is caught where a
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import sys
@@ -175,21 +174,22 @@ def _parse(data: bytes, path: Path, want: str) -> tuple[pa.Table, int]:
     the complete lines (a last line without its newline is a write in progress or a killed writer's, and is
     ignored). A shard listed twice keeps its last line."""
     end = data.rfind(b"\n") + 1
-    body = data[_header(end, data, path, want): end]
-    if not body:
+    start = _header(end, data, path, want)
+    if start == end:
         return _SCHEMA.empty_table(), end
+    body = pa.py_buffer(data)[start:end]  # a view, not a copy of the file
     try:  # one block: a line is never split between blocks, however many keys a shard holds
-        table = pj.read_json(io.BytesIO(body), read_options=pj.ReadOptions(block_size=len(body) + 1),
+        table = pj.read_json(pa.BufferReader(body), read_options=pj.ReadOptions(block_size=len(body) + 1),
                              parse_options=pj.ParseOptions(explicit_schema=_SCHEMA, unexpected_field_behavior="ignore"))
     except pa.ArrowException as e:
-        raise _bad_line(body, path, e) from e
+        raise _bad_line(data[start:end], path, e) from e
+    pa.default_memory_pool().release_unused()  # the reader's working buffers: as large again as the table
     if any(table.column(f.name).null_count for f in _SCHEMA) or any(
             pc.sum(pc.is_null(pc.list_flatten(table.column(c)))).as_py() for c in ("keys", "row_groups", "first_scored",
                                                                              "num_scored")):
-        raise _bad_line(body, path, ValueError("a field is missing or null"))
-    names = table.column("shard").to_pylist()
-    if len(set(names)) != len(names):  # the last line of a shard wins
-        last = {n: i for i, n in enumerate(names)}
+        raise _bad_line(data[start:end], path, ValueError("a field is missing or null"))
+    if pc.count_distinct(table.column("shard")).as_py() != table.num_rows:  # the last line of a shard wins
+        last = {n: i for i, n in enumerate(table.column("shard").to_pylist())}
         table = table.take(sorted(last.values()))
     return table, end
 
@@ -207,32 +207,35 @@ def _flat(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
     return arr.flatten(), pc.list_value_length(arr).fill_null(0).to_numpy().astype(np.int64)
 
 
-def _keys(values: pa.Array) -> np.ndarray:
-    """String keys as S32, straight from the Arrow buffer when every key is 32 bytes (content keys are)."""
+def _fixed(values: pa.Array, width: int) -> np.ndarray:
+    """Strings as a numpy S`width` array, straight from the Arrow buffer when every one is `width` bytes (content
+    keys are 32, sha256 hex digests 64): no Python string per row."""
     if len(values) == 0:
-        return np.zeros(0, "S32")
-    width = np.int64 if values.type == pa.large_string() else np.int32
-    offsets = np.frombuffer(values.buffers()[1], width)[values.offset: values.offset + len(values) + 1]
-    if np.all(np.diff(offsets) == 32):
+        return np.zeros(0, f"S{width}")
+    kind = np.int64 if values.type == pa.large_string() else np.int32
+    offsets = np.frombuffer(values.buffers()[1], kind)[values.offset: values.offset + len(values) + 1]
+    if np.all(np.diff(offsets) == width):
         data = np.frombuffer(values.buffers()[2], np.uint8)[offsets[0]: offsets[-1]]
-        return data.view("S32").copy()
-    return np.asarray(values.to_pylist(), dtype="S32")
+        return data.view(f"S{width}").copy()
+    return np.asarray(values.to_pylist(), dtype=f"S{width}")
 
 
 def _assemble(path: Path, table: pa.Table, changes: list[str]) -> CacheIndex:
-    table = table.sort_by("shard")
+    order = pc.sort_indices(table.column("shard"))
+    if not pc.all(pc.equal(order, pa.array(np.arange(len(table)), pa.uint64()))).as_py() and len(table):
+        table = table.take(order)  # appended in commit order; the index is in name order (the listing's)
+    del order
     rg_values, rg_counts = _flat(table.column("row_groups"))
     key_values, counts = _flat(table.column("keys"))
-    sha = table.column("sha256").to_pylist()
     return CacheIndex(
         path=path, names=table.column("shard").to_pylist(),
         nbytes=table.column("bytes").to_numpy().astype(np.int64),
-        sha256=np.asarray(sha, dtype="S64") if sha else np.zeros(0, "S64"),
+        sha256=_fixed(table.column("sha256").combine_chunks(), 64),
         scored_tokens=table.column("scored_tokens").to_numpy().astype(np.int64),
         rg_rows=rg_values.to_numpy(zero_copy_only=False).astype(np.int64),
         rg_starts=np.concatenate([[0], np.cumsum(rg_counts)]).astype(np.int64),
         row_starts=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        keys=_keys(key_values),
+        keys=_fixed(key_values, 32),
         first_scored=_flat(table.column("first_scored"))[0].to_numpy(zero_copy_only=False).astype(np.int64),
         num_scored=_flat(table.column("num_scored"))[0].to_numpy(zero_copy_only=False).astype(np.int64),
         changes=changes)
@@ -275,11 +278,17 @@ def load(root: Path, descriptor, *, say: Callable[[str], None] | None = None) ->
     if gone:
         table = table.filter(pa.array([n in present for n in indexed]))
     table = _with_footers(table, shard_dir, added)
+    del indexed, known, present, names
     if changes:
         shown = "; ".join(changes[:5]) + (f"; ... ({len(changes) - 5} more)" if len(changes) > 5 else "")
         say(f"[cache] {path}: {len(gone)} shard(s) removed and {len(added)} added behind the index: {shown}. "
             f"`gkd cache index {root}` brings it up to date")
-    return _assemble(path, table, changes)
+    index = _assemble(path, table, changes)
+    del table
+    # The parse's Arrow buffers are freed by now, but the allocator keeps their pages: give them back, so a process
+    # that opens the index twice (the trainer's checks, then its loader) does not hold two parses.
+    pa.default_memory_pool().release_unused()
+    return index
 
 
 def rebuild(root: Path, descriptor) -> CacheIndex:

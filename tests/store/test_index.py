@@ -157,6 +157,17 @@ def test_index_columns_equal_each_shards_footer_and_a_bad_line_is_named(big, tmp
         assert idx.num_scored[lo:hi].tolist() == t.column("num_scored").to_pylist()
         assert idx.row_groups(s).tolist() == [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
         assert idx.sha256[s].decode() == shard_index.read_marker(big.shard_dir / f"{idx.names[s]}.parquet")["sha256"]
+    # lines in commit order, not name order (parallel score tasks), and a shard's line written twice: the same index
+    original = (big.root / INDEX).read_bytes()
+    head, *body = original.split(b"\n")[:-1]
+    try:
+        (big.root / INDEX).write_bytes(b"\n".join([head, *body[::-1], body[0]]) + b"\n")
+        again = big.index()
+    finally:
+        (big.root / INDEX).write_bytes(original)
+    assert again.names == idx.names and not again.changes
+    for field in ("keys", "first_scored", "num_scored", "row_starts", "rg_rows", "rg_starts", "nbytes", "sha256"):
+        assert np.array_equal(getattr(again, field), getattr(idx, field)), field
     copy = tmp_path / "copy"
     shutil.copytree(big.root, copy, ignore=shutil.ignore_patterns("shards"))
     (copy / "shards").mkdir()
