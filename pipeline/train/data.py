@@ -183,7 +183,7 @@ class ScoredLoader:
         rank first reads it, blocks.py, so start-up does not grow with the cache and each rank checks only what it
         trains on), else from each shard's footer and cheap columns (verified on every rank, here)."""
         self.shards = ShardTable()
-        keys, nums, firsts, starts = [], [], [], [0]
+        keys, nums, firsts, rows_of = [], [], [], []  # rows_of: each source's rows per shard
         route_rows: list[np.ndarray] = []  # routing: per row, the teacher index it is kept for (routing.py)
         h = hashlib.blake2b(digest_size=16)
         for src in resolved:
@@ -201,8 +201,8 @@ class ScoredLoader:
                 keys.append(ix.keys)
                 nums.append(np.asarray(num, dtype=np.int64))
                 firsts.append(np.asarray(first, dtype=np.int64))
-                starts += (starts[-1] + ix.row_starts[1:]).tolist()
-                for n, rows in zip(ix.names, np.diff(ix.row_starts).tolist(), strict=True):
+                rows_of.append(np.diff(ix.row_starts))
+                for n, rows in zip(ix.names, rows_of[-1].tolist(), strict=True):
                     h.update(f"{shard_dir}/{n}.parquet|{rows}|".encode())  # the root resolved once, not per shard
                 continue
             path = src.shard
@@ -238,7 +238,7 @@ class ScoredLoader:
             keys.append(np.asarray(key.to_pylist(), dtype="S32"))
             nums.append(np.asarray(num, dtype=np.int64))
             firsts.append(np.asarray(first, dtype=np.int64))
-            starts.append(starts[-1] + table.num_rows)
+            rows_of.append(np.asarray([table.num_rows], np.int64))
             h.update(f"{resolved_path}|{table.num_rows}|".encode())
         self.shards.freeze()
         if self.router:  # other routes keep other rows: another order
@@ -259,7 +259,7 @@ class ScoredLoader:
         self.valid = keep
         self.num_samples = int(keep.sum())
         self.duplicates = len(all_keys) - len(first)
-        self._shard_starts = np.asarray(starts, np.int64)
+        self._shard_starts = np.concatenate([[0], np.cumsum(np.concatenate(rows_of))]).astype(np.int64)
         self._block_starts = np.unique(np.concatenate([self.shards.row_group_starts(), self._shard_starts]))
         if self.num_samples == 0:
             raise ShardError(f"no scored rows in {', '.join(self.shards.paths())}")
