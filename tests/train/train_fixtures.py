@@ -34,8 +34,8 @@ def _status_bytes(field: str) -> int:
 def _return_free_heap_pages() -> None:
     """glibc's malloc_trim(0): give the free pages of every arena back to the OS. Without it, a process that ran
     earlier tests keeps freed-but-resident heap chunks (a whole suite's worth), allocations reuse them without the
-    RSS growing, and a peak measured as RSS growth reads near 0 (CI: the 64 MiB mask measured 0-128 MiB instead of
-    256 after the suite's earlier tests; alone, 256)."""
+    RSS growing, and a peak measured as RSS growth reads near 0 (CI, after the suite's earlier tests: the masked
+    8k-token row measured 64-128 MiB and the per-document one 0, instead of 256 and 35 alone)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: no trim, the measurement is as good as that allocator allows
