@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline import pause
 from pipeline.store import TeacherCache
 from pipeline.store import images as image_store
 from pipeline.store.align import TEACHER_TOKENIZER
@@ -59,6 +60,7 @@ class State:
     def save(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / STATE, json.dumps(asdict(self), indent=1, sort_keys=True).encode())
+        pause.point("onpolicy-state")
 
     def info(self, cycle: int) -> dict:
         return self.cycles.setdefault(str(cycle), {"done": [], "seconds": {}})

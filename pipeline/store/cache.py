@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import pause
 from pipeline.errors import MissingInputError, UserError
 from pipeline.store import align, codec, images
 from pipeline.store import index as shard_index
@@ -272,7 +273,9 @@ class TeacherCache:
             fresh = [r for r in rows if r["key"] not in self._writer.keys]
             if not fresh:
                 return None, len(rows)
-            return self._publish(name, fresh, extra), len(rows) - len(fresh)
+            info = self._publish(name, fresh, extra)
+        pause.point("cache-commit")  # outside the lock: a command stopped here holds up no other writer
+        return info, len(rows) - len(fresh)
 
     def write_shard(self, name: str, rows: Sequence[dict], *, extra: dict | None = None) -> ShardInfo:
         """Encode and atomically write scored rows as shard `name` (e.g. "scored-00003-of-00008"), and index it.
@@ -285,7 +288,9 @@ class TeacherCache:
         """
         with self._commit_lock():
             self._writer.sync()
-            return self._publish(name, rows, extra)
+            info = self._publish(name, rows, extra)
+        pause.point("cache-commit")
+        return info
 
     def _commit_lock(self) -> FileLock:
         if self._writer is None:

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import pause
 from pipeline.store.fingerprint import content_key
 from pipeline.store.fingerprint import sample_id as make_sample_id
 from pipeline.store.locks import FileLock
@@ -126,7 +127,9 @@ def write_rollouts(path: str | Path, rows: Sequence[dict], *, tokenizer_fingerpr
     if tokenizer_fingerprint is not None:
         footer = {TOKENIZER_KEY: tokenizer_fingerprint.encode()}
         extra["tokenizer_fingerprint"] = tokenizer_fingerprint
-    return write_shard(path, table, "rollout", extra=extra, footer=footer)
+    info = write_shard(path, table, "rollout", extra=extra, footer=footer)
+    pause.point("rollout-shard")
+    return info
 
 
 def rollout_tokenizer(path: str | Path) -> str | None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mpu_random
 
+from pipeline import pause
 from pipeline.errors import MissingInputError, UserError
 from pipeline.store.shards import WriteError, atomic_write_bytes, os_error_in
 from pipeline.train import hf_model
@@ -240,6 +241,7 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
         raise WriteError(final, cause, f"checkpoint save failed (resume continues from {LATEST})") from e
     if dist.is_initialized():
         dist.barrier()
+    pause.point("checkpoint")
     return final
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import killing
 import pytest
 import torch
 from alignment import assert_aligned
@@ -95,18 +96,12 @@ def test_hf_resume_after_kill_is_bit_identical(tiny, runs, tmp_path):
     save = tmp_path / "killed"
     args = _args(tiny["student"], tiny["cache"], save, backend="hf", save_interval=1)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.train.run", *args], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = killing.start([sys.executable, "-m", "pipeline.train.run", *args], "checkpoint:2", env=env, cwd=REPO)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (save / "step_0000002" / "trainer.json").exists():
-            assert proc.poll() is None, "the training process ended before its step-2 checkpoint"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
+        killing.wait_stopped(proc)  # stopped right after its step-2 checkpoint: the kill lands there exactly
     finally:
-        proc.wait(timeout=60)
-    done = [m["step"] for m in _metrics(save)]
-    assert 2 <= len(done) < 4, done  # killed mid-run
+        killing.kill(proc, group=True)
+    assert [m["step"] for m in _metrics(save)] == [1, 2]  # killed mid-run, after step 2
     assert cli(["train", *args]) == 0
     keys = ("step", "loss", "jsd", "sft", "lr", "grad_norm", "active_tokens", "data_position")
     ref = runs["root"] / "hf"
