@@ -15,6 +15,8 @@ the first; several comma-separated):
   lock is released again (pipeline/store/cache.py), so a stopped writer holds up no other writer.
 - `rollout-shard`: a rollout shard and its marker are written (pipeline/store/rollouts.py): a generate or import part.
 - `checkpoint`: a training checkpoint is complete, its marker written (pipeline/train/checkpoint.py).
+- `train-step`: an optimizer step is done and rank 0 has flushed its metrics.jsonl line, before that step's
+  checkpoint if it has one (pipeline/train/trainer.py): a kill here lands mid-run, between two checkpoints.
 - `onpolicy-state`: the on-policy driver saved its resume state (pipeline/onpolicy/state.py).
 """
 
@@ -25,7 +27,7 @@ import signal
 from collections import Counter
 
 ENV = "GKD_PAUSE_AT"
-POINTS = ("cache-commit", "rollout-shard", "checkpoint", "onpolicy-state")
+POINTS = ("cache-commit", "rollout-shard", "checkpoint", "train-step", "onpolicy-state")
 
 _reached: Counter[str] = Counter()
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline import pause
 from pipeline.assets import resolve_student
 from pipeline.config import ConfigError, to_dict
 from pipeline.store import align
@@ -822,6 +823,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
                                     unrouted=loader.unrouted)
             if rank == 0:
                 metrics.log_row(last, metrics_file, writer, bar, log_dir / "metrics.jsonl")
+            pause.point("train-step")
             done = step >= cfg.train_steps or (cfg.exit_after is not None and steps_this_run >= cfg.exit_after)
             if step % cfg.save_interval == 0 or done:
                 checkpoint.save(save_dir, step, model, optimizer, {

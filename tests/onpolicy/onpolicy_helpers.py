@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
+
+import killing  # tests/killing.py (tests/conftest.py puts tests/ on sys.path)
 
 from pipeline.lifetime import descendants, survivors
 
@@ -17,28 +16,29 @@ REPO = Path(__file__).resolve().parents[2]
 RG = "reasoning-gym:basic_arithmetic?size={size}&seed={seed}"
 
 
-def start_and_kill(cmd: list[str], cwd: Path, log: Path, ready: Callable[[], bool], timeout: float,
-                   poll: float = 0.1) -> None:
-    """Run `gkd onpolicy ...` (`cmd`) in a subprocess and SIGKILL it (the driver alone, as a user's kill -9 does) as
-    soon as `ready()` holds; it must still be running then (its log is shown otherwise). No process it started may
-    survive it (pipeline/lifetime.py): its engine, loader and stage processes die with it."""
+def start_and_kill(cmd: list[str], cwd: Path, log: Path, pause_at: str) -> None:
+    """Run `gkd onpolicy ...` (`cmd`) in a subprocess with $GKD_PAUSE_AT=`pause_at` (pipeline/pause.py), wait until
+    the driver has stopped itself there (a state, not a clock: it cannot move on while the test looks), and SIGKILL
+    it (the driver alone, as a user's kill -9 does). What the kill point left on disk is exactly that point's, however
+    busy the machine. No process it started may survive it (pipeline/lifetime.py): its engine, loader and stage
+    processes die with it. The driver's log is shown when it ends before its pause point."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
-                                stderr=subprocess.STDOUT)
-        below: dict[int, int] = {}
+        proc = killing.start(cmd, pause_at, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                             stderr=subprocess.STDOUT)
         try:
-            deadline = time.time() + timeout
-            while proc.poll() is None and time.time() < deadline and not ready():
-                below.update(descendants(proc.pid))
-                time.sleep(poll)
-            assert proc.poll() is None, log.read_text()[-3000:]
-            below.update(descendants(proc.pid))  # the moment of the kill: orphans cannot be found by parent later
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=60)
+            try:
+                stopped = killing.wait_stopped(proc)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{log.read_text()[-3000:]}") from None
+            # the driver itself (its stage subprocesses reach no driver point), not one of its children
+            assert stopped == proc.pid, (stopped, proc.pid)
+            below = descendants(proc.pid)  # while it is stopped: orphans cannot be found by parent later
+            killing.kill(proc)
         finally:
             if proc.poll() is None:
                 proc.kill()
-    left = survivors(below)
+                proc.wait()
+    left = survivors(below, wait_s=600)  # a deadline for a hang only: on 2 busy cores an engine dies slowly
     assert not left, f"processes of the killed command survived it: {left} (of {sorted(below)})"
 
 

@@ -108,16 +108,20 @@ def _state(out: Path) -> tuple[int, str] | None:
 
 def test_sigkill_during_train_then_rerun_gives_the_same_weights(full, models, engines, tmp_path):
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides(models, tmp_path).items()]
-    steps = tmp_path / "train" / "metrics.jsonl"
-    # Kill once cycle 1's first optimizer step is logged: mid-train (step 4 and its checkpoint still to come).
+    # Killed right after cycle 1's first optimizer step (step 3; the driver's 3rd train step: cycle 0 made 1 and 2)
+    # is logged: mid-train, step 4 and its checkpoint still to come. The driver stops itself there (GKD_PAUSE_AT).
     start_and_kill([sys.executable, "-m", "pipeline.cli", "onpolicy", *args], REPO, tmp_path / "killed.log",
-                   lambda: steps.exists() and '"step": 3,' in steps.read_text(), timeout=420, poll=0.02)
-    assert _state(tmp_path) in ((1, "train"), (1, "eval"))  # "eval" only if the kill lost the race with step 4
+                   "train-step:3")
+    assert _state(tmp_path) == (1, "train")
+    train = tmp_path / "train"
+    assert [json.loads(x)["step"] for x in (train / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert (train / "latest").read_text().strip() == "step_0000002"  # step 3 is in no checkpoint: redone
     assert '"cycle": 1' not in (tmp_path / "metrics.jsonl").read_text()
     run(_cfg(models, tmp_path), engines)
     assert _same_weights(_final_weights(tmp_path), _final_weights(full))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["cycle"] for m in lines] == [-1, 0, 1]
+    assert [json.loads(x)["step"] for x in (train / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_lmbda0_equals_offpolicy_trainer(models, engines, tmp_path):

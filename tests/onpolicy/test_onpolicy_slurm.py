@@ -241,9 +241,13 @@ def test_driver_killed_then_rerun(models, local_run, slurm_cluster, tmp_path, mo
     out = tmp_path / "run"
     kw = {**SGD, **SLURM, "heldout_prompts": RG.format(size=2, seed=2)}
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides(models, out, **kw).items()]
+    # The driver's 5th state write records cycle 0's train job (1: the setup job, 2: setup done, 3-4: cycle 0's
+    # generate and score jobs; the jobs write no state.json): it stops itself right there (GKD_PAUSE_AT), so the kill
+    # lands after that write and before the driver waits on anything, however busy the machine.
     start_and_kill([sys.executable, "-m", "pipeline", "onpolicy", *args], tmp_path, tmp_path / "killed.log",
-                   lambda: "0:train" in State.load(out).jobs, timeout=600)
+                   "onpolicy-state:5")
     state = State.load(out)
+    assert state.setup_done and sorted(state.jobs) == ["0:generate", "0:score", "0:train", "setup"], state.jobs
     (train,) = state.jobs.pop("0:train")
     assert any(s in ACTIVE for s in task_states(train["id"]).values())  # queued behind generate and score
     state.save(out)
