@@ -47,7 +47,7 @@ class LocalServer:
     same port; `with LocalServer(...) as server:` stops it however the block ends."""
 
     def __init__(self, model_dir: str | Path, log: str | Path, *, name: str, max_logprobs: int, max_model_len: int,
-                 port: int | None = None, ready_s: float = 300.0, env: dict | None = None,
+                 port: int | None = None, ready_s: float = 900.0, env: dict | None = None,
                  tls: tuple[str | Path, str | Path] | None = None, **kw) -> None:
         self.model_dir, self.log, self.name = Path(model_dir), Path(log), name
         self.max_logprobs, self.max_model_len, self.kw = max_logprobs, max_model_len, kw

@@ -218,13 +218,13 @@ def test_generate_samples_with_the_images_and_the_teacher_scores_them(vlm, tmp_p
 
 
 def test_sigkill_mid_run_on_image_rollouts_then_rerun_equals_uninterrupted(vlm, tmp_path):
-    """`gkd score` on image rollouts killed after its first parts landed, rerun: the cache equals an uninterrupted
+    """`gkd score` on image rollouts killed right after its second part landed, rerun: the cache equals an uninterrupted
     run's by key (rows and images), no duplicate keys, no temporary files."""
     import os
-    import signal
     import subprocess
     import sys
-    import time
+
+    import killing
 
     rows = [(f"{q} ({i})", a, im) for i in range(6) for q, a, im in ROWS]  # 48 rows, 3 images
     src = _dataset(tmp_path, rows)
@@ -232,15 +232,12 @@ def test_sigkill_mid_run_on_image_rollouts_then_rerun_equals_uninterrupted(vlm, 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cmd = [sys.executable, "-m", "pipeline", *_score_args(tmp_path / "rollouts", tmp_path / "killed", vlm["teacher"],
                                                           "part_rows=1", "batch_tokens=64")]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = killing.start(cmd, "cache-commit:2", env=env)
     shards = tmp_path / "killed" / "shards"
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list(shards.glob("*.ok"))) < 2 and proc.poll() is None:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killing.wait_stopped(proc)  # stopped itself right after its second commit: the kill lands there exactly
+    killing.kill(proc)
     done_before = len(list(shards.glob("*.ok")))
-    assert 0 < done_before < len(rows), "the kill should land mid-run"
+    assert done_before == 2, done_before
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert cli(_score_args(tmp_path / "rollouts", tmp_path / "clean", vlm["teacher"])) == 0

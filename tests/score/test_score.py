@@ -2,12 +2,11 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import killing
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -258,20 +257,16 @@ def _score_cmd(tmp_path, teacher, cache):
 
 
 def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
-    """Through the real CLI: kill after the first part lands, rerun, compare with an uninterrupted run."""
-    n = 160  # 80 parts of 2 rows: each part is several fsyncs, so even an idle machine cannot finish between polls
+    """Through the real CLI: kill right after the second part lands, rerun, compare with an uninterrupted run."""
+    n = 24  # 12 parts of 2 rows
     _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", [(4, 20)] * n, teacher)
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    proc = subprocess.Popen(_score_cmd(tmp_path, teacher, tmp_path / "killed"), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = killing.start(_score_cmd(tmp_path, teacher, tmp_path / "killed"), "cache-commit:2", env=env)
     shards = tmp_path / "killed" / "shards"
-    deadline = time.time() + 240
-    while time.time() < deadline and len(list(shards.glob("*.ok"))) < 2:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killing.wait_stopped(proc)  # stopped itself right after its second commit: the kill lands there exactly
+    killing.kill(proc)  # the command alone, as a user's kill -9 (its engine dies with it: pipeline/lifetime.py)
     done_before = len(list(shards.glob("*.ok")))
-    assert 0 < done_before < n // 2, "the kill should land mid-run"
+    assert done_before == 2, done_before
     for cache in ("killed", "clean"):
         out = subprocess.run(_score_cmd(tmp_path, teacher, tmp_path / cache), env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
@@ -383,7 +378,7 @@ def test_two_score_jobs_on_one_cache(tmp_path, teacher, llm):
 
     from pipeline.store.locks import LockHeldError
 
-    n = 120  # 60 parts of 2 rows: A is still writing when B has finished
+    n = 40  # 20 parts of 2 rows
     rows_a = _rollouts(tmp_path / "A" / "r-00000-of-00001.parquet", [(4, 20)] * n, teacher)
     write_rollouts(tmp_path / "B" / "r-00000-of-00001.parquet", rows_a[n // 2 :] + [
         rollout_row(prompt_id=f"b{i}", prompt_ids=[5, 6, 7], completion_ids=[8 + i] * 10, source="dataset")
@@ -392,21 +387,20 @@ def test_two_score_jobs_on_one_cache(tmp_path, teacher, llm):
     cmd = _score_cmd(tmp_path, teacher, cache)
     cmd[cmd.index("--rollouts") + 1] = str(tmp_path / "A")
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A stops itself after its first commit (its task lock held, the commit lock free): B runs while A is mid-run
+    proc = killing.start(cmd, "cache-commit:1", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not list((cache / "shards").glob("*.ok")):
-            time.sleep(0.02)
-        assert proc.poll() is None, "job A ended before the test could overlap it"
+        killing.wait_stopped(proc)
         with pytest.raises(LockHeldError, match=f"held by pid {proc.pid} on host {socket.gethostname()}"):
             score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "A")), llm=llm)
         b = score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "B"), part_rows=2), llm=llm)
         assert proc.poll() is None, "job A ended before job B: the writers did not overlap"
-        out, err = proc.communicate(timeout=300)
+        killing.resume(proc)
+        out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
-    assert b["scored"] > 6  # B scored shared rows A had not reached yet ...
+    assert b["scored"] == n // 2 + 6  # B scored the shared rows A had not reached yet ...
     done = [json.loads(p.read_text()) for p in (cache / "tasks").glob("*.done")]
     assert sum(d["skipped"].get("cached_meanwhile", 0) for d in done) > 0, done  # ... and A left them out when it got there
     keys = [k for p in TeacherCache.open(cache).shard_paths() for k in pq.read_table(p, columns=["key"])["key"].to_pylist()]

@@ -293,13 +293,23 @@ def test_the_key_is_sent_as_a_bearer_token_and_never_written_or_printed(tmp_path
     assert _traces_of_the_key(tmp_path) == [str(tmp_path / "planted.txt")]
 
 
-def test_server_killed_mid_run_then_restarted_rerun_completes_without_duplicates(tmp_path, teacher, server):
+def test_server_killed_mid_run_then_restarted_rerun_completes_without_duplicates(tmp_path, teacher, server, monkeypatch):
     rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", teacher, [(6, 20)] * 40, seed=2)
     srv = server.use(teacher)
     # one request at a time, two rows per part: the kill lands after a few parts, long before the end
     cfg = _cfg(tmp_path, teacher, part_rows=2, **_served(srv, served_concurrency=1, served_inflight_tokens=32,
                                                           served_retries=1))
     failure: list[BaseException] = []
+    # A pause the test controls: the scorer's first commit lands, then its writer waits until the server is down
+    # (a poll for the first part raced the scorer on a loaded machine, in both directions)
+    landed, go, commit = threading.Event(), threading.Event(), TeacherCache.add_rows
+
+    def add_rows(self, *args, **kwargs):
+        out = commit(self, *args, **kwargs)
+        if not landed.is_set():
+            landed.set()
+            assert go.wait(600)
+        return out
 
     def run():
         try:
@@ -307,15 +317,15 @@ def test_server_killed_mid_run_then_restarted_rerun_completes_without_duplicates
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             failure.append(e)
 
+    monkeypatch.setattr(TeacherCache, "add_rows", add_rows)
     worker = threading.Thread(target=run)
     worker.start()
-    shards = tmp_path / "cache" / "shards"
-    deadline = time.monotonic() + 60
-    while not list(shards.glob("*.parquet.ok")) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert landed.wait(600), failure  # the first part is in the cache
     srv.stop()  # SIGTERM to the whole process group while requests are in flight
-    worker.join(60)
+    go.set()
+    worker.join(600)
     assert not worker.is_alive()
+    monkeypatch.undo()
     assert failure and isinstance(failure[0], ServedTeacherError), failure
     assert "no answer after 2 attempts" in str(failure[0]) and "Rerun when it is" in str(failure[0])
     done_before = len(TeacherCache.open(tmp_path / "cache").keys())
