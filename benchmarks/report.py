@@ -35,7 +35,8 @@ SECTIONS = {  # name -> heading, in file order
     "interop": "Cache export and import (issue #36: a cache every tool reads)",
     "loss": "GKD loss (issue: train stage)",
     "train": "Trainer (issue: train stage)",
-    "gpu": "Train step on a GPU: fused vs unfused output layer + loss, bf16, 0.5B student (benchmarks/gpu_bench.py)",
+    "gpu": "Train step on a GPU: fused vs unfused output layer + loss, MFU, Qwen3.5 with and without FLA, the CUDA tests "
+           "(benchmarks/gpu_check.py, gpu_bench.py)",
     "hf": "Transformers student backend vs Megatron-Core, Qwen3.5 (issue #30: any student)",
     "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
     "baselines": "Cache vs live teacher: step time and break-even (issue: honest baselines)",
