@@ -162,7 +162,7 @@ def kill_points(name: str, s: dict, work: Path, points: int, seed: int) -> dict:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 killed += 1
-                stayed = survivors(below, wait_s=30)  # (then killed, so that the next start is not slowed)
+                stayed = survivors(below, wait_s=120)  # (then killed, so that the next start is not slowed)
                 left, seen = left + len(stayed), seen + len(below)
                 if stayed:
                     bad.append(f"after the kill at {delay:.2f} s: {len(stayed)} process(es) of it still alive")

@@ -14,6 +14,8 @@ the first; several comma-separated):
 - `cache-commit`: a scored shard is published in a teacher cache (shard, marker, index line) and the cache's commit
   lock is released again (pipeline/store/cache.py), so a stopped writer holds up no other writer.
 - `rollout-shard`: a rollout shard and its marker are written (pipeline/store/rollouts.py): a generate or import part.
+- `shard-temporary`: a shard's data is fsynced in its temporary file, not yet renamed (pipeline/store/shards.py): a
+  kill here leaves the temporary that the next writer of that shard removes.
 - `checkpoint`: a training checkpoint is complete, its marker written (pipeline/train/checkpoint.py).
 - `train-step`: an optimizer step is done and rank 0 has flushed its metrics.jsonl line, before that step's
   checkpoint if it has one (pipeline/train/trainer.py): a kill here lands mid-run, between two checkpoints.
@@ -27,7 +29,7 @@ import signal
 from collections import Counter
 
 ENV = "GKD_PAUSE_AT"
-POINTS = ("cache-commit", "rollout-shard", "checkpoint", "train-step", "onpolicy-state")
+POINTS = ("cache-commit", "rollout-shard", "shard-temporary", "checkpoint", "train-step", "onpolicy-state")
 
 _reached: Counter[str] = Counter()
 

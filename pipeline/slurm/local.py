@@ -150,7 +150,7 @@ class LocalSlurm:
             )
         )
 
-    def start(self, timeout: float = 60) -> None:
+    def start(self, timeout: float = 300) -> None:
         """Write the config, start the three daemons, wait until the node is idle."""
         ensure_installed()
         if self.running():
@@ -174,7 +174,7 @@ class LocalSlurm:
                 self.stop()
                 raise SlurmUnavailable(f"{cmd[0]} failed to start: {(res.stderr or res.stdout).strip()[-500:]}")
             name = cmd[0]
-            if not _wait(lambda name=name: _read_pid(pids[name]) is not None, 10):
+            if not _wait(lambda name=name: _read_pid(pids[name]) is not None, 120):  # generous: a loaded machine
                 self.stop()
                 raise SlurmUnavailable(f"{name} wrote no pid file; see {r / 'log'}")
         if not _wait(lambda: self.node_state() == "idle", timeout):
@@ -190,7 +190,7 @@ class LocalSlurm:
     def running(self) -> list[str]:
         return [name for name, p in self.pid_files().items() if _alive(_read_pid(p))]
 
-    def stop(self, timeout: float = 15) -> None:
+    def stop(self, timeout: float = 60) -> None:
         """Stop the daemons whose pid files are under root (and only those): slurmd, slurmctld, then munged.
         Job processes still running on the node are killed by slurmd on shutdown."""
         for path in self.pid_files().values():

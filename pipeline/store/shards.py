@@ -29,6 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import pause
 from pipeline.errors import UserError
 from pipeline.store.schema import SchemaError, check_arrow_schema, load_schema
 
@@ -227,6 +228,7 @@ def write_shard(
         schema=schema.tag.decode(),
         extra=dict(extra or {}),
     )
+    pause.point("shard-temporary")  # the data is in the temporary, not yet renamed (kill tests of this function)
     try:
         os.replace(tmp, path)
         _fsync_dir(path.parent)

@@ -151,7 +151,8 @@ def test_cli_end_to_end_and_rerun_is_a_no_op(tiny_student, prompts_file, tmp_pat
     """The real `gkd generate` in a fresh process (a second engine in this one would share vLLM's globals). While
     it runs, a second `gkd generate` of the same task and output is refused at once, naming the first."""
     import socket
-    import time
+
+    import killing
 
     from pipeline.generate.run import main as generate_main
 
@@ -159,26 +160,30 @@ def test_cli_end_to_end_and_rerun_is_a_no_op(tiny_student, prompts_file, tmp_pat
            str(tiny_student), "--out", str(tmp_path), "--n", "1", "--max-tokens", "4", "--shard", "1",
            "--num-shards", "2", "kv_cache_gib=0.25", "enforce_eager=true", "max_model_len=256"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    # it stops itself right after writing its shard, its task lock still held (the lock is released after the marker)
+    proc = killing.start(cmd, "rollout-shard:1", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=ROOT)
     lock = tmp_path / ".rollouts-00001-of-00002.parquet.lock"
-    deadline = time.time() + 120
-    while time.time() < deadline and f'"pid": {proc.pid}' not in (lock.read_text() if lock.exists() else ""):
-        time.sleep(0.01)
-    assert generate_main(cmd[4:]) == 2  # the lock is held from before the engine starts to the shard's marker
+    try:
+        killing.wait_stopped(proc)
+        assert f'"pid": {proc.pid}' in lock.read_text()
+        assert generate_main(cmd[4:]) == 2  # the lock is held from before the engine starts to the shard's marker
+    finally:
+        killing.resume(proc)
     err = capsys.readouterr().err
     assert f"held by pid {proc.pid} on host {socket.gethostname()}" in err and "gkd generate task 1/2" in err, err
-    stdout, stderr = proc.communicate(timeout=240)
+    stdout, stderr = proc.communicate(timeout=600)
     out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not lock.exists()
     assert "prompts" in out.stdout and "tok/s" in out.stdout and "finish" in out.stdout
     assert (tmp_path / "rollouts-00001-of-00002.parquet.ok").exists()
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert again.returncode == 0 and "nothing to do" in again.stdout
     # Quiet by default (pipeline/logs.py): none of vLLM's INFO lines, nor its CPU notices; all of them with --verbose.
     assert not VLLM_INFO.search(out.stdout + out.stderr), (out.stdout + out.stderr)[-3000:]
     assert "Transformer Engine" not in out.stderr and "libtcmalloc" not in out.stderr
     loud = subprocess.run([*cmd[:-7], "--shard", "0", *cmd[-5:], "--verbose"], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT, env=env)
+                          timeout=600, cwd=ROOT, env=env)
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert VLLM_INFO.search(loud.stdout + loud.stderr), "--verbose must show vLLM's INFO lines"
