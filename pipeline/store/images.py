@@ -118,6 +118,17 @@ def remove_stale_temporaries(root: str | Path) -> int:
         os.close(fd)
 
 
+def stored(root: str | Path) -> bool:
+    """Whether `root/images/` holds an image (a dot-named temporary does not count): what says, without reading a
+    shard, that a rollout folder or a cache may hold image rows (`gkd score` copies an image in before the part that
+    names it is published, so a cache with image rows always has one; the rows confirm it, train/sources.py)."""
+    try:
+        with os.scandir(image_dir(root)) as entries:
+            return any(not e.name.startswith(".") for e in entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def read(root: str | Path, digest: str, *, sample: str = "") -> bytes:
     """The bytes of image `digest` from `root/images/`, checked against their name."""
     path = image_dir(root) / digest

@@ -13,7 +13,8 @@ Sequences longer than `seq_length` are truncated: tokens x_j with j >= seq_lengt
 the resume position do not depend on seq_length). Truncated samples are counted (`MicroBatch.truncated`).
 
 Micro-batches, two layouts (`packing`):
-- **packed** (the trainer's default): a micro-batch is `micro_batch_size` rows of `seq_length` tokens, a token
+- **packed** (`packing: true`, or auto where the student keeps samples apart; never rows with images, refused by
+  name): a micro-batch is `micro_batch_size` rows of `seq_length` tokens, a token
   budget; a step's rows hold the longest run of samples from its start position that `packing.pack` fits into
   them (first-fit, repacked first-fit-decreasing when a sample fits nowhere; lengths only, see packing.py).
   `doc_ids` numbers the samples of each row (-1 = padding) and the trainer turns it into per-sample attention
@@ -280,7 +281,9 @@ class ScoredLoader:
         end, row_of, offsets = self.plan(start)
         sel = np.flatnonzero(row_of // self.B == q)
         rows = self.sample_rows(start, len(row_of))[sel]
-        mb = assemble(self.reader.fetch(rows), row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
+        fetched = self.reader.fetch(rows)
+        _refuse_packed_images(fetched)
+        mb = assemble(fetched, row_of[sel] % self.B, offsets[sel], self.lengths[rows], rows=self.B,
                       seq_length=self.S, k=self.k, pad_id=self.pad_id, packed=True, round_end=end)
         return self._with_xtok(mb)
 
@@ -299,10 +302,9 @@ class ScoredLoader:
         mb = assemble(fetched, row_of, offsets, self.lengths[rows], rows=self.B, seq_length=self.S,
                       k=self.k, pad_id=self.pad_id, packed=self.packing, round_end=round_end)
         mb = self._with_xtok(mb)
-        if any(block.images is not None for block, _ in fetched):
-            if self.packing:
-                raise ShardError(f"{fetched[0][0].root}: rows with images cannot be packed (a vision-language "
-                                 "student computes its own positions per row); train with packing=false")
+        if self.packing:
+            _refuse_packed_images(fetched)
+        elif any(block.images is not None for block, _ in fetched):
             mb.images = [[(block.root, h) for h in (block.images[r] if block.images is not None else None) or ()]
                          for block, r in fetched]
         return mb
@@ -336,3 +338,12 @@ class ScoredLoader:
 
         it = packed() if self.packing else padded()
         return it if prefetch <= 0 else prefetched(it, prefetch)
+
+
+def _refuse_packed_images(fetched) -> None:
+    """Packed micro-batches carry no images: rows with images are refused by name, never laid out without them (the
+    trainer pads image caches before it gets here, trainer.plan_packing)."""
+    for block, r in fetched:
+        if block.images is not None and block.images[r]:
+            raise ShardError(f"{block.root}: rows with images cannot be packed (a vision-language student computes "
+                             "its own positions per row); train with packing=false (or packing=auto)")

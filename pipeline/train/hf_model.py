@@ -17,7 +17,8 @@ What the backend does and why:
   attention as it is. Layers that are not attention (Qwen3.5's / Qwen3-Next's Gated DeltaNet `linear_attention`,
   Mamba) carry a recurrent state across the row: transformers' pure-PyTorch DeltaNet fallback
   (`torch_chunk_gated_delta_rule`) has no sequence-boundary input, so packing is refused for them, naming the layer
-  type; every other model is checked on a probe (two samples packed == each alone) before training.
+  type; every other model is checked on a probe (two samples packed == each alone) before training
+  (`packing_refusal`). `packing: auto` pads where packing=true would be refused.
 - LoRA through peft (`lora.*` keys as for Megatron; Megatron's layer names map to the HF modules they come from,
   `all-linear` is peft's own); the adapter is what checkpoints and `gkd export --adapter-only` hold.
 - bf16: fp32 weights (the optimizer's master copy) with the body under `torch.autocast(bfloat16)`; the output layer
@@ -37,7 +38,7 @@ What the backend does and why:
   loaded with AutoModelForImageTextToText beside their processor. A micro-batch's images (`MicroBatch.images`) go
   through the student's processor (`vision_inputs`: pixel values and the family's grid sizes), and each image's
   expansion must equal the placeholder run the rows hold (refused naming the sample otherwise). The model computes
-  its own positions (Qwen's 3-D M-RoPE), so rows are padded, not packed (packing is refused). The loss runs on text
+  its own positions (Qwen's 3-D M-RoPE), so rows are padded, not packed (packing=true is refused, auto pads). The loss runs on text
   positions only: images sit in prompts. The vision tower is frozen; LoRA adapts the language model, and the
   connector too where `lora.targets` names `connector`.
 """
@@ -133,7 +134,8 @@ def vision_inputs(student: HFStudent, input_ids: Tensor, images: list[list[tuple
         if images and any(images):
             raise ConfigError(f"the cache rows of {next(iter(keys), '?')} carry images, but the student is a "
                               "text-only model: it would see placeholders without pixels; train a vision-language "
-                              "student on this cache")
+                              "student on this cache (the trainer refuses this before the model is built: "
+                              "trainer.check_images)")
         return {}
     if not images or not any(images):
         return {}
@@ -239,28 +241,42 @@ def _vision_lora_targets(targets: Sequence[str], lm: nn.Module) -> list[str]:
     return out
 
 
+def is_vision(hf_dir: str | Path) -> bool:
+    """Whether an HF folder holds a vision-language model (its config.json has a `vision_config`)."""
+    return bool(json.loads((Path(hf_dir) / "config.json").read_text()).get("vision_config"))
+
+
 def build(hf_dir: str | Path, *, lora: tuple[int, float, Sequence[str]] | None = None, seed: int = 0,
-          fused_loss: bool = True, packing: bool = False, precision: str = "fp32", attention: str = "sdpa",
+          fused_loss: bool = True, packing: bool | str = False, precision: str = "fp32", attention: str = "sdpa",
           recompute: str = "none", trainable: bool = True) -> HFStudent:
     """The student (or, with `trainable=False`, a frozen live teacher) from an HF folder, in float32 weights;
     `lora` = (rank, alpha, targets). Refuses, before training, what this backend would compute wrongly: a fused
-    output layer where the logits are not `hidden · Wᵀ`, packing across layers that do not keep samples apart."""
+    output layer where the logits are not `hidden · Wᵀ`, packing across layers that do not keep samples apart.
+    `packing="auto"`: packed where the model keeps packed samples apart (`packing_refusal` finds nothing), padded
+    otherwise; the result says which and why (`HFStudent.packing`, `.packing_why`)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
     attn = {"sdpa": "sdpa", "local": "eager"}[attention]
-    vision = bool(json.loads((Path(hf_dir) / "config.json").read_text()).get("vision_config"))
+    vision = is_vision(hf_dir)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     lm = auto.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation=attn)
     processor = AutoProcessor.from_pretrained(str(hf_dir)) if vision else None
-    if vision and packing:
+    why = "packing=true" if packing is True else "packing=false"
+    if vision and packing and packing != "auto":
         raise ConfigError(f"{Path(hf_dir) / 'config.json'}: packing=true, but this is a vision-language model "
                           f"({lm.config.model_type}), which computes its own positions per row from the image grids "
-                          "(M-RoPE); set packing=false")
+                          "(M-RoPE); set packing=false (or packing=auto, which pads its rows)")
     if vision:
         for name, p in lm.named_parameters():  # the vision tower (and connector) stay frozen in full fine-tuning
             if any(f".{m}." in f".{name}" for m in VISION_MODULES):
                 p.requires_grad_(False)
-    if packing:
+    if packing == "auto":
+        reason = (f"this is a vision-language model ({lm.config.model_type}), which computes its own positions per "
+                  "row from the image grids (M-RoPE)") if vision else packing_refusal(lm)
+        packing = reason is None
+        why = ("auto: packed, this model keeps packed samples apart (probe: two samples packed == each alone)"
+               if packing else f"auto: padded rows, {reason}")
+    elif packing:
         check_packing(lm, hf_dir)
     if fused_loss:
         check_fused(lm, hf_dir)
@@ -279,6 +295,7 @@ def build(hf_dir: str | Path, *, lora: tuple[int, float, Sequence[str]] | None =
         if lora is not None:
             lm.enable_input_require_grads()  # checkpointed layers need an input that requires grad (frozen base)
     student = HFStudent(lm, logits=not fused_loss, lora_spec=spec, precision=precision, processor=processor)
+    student.packing, student.packing_why = bool(packing), why
     if not trainable:
         student.requires_grad_(False)
         return student.eval()
@@ -289,16 +306,15 @@ def _probe_ids(vocab: int, n: int, generator: torch.Generator) -> Tensor:
     return torch.randint(0, vocab, (1, n), generator=generator)
 
 
-def check_packing(lm: nn.Module, hf_dir: str | Path) -> None:
-    """Refuse packing where a layer cannot keep a row's samples apart: non-attention layer types by name, anything
-    else by a probe (two samples packed in one row against each alone, in eval mode)."""
+def packing_refusal(lm: nn.Module) -> str | None:
+    """Why a row's packed samples would not stay apart in this model (None: they do): non-attention layer types by
+    name, anything else by a probe (two samples packed in one row against each alone, in eval mode)."""
     types = list(getattr(lm.config, "layer_types", None) or [])
     other = sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
     if other:
-        raise ConfigError(
-            f"{Path(hf_dir) / 'config.json'}: packing=true, but layer_types has {', '.join(other)} "
-            f"({sum(t in other for t in types)} of {len(types)} layers), which carries state from one sample of a "
-            "packed row into the next (transformers' fallback kernel has no sequence boundaries); set packing=false")
+        return (f"layer_types has {', '.join(other)} ({sum(t in other for t in types)} of {len(types)} layers), which "
+                "carries state from one sample of a packed row into the next (transformers' fallback kernel has no "
+                "sequence boundaries)")
     g = torch.Generator().manual_seed(_PROBE_SEED)
     docs = [_probe_ids(vocab_size(lm.config), n, g) for n in _PROBE_LENGTHS]
     row = torch.cat(docs, dim=1)
@@ -312,9 +328,16 @@ def check_packing(lm: nn.Module, hf_dir: str | Path) -> None:
     lm.train(was_training)
     gap = float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-30))
     if gap > _PROBE_RTOL:
-        raise ConfigError(f"{Path(hf_dir) / 'config.json'}: packing=true, but this {lm.config.model_type} model "
-                          f"gives two samples packed in one row other logits than each alone (max gap {gap:.1e} of "
-                          "the logits' scale); it does not keep packed samples apart: set packing=false")
+        return (f"this {lm.config.model_type} model gives two samples packed in one row other logits than each alone "
+                f"(max gap {gap:.1e} of the logits' scale): it does not keep packed samples apart")
+    return None
+
+
+def check_packing(lm: nn.Module, hf_dir: str | Path) -> None:
+    """Refuse packing=true where the model cannot keep a row's samples apart (`packing_refusal`)."""
+    if (reason := packing_refusal(lm)) is not None:
+        raise ConfigError(f"{Path(hf_dir) / 'config.json'}: packing=true, but {reason}; set packing=false (or "
+                          "packing=auto, which pads such a model's rows)")
 
 
 def check_fused(lm: nn.Module, hf_dir: str | Path) -> None:

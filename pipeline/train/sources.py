@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.errors import InputError, MissingInputError, UserError
+from pipeline.store import images
 from pipeline.store.cache import DESCRIPTOR, SHARDS, Descriptor, TeacherCache, cache_root
 from pipeline.store.index import CacheIndex
 from pipeline.store.rollouts import rollout_shards, tokenizer_mismatches
@@ -85,6 +86,27 @@ def student_lengths(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ShardError(f"{path}: cannot read its cross-tokenizer columns ({e})") from e
     first = t.column("student_first").to_numpy().astype(np.int64)
     return pc.list_value_length(t.column("student_ids")).to_numpy().astype(np.int64) - first, first
+
+
+def image_rows(resolved: Sequence[Source]) -> Path | None:
+    """The first cache root (or rollout shard) of `resolved` whose rows carry images, else None. A cache (or rollout
+    folder) without a stored image (`images.stored`: one listing) has none; one with stored images is confirmed on
+    its shards' `images` column, stopping at the first shard that names one (no descriptor field: caches written
+    before this check are read the same way, and a text-only cache is not touched)."""
+    for src in resolved:
+        if not images.stored(src.root):
+            continue
+        for path in src.shard_paths():
+            try:
+                pf = pq.ParquetFile(path)
+                if "images" not in pf.schema_arrow.names:
+                    continue
+                column = pf.read(columns=["images"]).column(0)
+            except (pa.ArrowException, OSError) as e:
+                raise ShardError(f"{path}: cannot read its images column ({e})") from e
+            if column.null_count < len(column) and pc.sum(pc.list_value_length(column)).as_py():
+                return src.root if src.descriptor is not None else path
+    return None
 
 
 def resolve_rollouts(sources: Sequence[str | Path], tokenizer_fingerprint: str | None) -> list[Source]:

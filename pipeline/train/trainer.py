@@ -46,7 +46,8 @@ from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, outp
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.lora import LoRASpec, apply_lora, resolve_targets
 from pipeline.train.loss import gkd_loss, loss_arg_problems, opd_loss, vocab_parallel_ce
-from pipeline.train.sources import TokenizerMismatchError, resolve_sources
+from pipeline.train.sources import TokenizerMismatchError, resolve_rollouts, resolve_sources
+from pipeline.train.sources import image_rows as source_images
 from pipeline.train.xtok_loss import fused_xtok_loss, gold_weights
 
 
@@ -76,8 +77,10 @@ class TrainConfig:
     global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
     seq_length: int = 512  # longer samples are truncated (tokens past it and their teacher rows dropped)
     # Pack several samples per row of seq_length tokens, each attending only to itself (pipeline/train/packing.py);
-    # false: one sample per row, padded to the micro-batch's longest.
-    packing: bool = True
+    # false: one sample per row, padded to the micro-batch's longest. auto: packed where the student keeps packed
+    # samples apart (Megatron-Core always; the hf backend by hf_model.packing_refusal), padded otherwise and for image
+    # caches; the first log lines and trainer.json (`packing`, `packing_why`) say which (`plan_packing`).
+    packing: bool | str = "auto"
     train_steps: int = 100
     lr: float = 1.0e-4
     min_lr: float = 1.0e-5
@@ -242,6 +245,8 @@ class TrainConfig:
                      "use_distributed_optimizer=false")
         if self.lora_rank < 0:
             p.append("lora_rank must be >= 0 (0: train all weights)")
+        if self.packing not in (True, False, "auto"):
+            p.append(f"packing must be true, false or auto, got {self.packing!r}")
         if self.backend not in BACKENDS:
             p.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.lora_rank > 0:
@@ -305,14 +310,17 @@ def optimizer_state_bytes(optimizer, model) -> int:
     return total
 
 
-def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | None = None):
+def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | None = None,
+                              packing: bool | str | None = None):
     """(model, its data-parallel wrapper, optimizer, LR scheduler) of the student on `backend` (None: resolved from
     cfg.backend). megatron: GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR
-    scheduler; hf: the transformers model (hf_model.HFStudent) in torch DDP, the same update rule and schedule."""
+    scheduler; hf: the transformers model (hf_model.HFStudent) in torch DDP, the same update rule and schedule.
+    `packing` (None: cfg.packing): "auto" lets the hf backend's build decide (`HFStudent.packing`)."""
     backend = backend or resolve_backend(hf_dir, cfg.backend, cfg.seq_length)[0]
+    packing = cfg.packing if packing is None else packing
     if backend == "hf":
         lora = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) if cfg.lora_rank else None
-        student = hf_model.build(hf_dir, lora=lora, seed=cfg.seed, fused_loss=cfg.fused_loss, packing=cfg.packing,
+        student = hf_model.build(hf_dir, lora=lora, seed=cfg.seed, fused_loss=cfg.fused_loss, packing=packing,
                                  precision=cfg.precision(), attention=cfg.attention, recompute=cfg.recompute)
         wrapped = hf_model.wrap_data_parallel(student, fsdp=cfg.fsdp)  # FSDP shards in place: before the optimizer
         optimizer, scheduler = hf_model.optimizer_and_scheduler(student, cfg)
@@ -363,7 +371,8 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     return model, ddp, optimizer, scheduler
 
 
-def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = "megatron"):
+def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = "megatron",
+                       packing: bool | None = None):
     """The frozen teacher of `teacher_live` on the student's backend, with its TP split and precision: HF weights,
     eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
     output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights, except with
@@ -379,7 +388,8 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
         raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
                                      f"{student_tokenizer}; teacher ids would index the wrong tokens")
     if backend == "hf":
-        return hf_model.build(teacher_dir, packing=cfg.packing, precision=cfg.precision(), attention=cfg.attention,
+        return hf_model.build(teacher_dir, packing=bool(cfg.packing) if packing is None else packing,
+                              precision=cfg.precision(), attention=cfg.attention,
                               trainable=False)
     dtype = torch.bfloat16 if cfg.precision() == "bf16" else torch.float32
     teacher = build_model(teacher_dir, params_dtype=dtype, attention=cfg.attention)
@@ -508,8 +518,9 @@ def model_inputs(batch, cfg: TrainConfig, model) -> dict:
     from pipeline.train.attention import attention_inputs
 
     if batch.images and any(batch.images):
-        raise ConfigError(f"the cache rows of {batch.keys[0]} carry images: a vision-language student trains on the "
-                          "transformers backend (backend=hf or auto), the Megatron backend is text-only")
+        raise ConfigError(f"the cache rows of {batch.keys[0]} carry images, but the Megatron backend's students are "
+                          "text-only; train a vision-language student on this cache (backend=auto puts it on the hf "
+                          "backend)")
     return {"position_ids": batch.position_ids, **attention_inputs(batch.doc_ids, batch.packed, cfg.attention)}
 
 
@@ -735,18 +746,63 @@ def train(cfg: TrainConfig) -> dict:
             resolve_targets(cfg.lora_targets)
         except ValueError as e:
             raise ConfigError(f"{e} (backend=hf takes any linear layer's name)") from e
+    images_at = image_rows(cfg)  # one listing per cache without images; before the model is built
+    check_images(hf_dir, images_at)
+    packing, packing_why = plan_packing(cfg, backend, images_at, hf_dir)
     resume = checkpoint.latest(cfg.save_dir)
     if resume is not None and backend == "megatron":  # before any process group: a layout it cannot load into
         checkpoint.check_optimizer_layout(resume, checkpoint.read_meta(resume), cfg.use_distributed_optimizer,
                                           cfg.tensor_model_parallel_size)
     init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed, cp=cfg.context_parallel_size)
     try:
-        return _train(cfg, backend, why)
+        return _train(cfg, backend, why, packing, packing_why)
     finally:
         destroy_distributed()
 
 
-def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
+def image_rows(cfg: TrainConfig) -> Path | None:
+    """The first cache (or, with a live teacher, rollout shard) of this run whose rows carry images (None: none)."""
+    if cfg.teacher_live is not None:
+        return source_images(resolve_rollouts(cfg.rollouts, None))
+    return source_images(resolve_sources([*cfg.cache, *cfg.teachers.values()], indexed=True))
+
+
+def check_images(hf_dir: Path, images_at: Path | None) -> None:
+    """Refuse, before the model is built, a text-only student given rows with images: it would train on their
+    placeholder tokens without the pixels (on either backend, packed or not)."""
+    if images_at is None or hf_model.is_vision(hf_dir):
+        return
+    model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type", "?")
+    raise ConfigError(
+        f"{images_at}: its rows carry images, but the student {hf_dir} is a text-only model ({model_type}): it would "
+        "train on the images' placeholder tokens without their pixels. Train a vision-language student on it (a "
+        "config.json with vision_config, e.g. Qwen2-VL, Qwen2.5-VL, Qwen3.5; backend=auto puts it on the hf "
+        "backend), or score text-only rollouts into another cache for this student")
+
+
+def plan_packing(cfg: TrainConfig, backend: str, images_at: Path | None, hf_dir: Path) -> tuple[bool | str, str]:
+    """(packing, why) before the model is built: true and false as set (a true the model cannot honour is refused
+    by the model's build, `hf_model.check_packing`); auto: padded for rows with images (a vision-language student
+    computes its own positions per row), packed on Megatron-Core (its attention keeps packed samples apart), and
+    "auto" left to the hf backend's build, which packs where `hf_model.packing_refusal` finds nothing."""
+    if images_at is not None:
+        if cfg.packing is True:
+            model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type", "?")
+            raise ConfigError(f"{images_at}: packing=true, but its rows carry images and the student {hf_dir} is a "
+                              f"vision-language model ({model_type}), which computes its own positions per row from "
+                              "the image grids (M-RoPE); set packing=false (or packing=auto, which pads them)")
+        return False, (f"packing=false: {images_at}'s rows carry images" if cfg.packing is False else
+                       f"auto: padded rows, {images_at}'s rows carry images (a vision-language student computes its "
+                       "own positions per row)")
+    if cfg.packing != "auto":
+        return bool(cfg.packing), f"packing={str(bool(cfg.packing)).lower()}"
+    if backend == "megatron":
+        return True, "auto: packed, Megatron-Core keeps packed samples apart (document spans or the block mask)"
+    return "auto", "auto: decided by the hf backend's probe"
+
+
+def _train(cfg: TrainConfig, backend: str, why: str, packing: bool | str = True,
+           packing_why: str = "packing=true") -> dict:
     """setup -> steps -> checkpoints, inside an initialised process group."""
     from megatron.core import parallel_state
     from transformers import AutoTokenizer
@@ -769,13 +825,18 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
         xt = live_xtok_setup(cfg, hf_dir, tokenizer)
     if rank == 0:
         print(f"[train] backend={backend}: {why}", file=sys.stderr)
-    model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir, backend)
-    teacher = setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer), backend) if cfg.teacher_live else None
+    model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, hf_dir, backend, packing)
+    if packing == "auto":  # the hf backend's build decided
+        packing, packing_why = model.packing, model.packing_why
+    if rank == 0:
+        print(f"[train] packing={'on' if packing else 'off'}: {packing_why}", file=sys.stderr)
+    teacher = (setup_live_teacher(cfg, tokenizer_fingerprint(tokenizer), backend, packing) if cfg.teacher_live
+               else None)
     loader = ScoredLoader(
         cfg.rollouts if teacher is not None else cfg.cache, micro_batch_size=cfg.micro_batch_size,
         seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id, dp_rank=dp_rank, dp_size=dp,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
-        window_rows=cfg.window_rows, packing=cfg.packing, rows_per_step=cfg.global_batch_size,
+        window_rows=cfg.window_rows, packing=packing, rows_per_step=cfg.global_batch_size,
         live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
         routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
         xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in ("uld", "gold") and xt is None else None, live_xtok=xt,
@@ -830,7 +891,7 @@ def _train(cfg: TrainConfig, backend: str, why: str) -> dict:
                     "data_position": position, "data_fingerprint": loader.fingerprint,
                     "data_shards": loader.shards.paths(),
                     "scheduler": scheduler.state_dict(), "config": to_dict(cfg), "student": str(hf_dir.resolve()),
-                    "backend": backend,
+                    "backend": backend, "packing": packing, "packing_why": packing_why,
                 })
             if done:
                 break

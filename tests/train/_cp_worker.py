@@ -109,7 +109,7 @@ def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> 
         if cfg.lora_rank:
             _random_adapter(model, cfg, tp)
         it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=32, seed=cfg.seed,
-                          packing=cfg.packing).iter_from(0, prefetch=0)
+                          packing=True).iter_from(0, prefetch=0)
         micro = [next(it) for _ in range(2)]
         counts, reports, _, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size)
         from megatron.core import parallel_state

@@ -44,7 +44,7 @@ def _metrics(save_dir: Path) -> list[dict]:
 
 def test_shipped_config_loads_and_unknown_keys_fail():
     cfg = load_config(TrainConfig, DEFAULT_CONFIG)
-    assert cfg.topk_mode == "tail" and cfg.seq_length == 512 and cfg.packing
+    assert cfg.topk_mode == "tail" and cfg.seq_length == 512 and cfg.packing == "auto"
     with pytest.raises(ConfigError, match="unknown key 'lrr'"):
         load_config(TrainConfig, DEFAULT_CONFIG, ["lrr=1"])
     with pytest.raises(ConfigError, match="beta must be.*topk_mode must be"):
