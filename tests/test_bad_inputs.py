@@ -521,8 +521,49 @@ def test_corrupt_image(tmp_path, vlm, capsys):
     shutil.copy(vlm["root"] / "a.png", tmp_path / "good.png")
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
     refused(tmp_path, _image_import(tmp_path, vlm, ["good.png", "bad.png"]), capsys,
-            r"data\.jsonl: row '0': image 2: not a readable image", "replace the file with a PNG or JPEG")
+            r"data\.jsonl: row '0': image 2, .*bad\.png: not a readable image", "replace the file with a PNG or JPEG")
     assert not (tmp_path / "rollouts" / "images").exists()  # the good image of the refused row is not stored either
+
+
+def test_image_url_is_refused_as_a_url(tmp_path, vlm, capsys):
+    """Was: reported as a missing file named `http:/...`."""
+    err = refused(tmp_path, _image_import(tmp_path, vlm, ["https://example.com/a.png"]), capsys,
+                  r"data\.jsonl: row '0': field 'images' holds the URL 'https://example\.com/a\.png'; URLs are not "
+                  r"fetched: download the images and give their paths")
+    assert "http:/" not in err.replace("https://", "")
+
+
+def test_a_file_that_is_not_an_image_names_its_row_and_path(tmp_path, vlm, capsys):
+    """Was: "image 1: not a readable image (cannot identify image file <_io.BytesIO object at 0x...>)"."""
+    (tmp_path / "notes.txt").write_text("not an image\n")
+    err = refused(tmp_path, _image_import(tmp_path, vlm, ["notes.txt"]), capsys,
+                  r"data\.jsonl: row '0': image 1, \S*notes\.txt: not a readable image \(no image format PIL knows\)",
+                  "replace the file with a PNG or JPEG", "--on-bad skip")
+    assert "BytesIO" not in err
+
+
+def test_on_bad_skip_skips_a_row_whose_file_is_not_an_image(tmp_path, vlm, capsys):
+    """Was: --on-bad skip still stopped at such a row. The summary counts it; with nothing skipped it says nothing
+    (was: `({} skipped)`)."""
+    import shutil
+
+    from pipeline.store.rollouts import iter_rollouts, rollout_shards
+
+    shutil.copy(vlm["root"] / "a.png", tmp_path / "good.png")
+    (tmp_path / "notes.txt").write_text("not an image\n")
+    src = tmp_path / "data.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"what is {i}?", "response": f"{i}", "images": [im]}) + "\n"
+                           for i, im in enumerate(["good.png", "notes.txt", "good.png"])))
+    argv = ["import", "--dataset", str(src), "--tokenizer", str(vlm["model"]), "--image-field", "images"]
+    assert gkd([*argv, "--out", str(tmp_path / "skip"), "--on-bad", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "3 rows (1 skipped: unreadable_image 1)" in out, out
+    assert sorted(r["prompt_id"] for r in iter_rollouts(rollout_shards(tmp_path / "skip"))) == ["0", "2"]
+    assert len(list((tmp_path / "skip" / "images").iterdir())) == 1  # the skipped row's file is not stored
+    src.write_text(json.dumps({"prompt": "what is 1?", "response": "1", "images": ["good.png"]}) + "\n")
+    assert gkd([*argv, "--out", str(tmp_path / "clean")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "{}" not in out and "1 rollouts of 1 rows, " in out, out
 
 
 def _vlm_score(tmp: Path, rollouts: Path, teacher: Path, *extra: str) -> list[str]:

@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         rows, mine, skipped = _import(args, shard, path)
     tokens = sum(len(r["completion_ids"]) for r in rows)
-    print(f"gkd import: {path}: {len(rows)} rollouts of {len(mine)} rows ({dict(skipped)} skipped), "
-          f"{tokens} completion tokens")
+    dropped = (f" ({sum(skipped.values())} skipped: {', '.join(f'{k} {n}' for k, n in sorted(skipped.items()))})"
+               if skipped else "")
+    print(f"gkd import: {path}: {len(rows)} rollouts of {len(mine)} rows{dropped}, {tokens} completion tokens")
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.generate.prompts import (
     Prompt,
     PromptError,
+    image_name,
     image_prompt_ids,
     prompt_ids,
     response_ids,
@@ -42,15 +43,23 @@ def import_rows(tokenizer: Any, prompts: list[Prompt], *, max_len: int | None = 
         else:
             ids = prompt_ids(tokenizer, p.messages)
             completion = response_ids(tokenizer, p.messages, str(p.response), ids)
+            bad_image = None
             if p.images:
-                pixels = [image_store.decode(b, f"{where}: row {p.prompt_id!r}: image {i + 1}")
-                          for i, b in enumerate(p.images)]
-                ids = image_prompt_ids(processor, tokenizer, p.messages, pixels)
-            teacher = None if p.teacher_messages is None else prompt_ids(tokenizer, p.teacher_messages)
-            longest = max(len(ids), len(teacher or ())) + len(completion)
-            if max_len is not None and longest > max_len:
-                reason = "too_long"
+                try:
+                    pixels = [image_store.decode(b, f"{where}: row {p.prompt_id!r}: image {i + 1}, "
+                                                    f"{image_name(p, i)}") for i, b in enumerate(p.images)]
+                except image_store.ImageError as e:
+                    bad_image, reason = e, "unreadable_image"
+                else:
+                    ids = image_prompt_ids(processor, tokenizer, p.messages, pixels)
+            if bad_image is None:
+                teacher = None if p.teacher_messages is None else prompt_ids(tokenizer, p.teacher_messages)
+                longest = max(len(ids), len(teacher or ())) + len(completion)
+                if max_len is not None and longest > max_len:
+                    reason = "too_long"
         if reason:
+            if on_bad == "error" and reason == "unreadable_image":
+                raise PromptError(f"{bad_image}, or pass --on-bad skip to skip and count the row") from None
             if on_bad == "error":
                 field = {"empty_prompt": "prompt", "empty_response": "response",
                          "empty_teacher_prompt": "teacher prompt"}.get(reason, "prompt + response")

@@ -13,6 +13,7 @@ Token ids come from the tokenizer's chat template exactly once (`prompt_ids`): t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,8 @@ class Prompt:
     # The prompt's images (their bytes), in the order of their placeholders: one `{"type": "image"}` item each at the
     # start of the last user turn's content (`with_images`)
     images: tuple[bytes, ...] = ()
+    # Where each image came from (its path as resolved, or "embedded bytes"), for messages that name it
+    image_names: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -110,10 +113,11 @@ def load_prompts(
         pid = str(row[id_field]) if id_field else str(i)
         teacher = _teacher_messages(row[teacher_prompt_field]) if teacher_prompt_field else None
         tags = {"data_source": data_source, **{f: "" if row[f] is None else str(row[f]) for f in tag_fields}}
-        images = _image_bytes(row[image_field], Path(src), pid, image_field) if image_field else ()
+        named = _image_bytes(row[image_field], Path(src), pid, image_field) if image_field else ()
+        images, names = tuple(b for b, _ in named), tuple(n for _, n in named)
         if images:
             messages = with_images(messages, len(images))
-        prompts.append(Prompt(pid, messages, response, tags, teacher, images))
+        prompts.append(Prompt(pid, messages, response, tags, teacher, images, names))
     return prompts
 
 
@@ -127,8 +131,17 @@ def with_images(messages: list[dict], count: int) -> list[dict]:
     return [*messages[:-1], last]
 
 
-def _image_bytes(value, src: Path, pid: str, field: str) -> tuple[bytes, ...]:
-    """A row's image field -> the bytes of its images (paths resolved against the dataset file's folder)."""
+def image_name(prompt: Prompt, i: int) -> str:
+    """Where image i of a prompt came from (its file, or embedded bytes), for a message that names it."""
+    return prompt.image_names[i] if i < len(prompt.image_names) else "embedded bytes"
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _image_bytes(value, src: Path, pid: str, field: str) -> tuple[tuple[bytes, str], ...]:
+    """A row's image field -> (bytes, where they came from) of its images (paths resolved against the dataset
+    file's folder; a URL is refused, not fetched)."""
     if value is None:
         return ()
     values = value if isinstance(value, list) else [value]
@@ -136,15 +149,18 @@ def _image_bytes(value, src: Path, pid: str, field: str) -> tuple[bytes, ...]:
     out = []
     for v in values:
         if isinstance(v, dict) and v.get("bytes"):
-            out.append(bytes(v["bytes"]))
+            out.append((bytes(v["bytes"]), f"embedded bytes of {v['path']}" if v.get("path") else "embedded bytes"))
             continue
         name = v.get("path") if isinstance(v, dict) else v
         if not isinstance(name, str) or not name:
             raise PromptError(f"{src}: row {pid!r}: field {field!r} holds {type(v).__name__} {str(v)[:60]!r}, not an "
                               "image path or embedded bytes ({'bytes': ...}); fix the row")
+        if _URL.match(name):
+            raise PromptError(f"{src}: row {pid!r}: field {field!r} holds the URL {name!r}; URLs are not fetched: "
+                              "download the images and give their paths (relative to the dataset file's folder)")
         path = Path(name) if Path(name).is_absolute() else base / name
         try:
-            out.append(path.read_bytes())
+            out.append((path.read_bytes(), str(path)))
         except OSError as e:
             raise PromptError(f"{src}: row {pid!r}: image {path} (field {field!r}) cannot be read ({e.strerror}); "
                               "paths are relative to the dataset file's folder: fix the path or add the file") from None

@@ -29,6 +29,7 @@ from pipeline.engine import EngineArgs, engine_version, on_cpu, open_engine
 from pipeline.generate.prompts import (
     Prompt,
     PromptError,
+    image_name,
     image_prompt_ids,
     load_prompts,
     prompt_ids,
@@ -124,8 +125,8 @@ def generate(llm: Any, tokenizer: Any, prompts: list[Prompt], cfg: GenerateConfi
             if len(p.images) > cfg.max_images_per_prompt:
                 raise PromptError(f"{cfg.prompts}: prompt {p.prompt_id!r} has {len(p.images)} images, more than "
                                   f"max_images_per_prompt={cfg.max_images_per_prompt}; raise it")
-            pixels[p.prompt_id] = [image_store.decode(b, f"{cfg.prompts}: prompt {p.prompt_id!r}: image {i + 1}")
-                                   for i, b in enumerate(p.images)]
+            pixels[p.prompt_id] = [image_store.decode(b, f"{cfg.prompts}: prompt {p.prompt_id!r}: image {i + 1}, "
+                                                         f"{image_name(p, i)}") for i, b in enumerate(p.images)]
             ids = image_prompt_ids(processor, tokenizer, p.messages, pixels[p.prompt_id])
         reason = "empty" if p.empty else "too_long" if len(ids) > limit else None
         if reason is None and p.teacher_messages == []:

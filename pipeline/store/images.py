@@ -155,7 +155,9 @@ def decode(data: bytes, where: str) -> Any:
         img.load()
         return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise ImageError(f"{where}: not a readable image ({e}); replace the file with a PNG or JPEG") from None
+        # PIL's own text of an unknown format names only the in-memory buffer (<_io.BytesIO object at 0x...>)
+        why = "no image format PIL knows" if isinstance(e, UnidentifiedImageError) else str(e)
+        raise ImageError(f"{where}: not a readable image ({why}); replace the file with a PNG or JPEG") from None
 
 
 def load(root: str | Path, digests: Sequence[str], *, sample: str = "") -> list[Any]:
