@@ -9,16 +9,20 @@ vLLM start-up costs 15 s on an idle 2-core box, minutes on a loaded one).
 """
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import killing
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline import pause
 from pipeline.slurm.queue import ACTIVE, parse_array, task_states, wait
 from pipeline.store import TeacherCache
 from pipeline.store.rollouts import rollout_row, write_rollouts
@@ -63,13 +67,15 @@ def run(tmp_path, teacher, rollouts, slurm_cluster):
         args = ["--rollouts", str(rollouts), "--cache", str(cache), "--teacher", str(teacher), "--topk", "4", *ENGINE]
 
         @staticmethod
-        def gkd(*argv: str) -> subprocess.CompletedProcess:
+        def gkd(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
             return subprocess.run([sys.executable, "-m", "pipeline", *argv], capture_output=True, text=True,
-                                  cwd=tmp_path)
+                                  cwd=tmp_path, env={**os.environ, **(env or {})})
 
-        def slurm(self, command: str, *extra: str) -> str:
+        def slurm(self, command: str, *extra: str, pause_at: str | None = None) -> str:
+            """`gkd slurm COMMAND`; `pause_at`: every task of the job stops itself there ($GKD_PAUSE_AT, which
+            sbatch passes on to the job: pipeline/pause.py), once per attempt, until `_drive` lets it go on."""
             res = self.gkd("slurm", command, "--num-shards", str(self.n), "--cpus-per-task", "1", "--log-dir",
-                           str(self.logs), *extra, "--", *self.args)
+                           str(self.logs), *extra, "--", *self.args, env={pause.ENV: pause_at} if pause_at else None)
             assert res.returncode == 0, res.stderr
             return res.stdout.strip()
 
@@ -95,18 +101,50 @@ def run(tmp_path, teacher, rollouts, slurm_cluster):
     return Run()
 
 
-def _wait_for(cond, timeout: float = TIMEOUT, what: str = "condition"):
-    end = time.time() + timeout
-    while time.time() < end:
-        value = cond()
-        if value:
+def _job_procs(job: str) -> dict[int, tuple[int, int, str]]:
+    """The processes of array job `job` (the local cluster runs its jobs on this machine), by the Slurm variables
+    in their environment: pid -> (array index, restart count, state letter; T: stopped at its pause point)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0") if b"=" in x)
+        except OSError:
+            continue
+        if env.get(b"SLURM_ARRAY_JOB_ID") == job.encode() and (state := killing.state(int(d.name))) is not None:
+            found[int(d.name)] = (int(env[b"SLURM_ARRAY_TASK_ID"]), int(env.get(b"SLURM_RESTART_COUNT", b"0")), state)
+    return found
+
+
+def _stopped_tasks(job: str) -> set[int]:
+    return {i for i, _, state in _job_procs(job).values() if state == "T"}
+
+
+def _drive(job: str, hold=lambda index, restart: False, until=None, timeout: float = TIMEOUT):
+    """Wait until `until()` is truthy (its value returned; the job must not end before) or, without `until`, until
+    no task of the job is active (its final states returned). Meanwhile every process of the job stopped at its
+    pause point is let go on (SIGCONT) unless `hold(array index, restart count)`: a held task waits, stopped, for
+    the test, so what the test does to it lands exactly at that point however busy the machine. The deadline only
+    bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = task_states(job)
+        ended = bool(states) and not any(s in ACTIVE for s in states.values())
+        if until is None and ended:
+            return states
+        if until is not None and (value := until()):
             return value
+        assert not ended, f"job {job} ended before the state the test waits for: {states}"
+        assert time.monotonic() < deadline, f"job {job}: not there after {timeout:.0f} s: {states}"
+        for pid, (index, restart, state) in _job_procs(job).items():
+            if state == "T" and not hold(index, restart):
+                os.kill(pid, signal.SIGCONT)
         time.sleep(0.5)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
-def _running(job: str) -> list[int]:
-    return [i for i, s in task_states(job).items() if s == "RUNNING"]
+def _node_up(slurm_cluster) -> bool:
+    return "down" not in slurm_cluster.node_state()
 
 
 def test_array_completes(run):
@@ -125,10 +163,11 @@ def test_array_completes(run):
 
 def test_cancelled_task_is_resubmitted_alone(run):
     run.n = 2
-    job = run.slurm("score")
-    _wait_for(lambda: 1 in _running(job), what="task 1 running")
+    job = run.slurm("score", pause_at="cache-commit:1")
+    # task 1 held right after its first part (3 parts): cancelled mid-task, it cannot have finished
+    _drive(job, hold=lambda i, _: i == 1, until=lambda: 1 in _stopped_tasks(job))
     subprocess.run(["scancel", f"{job}_1"], check=True)
-    states = wait(job, TIMEOUT)
+    states = _drive(job, hold=lambda i, _: i == 1)  # task 0 goes on to its end
     assert states == {0: "COMPLETED", 1: "CANCELLED"}, states
     st = run.status()
     assert st.returncode == 1 and "--array=1\n" in st.stdout + "\n", st.stdout
@@ -140,18 +179,26 @@ def test_cancelled_task_is_resubmitted_alone(run):
 
 def test_node_failure_requeues(run, slurm_cluster):
     run.n = 2
-    job = run.slurm("score")
-    _wait_for(lambda: _running(job), what="a running task")
-    time.sleep(2)  # let it get into the engine start-up
-    killed = _running(job)
+    job = run.slurm("score", pause_at="cache-commit:1")
+    # the node fails while task 0 (and task 1 too where the node has a CPU for it) is held mid-task, right after
+    # its first part: neither can have finished
+    _drive(job, hold=lambda i, _: True, until=lambda: 0 in _stopped_tasks(job))
+    killed = sorted(_stopped_tasks(job))
     node = slurm_cluster.node
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"], check=True)
-    try:
-        # ReturnToService=2: the node comes back when its slurmd re-registers (about a second here); resume if not
-        _wait_for(lambda: "down" not in slurm_cluster.node_state(), 20, "node back up")
-    except TimeoutError:
-        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
-    states = wait(job, TIMEOUT)
+    # ReturnToService=2: the node comes back when its slurmd re-registers (about a second here); resumed by hand if
+    # that is slow (check=False: it may come back between the look and the command); then its state is waited on
+    deadline = time.monotonic() + 60
+    while not _node_up(slurm_cluster) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not _node_up(slurm_cluster):
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+    deadline = time.monotonic() + TIMEOUT
+    while not _node_up(slurm_cluster):
+        assert time.monotonic() < deadline, f"node {node} still down: {slurm_cluster.node_state()}"
+        time.sleep(0.5)
+    # the requeued attempts (restart 1) go on from their own pause; the first ones must die of the node failure
+    states = _drive(job, hold=lambda _, restart: restart == 0)
     assert states == {i: "COMPLETED" for i in range(run.n)}, states
     for i in killed:  # the killed tasks ran again in the same job, the log shows both attempts
         log = run.log(job, i)
@@ -160,12 +207,16 @@ def test_node_failure_requeues(run, slurm_cluster):
 
 
 def test_cancelled_array_resubmit_skips_finished(run):
-    job = run.slurm("score")
-    done = _wait_for(lambda: run.markers(), what="a finished task")
+    # rows per task 9/6/1, 2 per part: tasks 0 and 1 stop after their 2nd part, task 2 (1 part) never stops
+    job = run.slurm("score", pause_at="cache-commit:2")
+    # task 0 held mid-task until the cancel; the others go on until one has finished (its marker)
+    _drive(job, hold=lambda i, _: i == 0, until=lambda: 0 in _stopped_tasks(job))
+    done = _drive(job, hold=lambda i, _: i == 0, until=run.markers)
     subprocess.run(["scancel", job], check=True)
     states = wait(job, TIMEOUT)
     before = run.markers()
     assert before.keys() >= done.keys() and len(before) < N, (states, list(before))
+    assert not any(name.endswith(f"-00000-of-{N:05d}.done") for name in before), list(before)  # task 0: cancelled
     st = run.status()
     missing = parse_array(re.search(r"--array=(\S+)", st.stdout).group(1))
     again = run.slurm("resubmit")
@@ -187,7 +238,7 @@ def test_train_torchrun_one_node(tmp_path, slurm_cluster):
                           "--", str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip()
-    states = wait(job, 300)
+    states = wait(job, TIMEOUT)  # a deadline for a hang only
     log = (tmp_path / "logs" / f"gkd-train-{job}.log").read_text()
     assert states == {-1: "COMPLETED"}, log[-3000:]
     env = json.loads((out / "rank0.json").read_text())
@@ -213,7 +264,7 @@ def test_train_step_under_slurm_torchrun(tmp_path, slurm_cluster):
                          capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip()
-    states = wait(job, 600)
+    states = wait(job, TIMEOUT)  # a deadline for a hang only
     log = (tmp_path / "logs" / f"gkd-train-{job}.log").read_text()
     assert states == {-1: "COMPLETED"}, log[-3000:]
     metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
