@@ -71,10 +71,11 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
 
 
 def runtime_env() -> dict:
-    """What every worker needs from the driver's environment: this checkout on PYTHONPATH, our log settings."""
+    """What every worker needs from the driver's environment: this checkout on PYTHONPATH, our log settings, a pause
+    point ($GKD_PAUSE_AT, pipeline/pause.py: a test stops a task there)."""
     env = {"PYTHONPATH": f"{REPO}:${{PYTHONPATH}}"}
     for name in ("GKD_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY",
-                 "HF_HUB_DISABLE_PROGRESS_BARS", "HF_HOME", "HF_HUB_OFFLINE"):
+                 "HF_HUB_DISABLE_PROGRESS_BARS", "HF_HOME", "HF_HUB_OFFLINE", "GKD_PAUSE_AT"):
         if name in os.environ:
             env[name] = os.environ[name]
     return {"env_vars": env}
