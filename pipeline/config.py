@@ -98,10 +98,10 @@ def _merge(data: dict[str, Any], overrides: dict[str, Any], mappings: set[str]) 
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | dict | None = None,
-                section: str | None = None) -> T:
+                section: str | None = None, launch: dict[str, Any] | None = None) -> T:
     """Build `cls` from a YAML file (optional) and overrides; raise ConfigError listing every problem. With
     `section`, a recipe file (top-level keys all in SECTIONS) contributes its `section:` mapping; a flat file is read
-    as it is."""
+    as it is. `launch`: what the entry knows of the launch (e.g. `world_size`), passed to `cls.validate`."""
     data: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
@@ -142,7 +142,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     cfg = cls(**data)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
-        problems = list(validate())
+        problems = list(validate(**(launch or {})))
         if problems:
             raise ConfigError(f"{where}: " + "; ".join(problems))
     return cfg

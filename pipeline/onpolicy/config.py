@@ -20,7 +20,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.generate.sampler import GenerateConfig
 from pipeline.score.scorer import ScoreConfig
 from pipeline.store.fingerprint import tokenizer_fingerprint
-from pipeline.train.trainer import TrainConfig
+from pipeline.train.config import TrainConfig
+from pipeline.train.xtok_loss import XTOK_LOSSES
 
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
 EXECUTORS = ("local", "slurm", "ray")
@@ -151,7 +152,7 @@ class OnPolicyConfig:
         if not self.cross_tokenizer:
             return []
         p = []
-        if self.train_settings.loss not in ("uld", "gold"):
+        if self.train_settings.loss not in XTOK_LOSSES:
             p.append(f"the teacher has another tokenizer than the student (cross_tokenizer): train.loss="
                      f"{self.train_settings.loss} needs the teacher's rows in the student's tokens; use train.loss=gold "
                      "(the default here) or train.loss=uld")
@@ -267,7 +268,8 @@ class OnPolicyConfig:
     def train_config(self, save_dir: Path, sources: list[str], exit_after: int | None,
                      data_position: int | None) -> TrainConfig:
         """The trainer of the whole run: train_steps is the run's total (so the LR schedule is that of one long
-        run), and each cycle stops after its steps_per_generation with `exit_after` (a checkpoint at each end)."""
+        run), and each cycle stops after its steps_per_generation with `exit_after` (a checkpoint at each end).
+        The trainer runs in the stage's one process (no torchrun): validated for a world of 1."""
         values = self.stage_values("train")
         if self.cross_tokenizer and "loss" not in values:  # a teacher with another tokenizer: GOLD by default
             values["loss"] = "gold"

@@ -20,7 +20,7 @@ from torch import Tensor
 from pipeline.store.shards import WriteError
 
 if TYPE_CHECKING:
-    from pipeline.train.trainer import TrainConfig
+    from pipeline.train.config import TrainConfig
 
 # One loss call's sums (`trainer._loss_terms`): the divergence over KD positions, SFT cross-entropy over the
 # dataset-sourced ones, loss=opd's estimator and its KL over the student-sourced ones.

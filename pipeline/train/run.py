@@ -10,6 +10,7 @@ arguments and reports errors.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help=f"flat YAML config (default: {DEFAULT_CONFIG.name})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides, section="train")
+    # torchrun's process count, known before any process group exists: the config checks the data-parallel split
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(TrainConfig, args.config or DEFAULT_CONFIG, args.overrides, section="train",
+                      launch={"world_size": world_size})
     train(cfg)
     return 0
 

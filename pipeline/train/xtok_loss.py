@@ -64,6 +64,9 @@ from pipeline.train.vocab_parallel import (
     valid_columns,
 )
 
+# The cross-tokenizer losses (`loss=uld|gold`): the one list the config, the trainer and the on-policy driver use.
+XTOK_LOSSES = ("uld", "gold")
+
 EPS = 1e-8  # TRL's clamp of probabilities (token factors and the JSD's logs)
 LOG_EPS = math.log(EPS)
 
@@ -309,7 +312,7 @@ def fused_xtok_loss(hidden: Tensor, weight: Tensor, labels: Tensor, mask: Tensor
     ``mask``: span heads (KD positions); ``span_head``: per position the flat index of its span's head (members),
     -1 elsewhere; teacher arrays [..., k] at the heads (ids: the student id of a matched entry, -1 unmatched).
     Under TP, ``weight`` is this rank's vocabulary slice and ``matched`` the whole map (module docstring)."""
-    if kind not in ("uld", "gold"):
+    if kind not in XTOK_LOSSES:
         raise ValueError(f"kind must be 'uld' or 'gold', got {kind!r}")
     if kind == "gold" and matched is None:
         raise ValueError("kind='gold' needs the matched student ids (the vocabulary map)")
