@@ -18,7 +18,7 @@ ALLOWED_ENTRIES: frozenset[str] = frozenset()
 HEAVY = frozenset({"vllm", "megatron", "transformers", "reasoning_gym", "matplotlib", "torch", "peft", "datasets",
                    "numba", "triton", "safetensors"})
 # In-function imports of light project modules kept on purpose: importer -> imported, and why.
-LAZY_ON_PURPOSE = {("pipeline.store.codec", "pipeline.store.exact_codec"): "exact_codec builds on codec's row types"}
+LAZY_ON_PURPOSE: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

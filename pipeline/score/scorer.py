@@ -81,7 +81,6 @@ from pipeline.store.tasks import (
 )
 
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
-CODECS = ("rank-grid-esc", "exact-f32")
 # vLLM's spellings of the scoring dtypes -> one name each ("auto" is refused: it resolves per machine and model).
 DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 # engine_extra options that only change scheduling, memory or placement, never the logprobs of a sequence; every
@@ -170,8 +169,6 @@ class ScoreConfig:
             p.append(f"on_overlong must be 'error' or 'skip', got {self.on_overlong!r}")
         if self.logprob_mode not in LOGPROB_MODES:
             p.append(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
-        if self.codec not in CODECS:
-            p.append(f"codec must be one of {CODECS}, got {self.codec!r}")
         if any(not isinstance(t, str) or not t for t in self.tags):
             p.append(f"tags must be non-empty strings (--tags math,code), got {self.tags!r}")
         if self.max_images_per_prompt is not None and self.max_images_per_prompt < 1:

@@ -37,16 +37,16 @@ BENCHMARKS.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zstandard
 
+from pipeline.store import exact_codec
 from pipeline.store.codec_kernels import CodecError, get_escape_kernel, get_quantise_kernel, lookup
 from pipeline.store.codec_kernels import escape_decode as _escape_decode
+from pipeline.store.codec_rows import DecodedBatch, EncodedRows, check_logprobs, check_row, tail_logprob
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -58,15 +58,15 @@ _GRID = np.concatenate([np.arange(449) / 128, 3.5 + np.arange(1, 97) / 64, 5 + n
 _NEG_INF_Q = _GRID.size  # sentinel index for -inf; sorts after every grid point
 _TABLE = np.append(-_GRID, -np.inf).astype(np.float32)  # index -> decoded logprob
 _IDENTITY = np.arange(_NEG_INF_Q + 1, dtype=np.int64)  # index -> itself: the raw numbers of a variable-k row
+# Every codec by name, the default first: the one list a codec name is checked against (`params`).
+CODECS = (NAME, exact_codec.NAME)
 
 
 def params(name: str = NAME, topp: float | None = None) -> dict[str, str]:
     """The codec's descriptor entry (cache.json `codec`); `name` is NAME (the default) or "exact-f32"; `topp` set:
     a variable-k (top-p) cache, which only this module's codec stores."""
     if name != NAME:
-        from pipeline.store import exact_codec  # here, not at the top: exact_codec builds on this module's row types
-
-        if name != exact_codec.NAME:
+        if name not in CODECS:
             raise CodecError(f"unknown codec {name!r}: choose {NAME!r} (default, compact) or {exact_codec.NAME!r}")
         if topp is not None:
             raise CodecError(f"codec {name!r} stores a fixed k per position; topp (variable k) needs codec {NAME!r}")
@@ -111,18 +111,6 @@ def _from_planes(buf: np.ndarray, offsets: np.ndarray, nb: int) -> np.ndarray:
     return _join_planes(np.concatenate(rows, axis=1)) if rows else np.zeros(0, np.uint32)
 
 
-@dataclass
-class EncodedRows:
-    """Per-row blobs for the five binary columns, plus the footer entries of the shard they go into."""
-
-    topk_ids: list[bytes]
-    topk_logprobs: list[bytes]
-    tail_logprobs: list[bytes]
-    actual_rank: list[bytes]
-    actual_logprobs: list[bytes]
-    footer: dict[bytes, bytes]
-
-
 def _quantise(lp: np.ndarray, where: str, use_kernel: bool = True) -> np.ndarray:
     """Logprobs -> nearest grid index (int64); -inf -> sentinel. One numba pass (codec_kernels.py) where numba is
     there, else `quantise_numpy`; both refuse NaN and positive logprobs with the same message."""
@@ -142,24 +130,12 @@ def _quantise(lp: np.ndarray, where: str, use_kernel: bool = True) -> np.ndarray
 def quantise_numpy(lp: np.ndarray, where: str) -> np.ndarray:
     """`_quantise` in whole-array numpy passes: the fallback without numba, and the kernel's reference."""
     lp = np.asarray(lp, dtype=np.float64)
-    if np.isnan(lp).any():
-        raise CodecError(f"{where}: NaN logprob; the teacher produced an invalid distribution")
-    if (lp > 1e-3).any():
-        raise CodecError(f"{where}: logprob {float(lp.max()):.4f} > 0; expected log-probabilities")
+    check_logprobs(lp, where)
     x = -np.clip(lp, MIN_LOGPROB, 0.0)
     i = np.searchsorted(_GRID, x).clip(1, _GRID.size - 1)
     q = np.where(x - _GRID[i - 1] <= _GRID[i] - x, i - 1, i)
     q[np.isneginf(lp)] = _NEG_INF_Q
     return q
-
-
-def tail_logprob(topk_logprobs: Any, xp: Any = np) -> Any:
-    """log(1 - sum(exp(top-k))) per position, in float64; -inf when the top-k hold all the mass (up to rounding).
-    `xp`: the array library of `topk_logprobs`, numpy or torch (the live teacher's tensors, on their device), so
-    the tail a live teacher gives is the one the score stage stores."""
-    mass = xp.exp(xp.asarray(topk_logprobs, dtype=xp.float64)).sum(-1)
-    with np.errstate(divide="ignore"):  # numpy's log1p(-1) where the mass is 1: not chosen by the where
-        return xp.where(mass < 1.0, xp.log1p(-xp.clip(mass, None, 1.0)), -math.inf)
 
 
 def top_p_counts(lps: np.ndarray, topp: float, min_k: int) -> np.ndarray:
@@ -190,26 +166,6 @@ def check_top_p(k: int, topp: float | None, min_k: int | None) -> None:
         raise CodecError(f"top-p cap k={k} does not fit the 16-bit per-position count")
 
 
-def check_row(r: int, row: tuple, *, k: int, vocab_size: int) -> tuple[np.ndarray, ...]:
-    """Row `r` of an encoder's input as arrays (ids int64 [n,k], logprobs float32 [n,k], actual ids, ranks,
-    logprobs [n]), or a CodecError naming what is wrong: the shape and id checks both codecs share."""
-    ids, lps, aid, arank, alp = row
-    ids = np.asarray(ids, dtype=np.int64)
-    lps = np.asarray(lps, dtype=np.float32)
-    n = ids.shape[0] if ids.ndim else 0
-    if ids.shape != (n, k) or lps.shape != (n, k):
-        raise CodecError(f"row {r}: top-k arrays have shapes {ids.shape}, {lps.shape}; expected ({n}, {k})")
-    aid, arank, alp = (np.asarray(a).reshape(-1) for a in (aid, arank, alp))
-    if not (aid.size == arank.size == alp.size == n):
-        raise CodecError(f"row {r}: actual-token arrays must have {n} entries")
-    if n and ((ids.size and (ids.min() < 0 or ids.max() >= vocab_size)) or aid.min() < 0
-              or aid.max() >= vocab_size):
-        raise CodecError(f"row {r}: token id outside [0, {vocab_size})")
-    if n and arank.min() < 1:
-        raise CodecError(f"row {r}: actual-token rank must be >= 1")
-    return ids, lps, aid, arank, alp
-
-
 def encode(
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     *,
@@ -229,8 +185,6 @@ def encode(
     check_top_p(k, topp, min_k)
     if name != NAME:
         params(name, topp)  # refuses an unknown name, and top-p with the exact codec
-        from pipeline.store import exact_codec
-
         return exact_codec.encode(rows, k=k, vocab_size=vocab_size)
     checked = [check_row(r, row, k=k, vocab_size=vocab_size) for r, row in enumerate(rows)]
     nb_rank = _nplanes(vocab_size)
@@ -413,27 +367,6 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
     return merged, {**first, b"gkd.codec.id_table": _pack_id_table(by_freq)}
 
 
-@dataclass
-class DecodedBatch:
-    """Scored positions of many rows, concatenated: row i owns positions offsets[i]:offsets[i+1]."""
-
-    offsets: np.ndarray  # int64 [rows + 1]
-    topk_ids: np.ndarray  # int32 [positions, k]
-    topk_logprobs: np.ndarray  # float32 [positions, k]
-    tail_logprobs: np.ndarray  # float32 [positions]: log teacher mass outside the top-k
-    actual_ranks: np.ndarray | None  # int32 [positions] (None: decoded with actual=False)
-    actual_logprobs: np.ndarray | None  # float32 [positions]
-    # top-p cache: entries kept per position, int32 [positions]; entries past it are padding (id 0, logprob -inf)
-    # that are not teacher entries at all. None: every position holds k.
-    counts: np.ndarray | None = None
-
-    def valid(self) -> np.ndarray | None:
-        """bool [positions, k]: which entries are teacher entries (None: all of them)."""
-        if self.counts is None:
-            return None
-        return np.arange(self.topk_ids.shape[1]) < self.counts[:, None]
-
-
 class Decoder:
     """Decodes record batches of one shard; built once per shard from its footer metadata."""
 
@@ -545,9 +478,7 @@ class Decoder:
 
 
 def open_decoder(footer: dict[bytes, bytes], where: str = "shard"):
-    """The decoder of a shard, by the codec its footer names (this module's, or the exact codec)."""
-    from pipeline.store import exact_codec
-
-    if footer.get(b"gkd.codec") == exact_codec.NAME.encode():
-        return exact_codec.ExactDecoder(footer, where=where)
-    return Decoder(footer, where=where)
+    """The decoder of a shard, by the codec its footer names (this module's, or the exact codec; any other name
+    is refused by this module's Decoder, naming it)."""
+    name = footer.get(b"gkd.codec", b"").decode(errors="replace")
+    return (exact_codec.ExactDecoder if name == exact_codec.NAME else Decoder)(footer, where=where)

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.store.codec import CodecError, DecodedBatch, EncodedRows, check_row, tail_logprob
+from pipeline.store.codec_kernels import CodecError
+from pipeline.store.codec_rows import DecodedBatch, EncodedRows, check_logprobs, check_row, tail_logprob
 
 NAME = "exact-f32"
 
@@ -27,10 +28,7 @@ def encode(rows: Sequence[tuple], *, k: int, vocab_size: int) -> EncodedRows:
     out = EncodedRows([], [], [], [], [], {})
     for r, row in enumerate(rows):
         ids, lps, aid, arank, alp = check_row(r, row, k=k, vocab_size=vocab_size)
-        if np.isnan(lps).any() or np.isnan(np.asarray(alp, dtype=np.float64)).any():
-            raise CodecError(f"row {r}: NaN logprob; the teacher produced an invalid distribution")
-        if lps.size and (lps.max() > 1e-3):
-            raise CodecError(f"row {r}: logprob {float(lps.max()):.4f} > 0; expected log-probabilities")
+        check_logprobs(lps, f"row {r}", nan_in=(alp,))
         order = np.argsort(-lps, axis=1, kind="stable")
         ids, lps = np.take_along_axis(ids, order, 1), np.take_along_axis(lps, order, 1)
         out.topk_ids.append(ids.astype("<i4").tobytes())
