@@ -59,6 +59,7 @@ from pipeline.store import images as image_store
 from pipeline.store.model_config import vocab_size
 from pipeline.store.shards import staged_dir
 from pipeline.train.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
+from pipeline.train.optim import lr_scheduler, torch_optimizer
 from pipeline.train.packing import attention_mask
 
 # Layer types (config.layer_types) that are attention and so keep packed samples apart under a block-diagonal mask.
@@ -386,25 +387,14 @@ def wrap_data_parallel(student: HFStudent, fsdp: bool = False) -> nn.Module:
 def optimizer_and_scheduler(student: HFStudent, cfg):
     """The optimizer Megatron's `get_megatron_optimizer` builds on CPU (torch AdamW, betas 0.9/0.95, eps 1e-8, or
     SGD with momentum 0.9; no weight decay on biases and 1-D weights) and Megatron's own warmup + cosine schedule,
-    so both backends train with the same update rule."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
+    so both backends train with the same update rule (pipeline/train/optim.py)."""
     decay, no_decay = [], []
     for name, p in student.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
     groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    if cfg.optimizer == "adam":
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), eps=1e-8)
-    else:
-        opt = torch.optim.SGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=0.9)
-    scheduler = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
-        lr_decay_steps=cfg.train_steps, lr_decay_style="cosine", start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_steps, wd_incr_style="constant",
-    )
-    return opt, scheduler
+    opt = torch_optimizer([g for g in groups if g["params"]], cfg)
+    return opt, lr_scheduler(opt, cfg)
 
 
 def clip_and_step(student: HFStudent, optimizer, clip_grad: float) -> float:

@@ -45,6 +45,7 @@ from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, outp
 from pipeline.train.live_teacher import teacher_topk
 from pipeline.train.lora import apply_lora, resolve_targets
 from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.optim import lr_scheduler, megatron_optimizer_config
 from pipeline.train.sources import TokenizerMismatchError, resolve_rollouts, resolve_sources
 from pipeline.train.sources import image_rows as source_images
 from pipeline.train.xtok_loss import XTOK_LOSSES, fused_xtok_loss, gold_weights
@@ -105,8 +106,7 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
         optimizer, scheduler = hf_model.optimizer_and_scheduler(student, cfg)
         return student, wrapped, optimizer, scheduler
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.optimizer import get_megatron_optimizer
 
     from pipeline.train.model import build_model, load_hf_weights
 
@@ -131,23 +131,12 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer), wrapped)
     config.no_sync_func = ddp.no_sync
-    opt_config = OptimizerConfig(
-        optimizer=cfg.optimizer, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=0.9,
-        adam_beta2=0.95, adam_eps=1e-8, clip_grad=cfg.clip_grad, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
-    )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, bf16), [ddp])
     if cfg.optimizer == "sgd":
         # Megatron gives SGD no init_state_fn, which loading a checkpoint calls to create the state it fills in.
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             opt.init_state_fn = _init_sgd_state
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
-        lr_decay_steps=cfg.train_steps, lr_decay_style="cosine", start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_steps, wd_incr_style="constant",
-    )
-    return model, ddp, optimizer, scheduler
+    return model, ddp, optimizer, lr_scheduler(optimizer, cfg)
 
 
 def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = "megatron",
