@@ -149,7 +149,7 @@ def fingerprint_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     scheme = FINGERPRINT_SCHEME
     if args.cache:
-        scheme = TeacherCache.open(args.cache).descriptor.fingerprint_scheme or 1
+        scheme = TeacherCache.open(args.cache).descriptor.teacher_fingerprint_scheme
     t0 = time.perf_counter()
     fp, info = teacher_fingerprint_info(args.model, scheme, rehash=args.rehash)
     seconds = time.perf_counter() - t0

@@ -56,7 +56,7 @@ from pipeline.onpolicy.stages import (
     setup_stage,
     train_stage,
 )
-from pipeline.onpolicy.state import State, is_on_policy
+from pipeline.onpolicy.state import State, cycle_on_policy
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
 from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
@@ -123,7 +123,7 @@ def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
     if stage == "setup":
         path = result_path(cfg, "setup", -1)
         return [] if state.setup_done or path.exists() else [-1]
-    on_policy = is_on_policy(cfg.seed, cycle * spg, cfg.lmbda)
+    on_policy = cycle_on_policy(cfg, cycle)
     if stage == "export":  # needed only while the generate tasks still need the weights (eval removes old exports)
         needed = on_policy and missing(ws, state, "generate", cycle)
         return [-1] if needed and not ws.exported(cycle * spg) else []
@@ -196,7 +196,7 @@ def _score(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int
 
 
 def _train(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict:
-    info = {"on_policy": is_on_policy(ws.cfg.seed, cycle * ws.cfg.steps_per_generation, ws.cfg.lmbda),
+    info = {"on_policy": cycle_on_policy(ws.cfg, cycle),
             "seconds": {}}
     if info["on_policy"]:
         _require(ws, state, "score", cycle)

@@ -34,7 +34,7 @@ from pipeline.generate.prompts import load_prompts
 from pipeline.generate.sampler import sample_task
 from pipeline.onpolicy.config import STAGES, OnPolicyConfig
 from pipeline.onpolicy.engines import Engines
-from pipeline.onpolicy.state import State, build_view, is_on_policy, rollout_keys
+from pipeline.onpolicy.state import State, build_view, cycle_on_policy, rollout_keys
 from pipeline.score.scorer import resolve_teacher, score
 from pipeline.store import TeacherCache
 from pipeline.store.fingerprint import tokenizer_fingerprint
@@ -251,7 +251,7 @@ def record_stage(cfg: OnPolicyConfig, state: State, cycle: int, stage: str, info
 def cycle_info(cfg: OnPolicyConfig, state: State, cycle: int) -> dict:
     """The cycle's record in state.json (created on first use), with its on/off-policy draw."""
     info = state.info(cycle)
-    info.setdefault("on_policy", is_on_policy(cfg.seed, cycle * cfg.steps_per_generation, cfg.lmbda))
+    info.setdefault("on_policy", cycle_on_policy(cfg, cycle))
     return info
 
 
@@ -370,7 +370,7 @@ def eval_stage(ws: Workspace, cycle: int) -> dict:
     cfg, spg = ws.cfg, ws.cfg.steps_per_generation
     end = (cycle + 1) * spg
     out: dict = {}
-    if cfg.heldout_prompts or cycle + 1 == cfg.num_cycles or is_on_policy(cfg.seed, end, cfg.lmbda):
+    if cfg.heldout_prompts or cycle + 1 == cfg.num_cycles or cycle_on_policy(cfg, cycle + 1):
         out["export"] = str(ws.weights(end))
     out.update(heldout(ws))
     old = ws.export_dir(cycle * spg)

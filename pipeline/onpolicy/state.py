@@ -42,6 +42,11 @@ def is_on_policy(seed: int, step: int, lmbda: float) -> bool:
     return random.Random(seed + step).random() < lmbda
 
 
+def cycle_on_policy(cfg, cycle: int) -> bool:
+    """Whether cycle `cycle` of the run `cfg` (an OnPolicyConfig) is on-policy: the draw at its first step."""
+    return is_on_policy(cfg.seed, cycle * cfg.steps_per_generation, cfg.lmbda)
+
+
 @dataclass
 class State:
     cycle: int = 0

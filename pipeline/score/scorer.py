@@ -539,7 +539,7 @@ def cache_fingerprint_scheme(cache: str | Path) -> int:
     path = Path(cache) / DESCRIPTOR
     if not path.is_file():
         return FINGERPRINT_SCHEME
-    return Descriptor.read(path).fingerprint_scheme or 1
+    return Descriptor.read(path).teacher_fingerprint_scheme
 
 
 def resolve_teacher(name: str | Path | None) -> Path:

@@ -62,7 +62,7 @@ import openai
 from pipeline.errors import UserError
 from pipeline.store import images as image_store
 from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
-from pipeline.store.fingerprint import _digest
+from pipeline.store.fingerprint import new_digest
 
 PROBE_LEN = 32
 # The probe's logprobs are rounded to this step in the fingerprint: coarse enough that a server's float noise
@@ -161,7 +161,7 @@ def png_bytes(image) -> bytes:
 def probe_fingerprint(model: str, ids: list[int], logprobs: list[float], image: str | None = None) -> str:
     """The served teacher's fingerprint: name, probe ids and the probe's actual-token logprobs in PROBE_QUANTUM steps
     (a vision-language teacher's: `image` names the probe image, whose positions' logprobs follow the text's)."""
-    h = _digest()
+    h = new_digest()
     steps = [round(v / PROBE_QUANTUM) for v in logprobs]
     h.update(f"served|{model}|{json.dumps(ids)}|{PROBE_QUANTUM}|{json.dumps(steps)}".encode())
     if image is not None:

@@ -99,6 +99,12 @@ class Descriptor:
                 "student_tokenizer_fingerprint")
 
     @property
+    def teacher_fingerprint_scheme(self) -> int:
+        """How teacher_fingerprint was computed: the recorded scheme, 1 where none is recorded (a cache before
+        descriptor 1.5)."""
+        return self.fingerprint_scheme or 1
+
+    @property
     def cross_tokenizer(self) -> bool:
         return self.student_tokenizer_fingerprint is not None
 

@@ -32,7 +32,8 @@ FINGERPRINT_SCHEMES = (1, 2)
 FINGERPRINT_SCHEME = 2
 
 
-def _digest() -> hashlib._Hash:
+def new_digest() -> hashlib._Hash:
+    """The hash of every fingerprint here, of the served teacher's (score/served.py) and of imported rows."""
     return hashlib.blake2b(digest_size=16)
 
 
@@ -60,7 +61,7 @@ def teacher_fingerprint_info(model_dir: str | Path, scheme: int = FINGERPRINT_SC
     if scheme == 1:
         return weights.stream_digest(model_dir, files, canonical, rehash=rehash)
     per_file, info = weights.digests(model_dir, files, "sha256", rehash=rehash)
-    h = _digest()
+    h = new_digest()
     h.update(b"gkd teacher fingerprint 2|")
     h.update(canonical)
     for p in files:
@@ -116,7 +117,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     added = sorted((t["id"], t["content"], bool(t.get("special"))) for t in spec.get("added_tokens", []))
     special = sorted((name, getattr(tokenizer, f"{name}_id", None)) for name in ("bos_token", "eos_token", "pad_token", "unk_token"))
-    h = _digest()
+    h = new_digest()
     h.update(json.dumps({"type": model.get("type"), "vocab": vocab, "merges": merges, "added": added, "special": special}).encode())
     return h.hexdigest()
 
@@ -131,7 +132,7 @@ def content_key(teacher_fp: str, token_ids: Sequence[int] | np.ndarray, first_sc
     tokens with another image are another row (None or empty: a text-only key, unchanged). `cross` (a
     cross-tokenizer cache, store/align.py): (teacher tokenizer, student tokenizer) fingerprints; token_ids and
     first_scored are then the student's, whose text the teacher's tokenization is a function of."""
-    h = _digest()
+    h = new_digest()
     h.update(f"{teacher_fp}|{int(first_scored)}|{int(k)}|{mode}|".encode())
     h.update(np.ascontiguousarray(token_ids, dtype="<i4").tobytes())
     if teacher_prompt is not None:
@@ -155,7 +156,7 @@ def adapter_fingerprint(base_fp: str, adapter_dir: str | Path) -> str:
     files = sorted({p for pat in WEIGHT_PATTERNS for p in adapter_dir.glob(pat)})
     if not files:
         raise MissingInputError(f"{adapter_dir}: no adapter weight files ({', '.join(WEIGHT_PATTERNS)})")
-    h = _digest()
+    h = new_digest()
     h.update(f"adapter|{base_fp}|".encode())
     h.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
     _hash_files(h, files)
@@ -166,7 +167,7 @@ def sample_id(prompt_id: str, prompt_ids: Sequence[int] | np.ndarray, completion
               images: Sequence[str] | None = None) -> str:
     """Stable id of a rollout: its prompt id and its tokens (the split point matters, so both parts are hashed),
     and its images' hashes where it has any."""
-    h = _digest()
+    h = new_digest()
     p = np.ascontiguousarray(prompt_ids, dtype="<i4")
     h.update(f"{prompt_id}|{len(p)}|".encode())
     h.update(p.tobytes())

@@ -45,7 +45,7 @@ import numpy as np
 
 from pipeline.store import codec
 from pipeline.store.cache import COMMIT_LOCK, COMMIT_WAIT_S, DESCRIPTOR, CacheMismatchError, Descriptor, TeacherCache
-from pipeline.store.fingerprint import _digest, teacher_fingerprint
+from pipeline.store.fingerprint import new_digest, teacher_fingerprint
 from pipeline.store.import_formats import OPENERS, ImportedSequence, ImportInputError, Source
 from pipeline.store.locks import FileLock
 from pipeline.store.model_config import vocab_size
@@ -258,7 +258,7 @@ def _write(cache: TeacherCache, name: str, rows: list[dict]) -> int:
 
 
 def _source_tag(req: ImportRequest) -> str:
-    h = _digest()
+    h = new_digest()
     h.update(f"{req.fmt}|{req.source.resolve()}|{req.score_prompt}".encode())
     return h.hexdigest()[:10]
 

@@ -222,12 +222,19 @@ class TrainConfig:
         if self.lora_rank > 0:
             if self.lora_alpha <= 0:
                 p.append("lora_alpha must be > 0")
-            if self.backend == "megatron":  # hf (and auto, until the family is known) check them on the model
-                try:
-                    resolve_targets(self.lora_targets)
-                except ValueError as e:
-                    p.append(str(e))
+            if self.backend == "megatron" and (problem := self.megatron_lora_problem()):
+                p.append(problem)  # auto: train() asks once the family is known; hf checks them on the model
         return p
+
+    def megatron_lora_problem(self) -> str | None:
+        """What is wrong with lora_targets on a Megatron-Core student (its layer names only), or None."""
+        if self.lora_rank == 0:
+            return None
+        try:
+            resolve_targets(self.lora_targets)
+        except ValueError as e:
+            return f"{e} (backend=hf takes any linear layer's name)"
+        return None
 
     def precision(self) -> str:
         """'bf16' or 'fp32' for this machine (bf16: null means on where CUDA is available)."""

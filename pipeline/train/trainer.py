@@ -43,7 +43,7 @@ from pipeline.train.data import ScoredLoader, batch_split_problem
 from pipeline.train.families import resolve_backend
 from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
 from pipeline.train.live_teacher import teacher_topk
-from pipeline.train.lora import apply_lora, resolve_targets
+from pipeline.train.lora import apply_lora
 from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
 from pipeline.train.optim import lr_scheduler, megatron_optimizer_config
 from pipeline.train.sources import TokenizerMismatchError, resolve_rollouts, resolve_sources
@@ -509,11 +509,8 @@ def train(cfg: TrainConfig) -> dict:
         raise ConfigError(f"context_parallel_size={cfg.context_parallel_size}: the hf backend ({why}) has no context "
                           "parallelism (it is Megatron's attention=sdpa module's); train this student with "
                           "context_parallel_size=1 (fsdp=true to shard it), or on the Megatron backend")
-    if backend == "megatron" and cfg.lora_rank:
-        try:
-            resolve_targets(cfg.lora_targets)
-        except ValueError as e:
-            raise ConfigError(f"{e} (backend=hf takes any linear layer's name)") from e
+    if backend == "megatron" and cfg.backend == "auto" and (problem := cfg.megatron_lora_problem()):
+        raise ConfigError(problem)  # backend=megatron: refused by cfg.validate already
     images_at = image_rows(cfg)  # one listing per cache without images; before the model is built
     check_images(hf_dir, images_at)
     packing, packing_why = plan_packing(cfg, backend, images_at, hf_dir)
