@@ -27,7 +27,8 @@ def start_and_kill(cmd: list[str], cwd: Path, log: Path, pause_at: str) -> None:
                              stderr=subprocess.STDOUT)
         try:
             try:
-                stopped = killing.wait_stopped(proc)
+                # a hang bound only: setup and a cycle or two of engine starts before the point, on 2 busy cores
+                stopped = killing.wait_stopped(proc, deadline_s=2 * killing.DEADLINE_S)
             except AssertionError as e:
                 raise AssertionError(f"{e}\n{log.read_text()[-3000:]}") from None
             # the driver itself (its stage subprocesses reach no driver point), not one of its children
