@@ -25,6 +25,7 @@ from pipeline.score.scorer import (
     score,
     status,
 )
+from pipeline.slurm.arrays import task_index
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, want_status = parse_args(list(sys.argv[1:] if argv is None else argv))
     if want_status:
         return status(cfg)
+    cfg.shard = task_index(cfg.shard, cfg.num_shards)  # the executor's state is read here, not in the library
     score(cfg)
     return 0
 

@@ -46,7 +46,7 @@ from pipeline.errors import UserError
 from pipeline.score.adapter import merged_teacher
 from pipeline.score.served import ServedTeacher, reconcile_probe, url_problems
 from pipeline.score.writer import BatchWriter
-from pipeline.slurm.arrays import array_spec, task_index
+from pipeline.slurm.arrays import array_spec, shard_index
 from pipeline.store import Descriptor, TeacherCache, align
 from pipeline.store import images as image_store
 from pipeline.store.cache import DESCRIPTOR
@@ -119,7 +119,7 @@ class ScoreConfig:
     # Routing (several teachers): score only the rollouts whose tags[tag_key] is one of `tags` ([] = all of them)
     tags: list[str] = field(default_factory=list)
     tag_key: str = "data_source"
-    shard: int | None = None  # defaults to $SLURM_ARRAY_TASK_ID
+    shard: int | None = None  # gkd score: default $SLURM_ARRAY_TASK_ID (read by score/run.py), else 0
     num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
     on_overlong: str = "error"  # error | skip
     logprob_mode: str = "raw_logprobs"
@@ -661,7 +661,7 @@ def _open_task(cfg: ScoreConfig, llm) -> _Task:
 
 
 def _score(cfg: ScoreConfig, llm, locks: contextlib.ExitStack) -> dict:
-    shard = task_index(cfg.shard, cfg.num_shards)
+    shard = shard_index(cfg.shard, cfg.num_shards)  # the entry (score/run.py) resolved $SLURM_ARRAY_TASK_ID
     task = _open_task(cfg, llm)
     cache, cross = task.cache, task.cross
     tag = rollouts_tag(task.paths, cfg.tags, cfg.tag_key)
