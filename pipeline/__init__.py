@@ -1,4 +1,5 @@
-"""GKD pipeline: vLLM teacher -> content-keyed on-disk teacher cache -> Megatron-Core student.
+"""GKD pipeline: vLLM teacher -> content-keyed on-disk teacher cache -> student
+(Megatron-Core, or transformers for the families Megatron-Core does not map: pipeline/train/families.py).
 
 Stages live in `pipeline.generate`, `pipeline.score` and `pipeline.train`; they share only the store
 (`pipeline.store`) and the config layer (`pipeline.config`). No stage imports another stage.

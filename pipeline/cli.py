@@ -9,7 +9,7 @@
     gkd score ...              rollouts -> teacher top-k rows in the cache (pipeline/score)
     gkd generate ...           prompts -> student rollouts (pipeline/generate)
     gkd import ...             dataset responses -> off-policy rollouts (pipeline/generate)
-    gkd train ...              Megatron-Core student on the cache (pipeline/train)
+    gkd train ...              a student (Megatron-Core or transformers) on the cache (pipeline/train)
 
 Stage modules are imported only when their command runs, so `gkd cache ...` starts without torch or vLLM.
 """
@@ -32,24 +32,18 @@ from pipeline.store.fingerprint import FINGERPRINT_SCHEME, teacher_fingerprint_i
 from pipeline.store.imports import FORMATS, ImportRequest, import_rows
 from pipeline.store.weights import RECORD_ENV
 
-# command -> (module with a `main(argv) -> int`, one-line help). Stages register here once they exist.
-STAGES: dict[str, tuple[str, str]] = {}
-
-
-def _register_available() -> None:
-    for command, module, text in (
-        ("score", "pipeline.score.run", "score rollouts with a vLLM teacher into a cache"),
-        ("generate", "pipeline.generate.run", "sample student rollouts with vLLM"),
-        ("import", "pipeline.generate.import_run", "turn dataset responses into off-policy rollouts"),
-        ("train", "pipeline.train.run", "train a Megatron-Core student on a teacher cache"),
-        ("export", "pipeline.train.export_run", "export a trained student to a Hugging Face folder"),
-        ("onpolicy", "pipeline.onpolicy.run", "alternate generate -> score -> train"),
-        ("slurm", "pipeline.slurm.cli", "submit stages as Slurm jobs"),
-        ("ray", "pipeline.ray.cli", "run stages as Ray tasks on a Ray cluster"),
-        ("demo", "pipeline.demo_run", "the whole pipeline on the embedded default, with a report"),
-    ):
-        if importlib.util.find_spec(module) is not None:
-            STAGES[command] = (module, text)
+# command -> (module with a `main(argv) -> int`, one-line help); a module is imported only when its command runs.
+STAGES: dict[str, tuple[str, str]] = {
+    "score": ("pipeline.score.run", "score rollouts with a vLLM teacher into a cache"),
+    "generate": ("pipeline.generate.run", "sample student rollouts with vLLM"),
+    "import": ("pipeline.generate.import_run", "turn dataset responses into off-policy rollouts"),
+    "train": ("pipeline.train.run", "train a student (Megatron-Core or transformers) on a teacher cache"),
+    "export": ("pipeline.train.export_run", "export a trained student to a Hugging Face folder"),
+    "onpolicy": ("pipeline.onpolicy.run", "alternate generate -> score -> train"),
+    "slurm": ("pipeline.slurm.cli", "submit stages as Slurm jobs"),
+    "ray": ("pipeline.ray.cli", "run stages as Ray tasks on a Ray cluster"),
+    "demo": ("pipeline.demo_run", "the whole pipeline on the embedded default, with a report"),
+}
 
 
 @refusals_to_messages("gkd cache")
@@ -170,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     argv, loud = logs.strip_verbose(argv)
     if loud:
         logs.configure(verbose_now=True)
-    _register_available()
     commands = {"cache": ("", "inspect or verify a teacher cache"),
                 "fingerprint": ("", "a teacher's fingerprint (warms the record score tasks reuse)"), **STAGES}
     if not argv or argv[0] in ("-h", "--help"):

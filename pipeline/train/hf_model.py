@@ -314,8 +314,9 @@ def packing_refusal(lm: nn.Module) -> str | None:
     other = sorted({t for t in types if t not in ATTENTION_LAYER_TYPES})
     if other:
         return (f"layer_types has {', '.join(other)} ({sum(t in other for t in types)} of {len(types)} layers), which "
-                "carries state from one sample of a packed row into the next (transformers' fallback kernel has no "
-                "sequence boundaries)")
+                "carries state from one sample of a packed row into the next (its short causal convolution gets no "
+                "document boundaries on any device, nor does transformers' fallback delta-rule kernel: "
+                "docs/dependencies.md)")
     g = torch.Generator().manual_seed(_PROBE_SEED)
     docs = [_probe_ids(vocab_size(lm.config), n, g) for n in _PROBE_LENGTHS]
     row = torch.cat(docs, dim=1)

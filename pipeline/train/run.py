@@ -1,4 +1,4 @@
-"""Train stage, the entry: a Megatron-Core student distilled from a teacher cache of sparse top-k logprobs (GKD).
+"""Train stage, the entry: a student (Megatron-Core or transformers) distilled from a teacher cache of top-k logprobs.
 
     gkd train [--config configs/train.yaml] [key=value ...]                  # one process (CPU or one GPU)
     torchrun --nproc_per_node 2 -m pipeline.train.run tensor_model_parallel_size=2   # TP / DP

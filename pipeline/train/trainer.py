@@ -1,4 +1,5 @@
-"""The train stage's library: a Megatron-Core student distilled from a teacher cache of sparse top-k logprobs (GKD).
+"""The train stage's library: a student distilled from a teacher cache of sparse top-k logprobs (GKD), on one of two
+backends: Megatron-Core, or transformers (hf_model.py) for the families Megatron-Core does not map (families.py).
 
 The entry (`gkd train`, `torchrun -m pipeline.train.run`) is pipeline/train/run.py: argparse + `main` over `train`.
 
@@ -408,7 +409,8 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    # indexed: the one read of each cache's index, so a stale or foreign index is refused here, before the model
+    # indexed: each cache's index is read (and checked) here first, so a stale or foreign index is refused before the
+    # model (xtok_map, image_rows and the loader read it again)
     sources = resolve_sources(cfg.cache, indexed=True)
     check_cross_tokenizer(cfg, sources)
     for src in sources:
