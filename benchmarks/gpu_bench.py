@@ -253,15 +253,17 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, benchmarks: Path) -> None:
+def write_section(path: Path, benchmarks: Path, command: str = "python -m benchmarks.gpu_bench --out gpu_bench.json",
+                  render=None) -> None:
     """BENCHMARKS.md's `gpu` section from a run's JSON (the run happens on the GPU machine, the file is written here),
-    stamped with the machine and time the JSON itself recorded."""
+    stamped with the machine and time the JSON itself recorded; `render` makes the section's text (this module's
+    `markdown` unless given: benchmarks/gpu_check.py passes its own)."""
     from benchmarks.report import Stamp, old_sections, section, write_benchmarks
 
     res = json.loads(path.read_text())
-    stamp = Stamp("python -m benchmarks.gpu_bench --out gpu_bench.json", res["started"], res["machine"])
+    stamp = Stamp(command, res["started"], res["machine"])
     sections = old_sections(benchmarks)
-    sections["gpu"] = section("gpu", markdown(res), res, stamp)
+    sections["gpu"] = section("gpu", (render or markdown)(res), res, stamp)
     write_benchmarks(benchmarks, sections)
 
 

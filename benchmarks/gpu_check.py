@@ -456,15 +456,8 @@ def markdown(res: dict) -> str:
 
 
 def write_section(path: Path, benchmarks: Path) -> None:
-    """BENCHMARKS.md's `gpu` section from a run's JSON (the run happens on the GPU machine, the file is written here),
-    stamped with the machine and time the JSON itself recorded."""
-    from benchmarks.report import Stamp, old_sections, section, write_benchmarks
-
-    res = json.loads(path.read_text())
-    stamp = Stamp("python -m benchmarks.gpu_check --out gpu_check.json", res["started"], res["machine"])
-    sections = old_sections(benchmarks)
-    sections["gpu"] = section("gpu", markdown(res), res, stamp)
-    write_benchmarks(benchmarks, sections)
+    """BENCHMARKS.md's `gpu` section from a check's JSON (gpu_bench.write_section with this module's text)."""
+    gpu_bench.write_section(path, benchmarks, "python -m benchmarks.gpu_check --out gpu_check.json", markdown)
 
 
 def main() -> int:
