@@ -49,9 +49,9 @@ def worker(student: str, cache: str, out: str, cp: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import KD_SUM
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
     from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
 
     cfg = TrainConfig(student=student, cache=[cache], backend="megatron", micro_batch_size=1, global_batch_size=1,

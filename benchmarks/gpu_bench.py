@@ -104,9 +104,9 @@ def _child(student: str, cache: str, tokens: int, fused: bool, steps: int, bf16:
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import KD_SUM
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
     from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
 
     cuda = torch.cuda.is_available()

@@ -211,7 +211,7 @@ def qwen35_child(student: str, impl: str, steps: int, seq: int) -> dict:
 
     from benchmarks.hf_bench import _step, _trainer
     from benchmarks.step_bench import random_batch
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     cuda = torch.cuda.is_available()
     kernel = _kernel_in_use()

@@ -77,7 +77,7 @@ def _wide_llama(out: Path) -> Path:
 
 
 def step_time(rounds: int = 5) -> dict:
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     try:
@@ -94,7 +94,7 @@ def step_time(rounds: int = 5) -> dict:
 
 
 def qwen35_tokens(rounds: int = 3) -> dict:
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     with tempfile.TemporaryDirectory(prefix="gkd-qwen35-") as d:
@@ -112,7 +112,7 @@ def qwen35_tokens(rounds: int = 3) -> dict:
 
 
 def memory(fused: bool) -> dict:
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     with tempfile.TemporaryDirectory(prefix="gkd-hfmem-") as d:

@@ -122,7 +122,7 @@ def _first_step(student_dir: Path, cache: Path, save: Path) -> dict:
 
 
 def _loader_start(cache: Path, use_index: bool) -> float:
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
 
     t0 = time.perf_counter()
     loader = ScoredLoader([cache], micro_batch_size=2, seq_length=64, seed=0, packing=True, use_index=use_index,

@@ -25,9 +25,9 @@ def _size(folder: Path, pattern: str) -> int:
 def run(work: Path | None = None, rank: int = 16, rounds: int = 3) -> dict:
     import torch
 
-    from pipeline.train.lora import TARGETS, LoRASpec, apply_lora, lora_state_dict
-    from pipeline.train.model import build_model, export_adapter, export_hf, load_hf_weights
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.models.lora import TARGETS, LoRASpec, apply_lora, lora_state_dict
+    from pipeline.train.models.megatron import build_model, export_adapter, export_hf, load_hf_weights
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     work = Path(work or tempfile.mkdtemp(prefix="lora-bench-"))
     hf = student_dir()

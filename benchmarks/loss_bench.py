@@ -1,5 +1,5 @@
-"""Loss benchmark: the fused output layer + GKD loss (``fused_tail``, ``fused_renorm``: pipeline/train/fused_loss.py)
-vs the unfused ``tail`` / ``renorm`` (Megatron's full logits, then pipeline/train/loss.py), an ms-swift-style renorm
+"""Loss benchmark: the fused output layer + GKD loss (``fused_tail``, ``fused_renorm``: pipeline/train/losses/fused.py)
+vs the unfused ``tail`` / ``renorm`` (Megatron's full logits, then pipeline/train/losses/reference.py), an ms-swift-style renorm
 and a TRL-style full-vocab JSD.
 
 Run: ``python benchmarks/loss_bench.py --tokens 1024`` (prints a markdown table; 4096 tokens takes many minutes and,
@@ -29,8 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeline.train.fused_loss import fused_gkd_loss
-from pipeline.train.loss import gkd_loss
+from pipeline.train.losses.fused import fused_gkd_loss
+from pipeline.train.losses.reference import gkd_loss
 
 VARIANTS = ("fused_tail", "fused_renorm", "tail", "renorm", "swift_renorm", "trl_full_jsd")
 FUSED = ("fused_tail", "fused_renorm")

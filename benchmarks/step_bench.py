@@ -15,7 +15,7 @@ plain transformers loop, on the embedded-default student (SmolLM2 6-layer), fp32
   1,024, both trainers in one process, interleaved rounds.
 - plain: our trainer step (padded micro-batches, no packing: like with like) against a plain transformers loop on
   the same micro-batches of a real cache: `AutoModelForCausalLM` (its default SDPA attention) -> logits ->
-  `pipeline.train.loss.gkd_loss` (same beta, temperature, mode, stored teacher tail; normalised by the active
+  `pipeline.train.losses.reference.gkd_loss` (same beta, temperature, mode, stored teacher tail; normalised by the active
   count) -> backward ->
   `clip_grad_norm_` (our trainer clips at clip_grad) -> `torch.optim.AdamW` (same betas, eps, lr). Micro-batches are
   decoded before timing, so neither side pays for data.
@@ -66,7 +66,7 @@ def _step(tr: dict, micro: list) -> None:
 def random_batch(vocab: int, batch: int, seq: int, seed: int):
     """A padded-layout MicroBatch of random tokens (one sample per row, no padding) with random distinct top-k
     teacher ids and sorted logprobs (5 % tail mass)."""
-    from pipeline.train.batch import MicroBatch
+    from pipeline.train.data.batch import MicroBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
@@ -108,7 +108,7 @@ def _summary(wall: dict, cpu: dict) -> dict:
 
 
 def attention_time(rounds: int = 3) -> dict:
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     try:
@@ -128,7 +128,7 @@ def attention_time(rounds: int = 3) -> dict:
 def precision_time(rounds: int = 3, seq: int = 1024) -> dict:
     """bf16 mixed precision (Float16Module, fp32 main weights) against fp32: the same random micro-batches, both
     trainers in one process, interleaved rounds. On CPU bf16 matmuls are fast only where the CPU has bf16 units."""
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     try:
@@ -159,7 +159,7 @@ def cpu_bf16_units() -> list[str]:
 
 
 def attention_memory(attention: str, recompute: str = "none") -> dict:
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     try:
@@ -180,9 +180,9 @@ def attention_memory(attention: str, recompute: str = "none") -> dict:
 def plain_vs_trainer(cache: str, rounds: int = 3, micro_batch_size: int = 8, seq_length: int = 512) -> dict:
     import transformers
 
-    from pipeline.train.data import ScoredLoader
-    from pipeline.train.loss import gkd_loss
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     try:

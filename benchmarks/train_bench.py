@@ -158,7 +158,7 @@ def packed_vs_padded(cache: Path, work: Path, micro_batch_size: int, seq_length:
 def _epoch(cache: Path, micro_batch_size: int, seq_length: int, packing: bool) -> tuple[int, Iterator]:
     """(samples in the cache, the micro-batches of one epoch): the layout's own order from position 0 (the
     trainer's seed), up to the micro-batch that hands out the cache's last sample."""
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
 
     loader = ScoredLoader([cache], micro_batch_size=micro_batch_size, seq_length=seq_length, seed=1234,
                           packing=packing)
@@ -200,7 +200,7 @@ def loader_throughput(sources: Sequence[str | Path], *, micro_batch_size: int = 
     fits in the LRU, and repeated epochs would otherwise measure batch assembly only). Opening the shards and
     building the sample order are not timed; packing plans are. `tokens_per_s` is per CPU-second of the process
     (all its threads: what one core does, whatever else the machine runs); `wall_tokens_per_s` by the clock."""
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
 
     loader = ScoredLoader(sources, micro_batch_size=micro_batch_size, seq_length=seq_length, seed=seed,
                           packing=packing)

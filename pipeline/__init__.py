@@ -1,5 +1,5 @@
 """GKD pipeline: vLLM teacher -> content-keyed on-disk teacher cache -> student
-(Megatron-Core, or transformers for the families Megatron-Core does not map: pipeline/train/families.py).
+(Megatron-Core, or transformers for the families Megatron-Core does not map: pipeline/train/models/families.py).
 
 Stages live in `pipeline.generate`, `pipeline.score` and `pipeline.train`; they share only the store
 (`pipeline.store`) and the config layer (`pipeline.config`). No stage imports another stage.

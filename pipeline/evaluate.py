@@ -30,7 +30,7 @@ def load_hf(model_dir: str | Path) -> Any:
 def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None) -> dict:
     """Mean KL(teacher || student) per scored token over the held-out rows, on the teacher's top-k plus one tail
     bin: the trainer's `tail` loss at beta=0, T=1, with the same teacher bins (the stored top-k and tail,
-    `pipeline.train.loss.teacher_bins`). The student side is a plain transformers forward of the exported folder
+    `pipeline.train.losses.reference.teacher_bins`). The student side is a plain transformers forward of the exported folder
     (`model` is the folder or an already loaded HF model), in float64: independent of Megatron and of vLLM.
     Also the top-1 agreement: the fraction of those positions where the student's most likely next token (argmax
     over its full vocab) is the teacher's (its rank-1 id). `keys=None` evaluates every row of the cache. A top-p
@@ -38,7 +38,7 @@ def heldout_kl(model: Any, cache_dir: str | Path, keys: list[str] | None = None)
     compare with and is refused."""
     import torch
 
-    from pipeline.train.loss import divergence, student_bins, teacher_bins
+    from pipeline.train.losses.reference import divergence, student_bins, teacher_bins
 
     if TeacherCache.open(cache_dir).descriptor.k == 0:
         raise InputError(f"{cache_dir}: a k = 0 cache holds only the actual tokens' teacher logprobs; held-out KL "

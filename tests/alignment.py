@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.train.loss import gkd_loss
+from pipeline.train.losses.reference import gkd_loss
 
 
 def assert_aligned(logits: torch.Tensor, mb, *, below: float, min_positions: int, factor: float,

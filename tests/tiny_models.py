@@ -244,7 +244,7 @@ def random_peft(arch, spec, seed: int = 3) -> dict:
     """A random adapter in peft's layout (fused parts share A), built by drawing TP=1 Megatron tensors."""
     import torch
 
-    from pipeline.train.lora import HF_MODULES, PEFT_PREFIX
+    from pipeline.train.models.lora import HF_MODULES, PEFT_PREFIX
 
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -263,7 +263,7 @@ def random_peft(arch, spec, seed: int = 3) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- the supported families (pipeline/train/families.py)
+# ---------------------------------------------------------------- the supported families (pipeline/train/models/families.py)
 
 # Each family as the trainer sees it, in a tiny size vLLM's CPU backend runs (head_dim 32). Values chosen so that a
 # mapping that ignores a config value shows: llama3 uses its own low/high_freq_factor (not Megatron's 1 and 4) and

@@ -21,7 +21,7 @@ from pipeline.generate.sampler import GenerateConfig
 from pipeline.score.scorer import ScoreConfig
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.train.config import TrainConfig
-from pipeline.train.xtok_loss import XTOK_LOSSES
+from pipeline.train.losses.xtok import XTOK_LOSSES
 
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
 EXECUTORS = ("local", "slurm", "ray")

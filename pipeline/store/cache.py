@@ -184,7 +184,7 @@ class ScoredSample:
 @dataclass
 class ScoredBatch:
     """Many cached sequences at once (what `TeacherCache.iter_batches` yields: `gkd cache export` and the tests read
-    through it; the trainer's loader decodes shards itself, pipeline/train/blocks.py): metadata columns as an Arrow
+    through it; the trainer's loader decodes shards itself, pipeline/train/data/blocks.py): metadata columns as an Arrow
     table and the decoded top-k of all their scored positions concatenated (see codec.DecodedBatch)."""
 
     path: Path

@@ -121,7 +121,7 @@ def remove_stale_temporaries(root: str | Path) -> int:
 def stored(root: str | Path) -> bool:
     """Whether `root/images/` holds an image (a dot-named temporary does not count): what says, without reading a
     shard, that a rollout folder or a cache may hold image rows (`gkd score` copies an image in before the part that
-    names it is published, so a cache with image rows always has one; the rows confirm it, train/sources.py)."""
+    names it is published, so a cache with image rows always has one; the rows confirm it, train/data/sources.py)."""
     try:
         with os.scandir(image_dir(root)) as entries:
             return any(not e.name.startswith(".") for e in entries)

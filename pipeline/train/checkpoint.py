@@ -14,7 +14,7 @@ below): the run resumes at another data-parallel size, not at another TP size, a
 a job killed mid-save resumes from the previous checkpoint. A save that fails (a full disk) removes its temporary
 folder and raises `WriteError` naming the checkpoint; the run resumes from `latest` once space is freed.
 
-An hf-backend checkpoint (trainer.json `backend: hf`, pipeline/train/hf_model.py) holds the same trainer.json, and
+An hf-backend checkpoint (trainer.json `backend: hf`, pipeline/train/models/hf_model.py) holds the same trainer.json, and
 instead of dist_checkpointing files rank 0's `student.safetensors` (all weights, or the LoRA adapter) and
 `optimizer.pt` (torch's optimizer state): data-parallel replicas are identical, and there is no TP to reshard.
 
@@ -40,8 +40,8 @@ from megatron.core.tensor_parallel import random as mpu_random
 from pipeline import pause
 from pipeline.errors import MissingInputError, UserError
 from pipeline.store.shards import WriteError, atomic_write_bytes, os_error_in
-from pipeline.train import hf_model
-from pipeline.train.lora import is_lora, load_lora_state, lora_sharded_state_dict
+from pipeline.train.models import hf_model
+from pipeline.train.models.lora import is_lora, load_lora_state, lora_sharded_state_dict
 
 LATEST = "latest"
 

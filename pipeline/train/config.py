@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.train.data import batch_split_problem
-from pipeline.train.families import BACKENDS
-from pipeline.train.lora import LoRASpec, resolve_targets
-from pipeline.train.loss import loss_arg_problems
-from pipeline.train.xtok_loss import XTOK_LOSSES
+from pipeline.train.data.loader import batch_split_problem
+from pipeline.train.losses.reference import loss_arg_problems
+from pipeline.train.losses.xtok import XTOK_LOSSES
+from pipeline.train.models.families import BACKENDS
+from pipeline.train.models.lora import LoRASpec, resolve_targets
 
 LOSSES = ("gkd", "opd", *XTOK_LOSSES)
 
@@ -24,13 +24,13 @@ LOSSES = ("gkd", "opd", *XTOK_LOSSES)
 class TrainConfig:
     student: str = "default"  # HF folder (any causal LM; see README); "default" = the SmolLM2 6-layer student
     # megatron: Megatron-Core (llama, mistral, qwen2, qwen3: TP, its DDP and optimizer); hf: transformers (any
-    # AutoModelForCausalLM: Qwen3.5, Gemma, Phi, MoE, ...; pipeline/train/hf_model.py); auto: megatron where it maps
+    # AutoModelForCausalLM: Qwen3.5, Gemma, Phi, MoE, ...; pipeline/train/models/hf_model.py); auto: megatron where it maps
     # the family exactly, else hf (families.resolve_backend). The first log line and trainer.json say which.
     backend: str = "auto"
     cache: list[str] = field(default_factory=lambda: ["runs/cache"])  # cache dirs and/or shard files
-    # A live teacher instead of a cache (pipeline/train/live_teacher.py): an HF folder of the student's tokenizer,
+    # A live teacher instead of a cache (pipeline/train/teacher/live.py): an HF folder of the student's tokenizer,
     # run frozen in the trainer on every micro-batch of `rollouts` (rollout dirs/shards); then cache must be [].
-    # With loss=gold|uld a teacher of another tokenizer, run on its own tokens (pipeline/train/live_xtok.py).
+    # With loss=gold|uld a teacher of another tokenizer, run on its own tokens (pipeline/train/teacher/live_xtok.py).
     teacher_live: str | None = None
     rollouts: list[str] = field(default_factory=list)
     teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
@@ -45,7 +45,7 @@ class TrainConfig:
     micro_batch_size: int = 8  # rows per micro-batch; with packing a token budget of micro_batch_size * seq_length
     global_batch_size: int = 16  # = micro_batch_size * grad-accum steps * data-parallel size (in rows)
     seq_length: int = 512  # longer samples are truncated (tokens past it and their teacher rows dropped)
-    # Pack several samples per row of seq_length tokens, each attending only to itself (pipeline/train/packing.py);
+    # Pack several samples per row of seq_length tokens, each attending only to itself (pipeline/train/data/packing.py);
     # false: one sample per row, padded to the micro-batch's longest. auto: packed where the student keeps packed
     # samples apart (Megatron-Core always; the hf backend by hf_model.packing_refusal), padded otherwise and for image
     # caches; the first log lines and trainer.json (`packing`, `packing_why`) say which (`plan_packing`).
@@ -58,11 +58,11 @@ class TrainConfig:
     clip_grad: float = 1.0
     optimizer: str = "adam"  # adam (AdamW, betas 0.9/0.95) | sgd (momentum 0.9: an update linear in the gradient)
     # gkd: the GKD divergence on the teacher's top-k (beta, temperature, topk_mode) at every position.
-    # opd: sampled-token on-policy distillation on student-sourced rows (pipeline/train/loss.py `opd_loss`: reads
+    # opd: sampled-token on-policy distillation on student-sourced rows (pipeline/train/losses/reference.py `opd_loss`: reads
     # only the actual token's teacher logprob, so any k works, k = 0 included); dataset-sourced rows in the same run
     # get the GKD loss above (refused on a k = 0 cache, which has no top-k for them).
     # uld | gold: cross-tokenizer distillation from a cross-tokenizer cache (gkd score cross_tokenizer=true):
-    # pipeline/train/xtok_loss.py, over the aligned spans; gold also matches equal token strings of both
+    # pipeline/train/losses/xtok.py, over the aligned spans; gold also matches equal token strings of both
     # vocabularies (JSD there, beta below) and weighs the parts gold_matched_weight / gold_unmatched_weight (null
     # both: TRL's adaptive weights, matched ids / teacher vocabulary). Fused output layer only; TP, DP and packing work.
     loss: str = "gkd"
@@ -72,9 +72,9 @@ class TrainConfig:
     # 0 for gold (forward KL on the matched ids, see `kd_beta`); uld has no β.
     beta: float | None = None
     temperature: float = 1.0
-    topk_mode: str = "tail"  # tail | renorm (see pipeline/train/loss.py)
-    # The loss applies the output layer itself, chunk by chunk: no [tokens, vocab] logits (pipeline/train/fused_loss.py).
-    # false: Megatron's output layer makes the full logits and pipeline/train/loss.py takes them (the reference).
+    topk_mode: str = "tail"  # tail | renorm (see pipeline/train/losses/reference.py)
+    # The loss applies the output layer itself, chunk by chunk: no [tokens, vocab] logits (pipeline/train/losses/fused.py).
+    # false: Megatron's output layer makes the full logits and pipeline/train/losses/reference.py takes them (the reference).
     fused_loss: bool = True
     # bf16 mixed precision (Megatron's Float16Module; fp32 main weights and grads in the optimizer; the loss in fp32
     # within each chunk). null: on where CUDA is available, off on CPU (where it works, for tests and laptops).
@@ -88,16 +88,16 @@ class TrainConfig:
     fsdp: bool = False
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
     tensor_model_parallel_size: int = 1
-    # Context parallelism (pipeline/train/context_parallel.py; Megatron backend, attention=sdpa): each sequence split
+    # Context parallelism (pipeline/train/parallel/context_parallel.py; Megatron backend, attention=sdpa): each sequence split
     # over this many ranks in zig-zag chunks, keys and values all-gathered for attention, for sequences whose
     # activations do not fit one device. World = tensor_model_parallel_size x context_parallel_size x data-parallel;
     # seq_length must be a multiple of 2 x context_parallel_size.
     context_parallel_size: int = 1
     # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
-    # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/attention.py.
+    # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/models/attention.py.
     attention: str = "sdpa"
     recompute: str = "none"  # none | selective (core attention) | full (every layer): activation memory for compute
-    # LoRA (pipeline/train/lora.py): lora_rank > 0 trains adapters on the frozen student; checkpoints hold the
+    # LoRA (pipeline/train/models/lora.py): lora_rank > 0 trains adapters on the frozen student; checkpoints hold the
     # adapter only. Dotted keys work too: lora.rank=16 lora.alpha=32 lora.targets=[qkv,proj]
     lora_rank: int = 0
     lora_alpha: float = 16.0

@@ -32,9 +32,9 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
     import torch
 
     from pipeline.train import checkpoint
-    from pipeline.train.lora import LoRASpec, apply_lora
-    from pipeline.train.model import build_model, export_adapter, export_hf, load_hf_weights
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.models.lora import LoRASpec, apply_lora
+    from pipeline.train.models.megatron import build_model, export_adapter, export_hf, load_hf_weights
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     ckpt = checkpoint.latest(checkpoint_path)
     if ckpt is None:
@@ -49,7 +49,7 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
         raise InputError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
     out_dtype = getattr(torch, DTYPES[dtype] if dtype else student_dtype(hf_dir))
     if meta.get("backend") == "hf":  # transformers' own save_pretrained (peft's for the adapter): no Megatron
-        from pipeline.train.hf_model import export as export_hf_backend
+        from pipeline.train.models.hf_model import export as export_hf_backend
 
         export_hf_backend(ckpt, meta, hf_dir, Path(out_dir), adapter_only=adapter_only, dtype=out_dtype)
         return Path(out_dir)

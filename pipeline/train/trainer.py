@@ -38,18 +38,22 @@ from pipeline.config import ConfigError, to_dict
 from pipeline.store import align
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import atomic_write_bytes
-from pipeline.train import context_parallel, hf_model, live_xtok, metrics
+from pipeline.train import metrics
 from pipeline.train.config import TrainConfig
-from pipeline.train.data import ScoredLoader, batch_split_problem
-from pipeline.train.families import resolve_backend
-from pipeline.train.fused_loss import fused_gkd_loss, output_hidden_states, output_weight
-from pipeline.train.live_teacher import teacher_topk
-from pipeline.train.lora import apply_lora
-from pipeline.train.loss import gkd_loss, opd_loss, vocab_parallel_ce
-from pipeline.train.optim import lr_scheduler, megatron_optimizer_config
-from pipeline.train.sources import TokenizerMismatchError, resolve_rollouts, resolve_sources
-from pipeline.train.sources import image_rows as source_images
-from pipeline.train.xtok_loss import XTOK_LOSSES, fused_xtok_loss, gold_weights
+from pipeline.train.data import xtok_rows
+from pipeline.train.data.loader import ScoredLoader, batch_split_problem
+from pipeline.train.data.sources import TokenizerMismatchError, resolve_rollouts, resolve_sources
+from pipeline.train.data.sources import image_rows as source_images
+from pipeline.train.losses.fused import fused_gkd_loss, output_hidden_states, output_weight
+from pipeline.train.losses.reference import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.losses.xtok import XTOK_LOSSES, fused_xtok_loss, gold_weights
+from pipeline.train.models import hf_model
+from pipeline.train.models.families import resolve_backend
+from pipeline.train.models.lora import apply_lora
+from pipeline.train.models.optim import lr_scheduler, megatron_optimizer_config
+from pipeline.train.parallel import context_parallel
+from pipeline.train.teacher import live_xtok
+from pipeline.train.teacher.live import teacher_topk
 
 
 def student_dir(cfg: TrainConfig) -> Path:
@@ -109,7 +113,7 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from pipeline.train.model import build_model, load_hf_weights
+    from pipeline.train.models.megatron import build_model, load_hf_weights
 
     bf16 = cfg.precision() == "bf16"
     model = build_model(hf_dir, params_dtype=torch.bfloat16 if bf16 else torch.float32, attention=cfg.attention,
@@ -145,14 +149,14 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
     """The frozen teacher of `teacher_live` on the student's backend, with its TP split and precision: HF weights,
     eval mode, no gradients, no DDP, no optimizer; it returns hidden states and the live reduction applies its
     output layer chunk by chunk. Refuses a teacher with another tokenizer before loading its weights, except with
-    loss=uld|gold, which needs one (train/live_xtok.py)."""
-    from pipeline.train.model import build_model, load_hf_weights
+    loss=uld|gold, which needs one (train/teacher/live_xtok.py)."""
+    from pipeline.train.models.megatron import build_model, load_hf_weights
 
     teacher_dir = Path(cfg.teacher_live)
     if not (teacher_dir / "config.json").exists():
         raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
     fp = tokenizer_fingerprint(teacher_dir)
-    # uld|gold: another tokenizer, checked before the model by live_xtok_setup (train/live_xtok.py aligns them)
+    # uld|gold: another tokenizer, checked before the model by live_xtok_setup (train/teacher/live_xtok.py aligns them)
     if fp != student_tokenizer and cfg.loss not in XTOK_LOSSES:
         raise TokenizerMismatchError(f"teacher_live {teacher_dir}: tokenizer {fp} differs from the student's "
                                      f"{student_tokenizer}; teacher ids would index the wrong tokens")
@@ -182,7 +186,7 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     """(loss for backward, active count, reported sums). `counts` = global (KD, SFT) active counts of the step.
 
     `output_tensor` is the final hidden states with `fused_loss` (the loss applies the output layer itself, chunk
-    by chunk: pipeline/train/fused_loss.py), the logits otherwise. loss=opd: the student-sourced positions take the
+    by chunk: pipeline/train/losses/fused.py), the logits otherwise. loss=opd: the student-sourced positions take the
     sampled-token estimator instead of the GKD divergence, normalised by the same global count of all positions.
     Routed (`teachers`): one loss call per teacher present, on its positions only (both losses gather the masked
     rows, so the split costs no extra output-layer work), its KD term weighted by teacher_weights[name].
@@ -284,7 +288,7 @@ def model_inputs(batch, cfg: TrainConfig, model) -> dict:
         impl = student.base().config._attn_implementation
         return {**hf_model.inputs(batch.doc_ids, batch.position_ids, batch.packed, impl),
                 **hf_model.vision_inputs(student, batch.input_ids, batch.images, batch.keys)}
-    from pipeline.train.attention import attention_inputs
+    from pipeline.train.models.attention import attention_inputs
 
     if batch.images and any(batch.images):
         raise ConfigError(f"the cache rows of {batch.keys[0]} carry images, but the Megatron backend's students are "
@@ -302,7 +306,7 @@ def rank_inputs(batch, cfg: TrainConfig, model):
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1 or hf_model.is_hf(_unwrap(model)):
         return batch, model_inputs(batch, cfg, model)
-    from pipeline.train.attention import context_spans
+    from pipeline.train.models.attention import context_spans
 
     if batch.images and any(batch.images):
         model_inputs(batch, cfg, model)  # its refusal of images on this backend
@@ -314,7 +318,7 @@ def rank_inputs(batch, cfg: TrainConfig, model):
 
 def score_live(teacher, batch, attn: dict, cfg: TrainConfig, student_vocab: int):
     """The micro-batch with its teacher rows computed now by the frozen live teacher, at its loss positions: the
-    top-k and tail the score stage would have stored, unquantised (pipeline/train/live_teacher.py). `attn`: the
+    top-k and tail the score stage would have stored, unquantised (pipeline/train/teacher/live.py). `attn`: the
     student's forward keywords (`model_inputs`), the teacher being built on the same backend."""
     import dataclasses
 
@@ -469,20 +473,20 @@ def xtok_map(cfg: TrainConfig, tokenizer) -> np.ndarray | None:
                            desc.vocab_size)
 
 
-def live_xtok_setup(cfg: TrainConfig, hf_dir: Path, tokenizer) -> live_xtok.LiveXtok:
+def live_xtok_setup(cfg: TrainConfig, hf_dir: Path, tokenizer) -> xtok_rows.LiveXtok:
     """A live teacher with another tokenizer (loss=uld|gold teacher_live=DIR), checked before any work: its
     tokenizer differs from the student's (else plain GKD), both decode deterministically, every rollout round-trips
-    (train/live_xtok.py); with the vocabulary map for loss=gold."""
+    (train/teacher/live_xtok.py); with the vocabulary map for loss=gold."""
     from transformers import AutoConfig
 
     teacher_dir = Path(cfg.teacher_live)
     if not (teacher_dir / "config.json").exists():
         raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
     if tokenizer_fingerprint(teacher_dir) == tokenizer_fingerprint(tokenizer):
-        live_xtok.refuse_same_tokenizer(teacher_dir, cfg.loss)
-    xt = live_xtok.open_live_xtok(hf_dir, teacher_dir, AutoConfig.from_pretrained(teacher_dir).vocab_size,
+        xtok_rows.refuse_same_tokenizer(teacher_dir, cfg.loss)
+    xt = xtok_rows.open_live_xtok(hf_dir, teacher_dir, AutoConfig.from_pretrained(teacher_dir).vocab_size,
                                   AutoConfig.from_pretrained(hf_dir).vocab_size, cfg.loss == "gold")
-    live_xtok.check_rollouts(cfg.rollouts, xt)
+    xtok_rows.check_rollouts(cfg.rollouts, xt)
     return xt
 
 
@@ -493,7 +497,7 @@ _DATA_COUNTS = ("positions", "samples", "truncated", "folded_positions")
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the last step's metrics. Every rank calls it."""
     from pipeline.train import checkpoint
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
     backend, why = resolve_backend(hf_dir, cfg.backend, cfg.seq_length)

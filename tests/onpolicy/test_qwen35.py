@@ -95,9 +95,9 @@ def test_float32_on_cpu_is_refused_before_the_engine_starts(q35, cache, tmp_path
 def test_alignment_on_the_vllm_cache_student_equals_teacher(q35, cache, tmp_path):
     """gkd train with the teacher itself as the student on the vLLM-scored cache: the first step's loss is the
     bfloat16 rows' rounding only; the teacher row for token j paired with logits at j (shift by one) is far larger."""
-    from pipeline.train import hf_model
-    from pipeline.train.data import ScoredLoader
-    from pipeline.train.loss import gkd_loss
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.models import hf_model
 
     save = tmp_path / "same"
     assert cli(["train", f"student={q35['teacher']}", f"cache=[{cache}]", "micro_batch_size=2",

@@ -150,9 +150,9 @@ def _text_only_logits(teacher: Path, ids: np.ndarray) -> torch.Tensor:
 def test_student_equals_teacher_loss_is_zero_and_a_shift_makes_it_large(vlm):
     """The vision-language student (the teacher itself) on the cache with the processor's pixel inputs: the loss is
     ~0; the teacher row for token j paired with logits at j (shift by one) makes it large."""
-    from pipeline.train import hf_model
-    from pipeline.train.data import ScoredLoader
-    from pipeline.train.loss import gkd_loss
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.models import hf_model
 
     model = hf_model.build(vlm["teacher"], fused_loss=False, trainable=False)
     mb = ScoredLoader([vlm["cache"]], micro_batch_size=8, seq_length=128, seed=0, packing=False).micro_batch(0)
@@ -262,9 +262,9 @@ def test_qwen35_vision_language_route_end_to_end(tmp_path):
     and as its own student on the hf backend gets a first-step loss that a shift by one makes far larger."""
     from tiny_models import build_qwen35_vl
 
-    from pipeline.train import hf_model
-    from pipeline.train.data import ScoredLoader
-    from pipeline.train.loss import gkd_loss
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.models import hf_model
 
     teacher = build_qwen35_vl(tmp_path / "q35vl", scale=5.0)
     src = _dataset(tmp_path)

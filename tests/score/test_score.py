@@ -490,8 +490,8 @@ def test_privileged_teacher_prompt_rows_align_to_the_students_completion_tokens(
     """Rollouts with a teacher_prompt: stored row i is the teacher's forward on teacher_prompt + completion at
     completion token i, stored under the student's prompt + completion; the loader pairs it with the student's
     position predicting that same token (and the plain view of the same sample is another key)."""
-    from pipeline.train.data import ScoredLoader
-    from pipeline.train.loss import gkd_loss
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.losses.reference import gkd_loss
 
     rng = np.random.default_rng(7)
     specs = [(5, 12, 9), (9, 3, 6), (4, 30, 1)]  # (prompt, teacher prompt, completion): longer, shorter, length-1

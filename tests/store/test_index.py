@@ -22,7 +22,7 @@ from scored_rows import make_descriptor, make_row
 from pipeline.cli import main as gkd
 from pipeline.store import ShardError, TeacherCache
 from pipeline.store.index import INDEX
-from pipeline.train.data import ScoredLoader
+from pipeline.train.data.loader import ScoredLoader
 
 SHARDS = 2000
 ROWS = sum(1 + i % 3 for i in range(SHARDS))

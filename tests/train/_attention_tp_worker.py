@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from pipeline.train.model import build_model, load_hf_weights
-from pipeline.train.parallel import destroy_distributed, init_distributed
+from pipeline.train.models.megatron import build_model, load_hf_weights
+from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
 
 def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:

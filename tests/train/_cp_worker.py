@@ -29,8 +29,8 @@ def _grads(model, tp: int, spec) -> dict:
     """This step's gradients, gathered over TP: HF layout, or peft layout for a LoRA adapter."""
     from megatron.core import parallel_state
 
-    from pipeline.train.lora import to_peft
-    from pipeline.train.model import megatron_to_hf_state_dict
+    from pipeline.train.models.lora import to_peft
+    from pipeline.train.models.megatron import megatron_to_hf_state_dict
 
     grads = {name: p.main_grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     shards = [None] * tp
@@ -44,7 +44,7 @@ def _random_adapter(model, cfg, tp: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import random_peft
 
-    from pipeline.train.lora import from_peft, load_lora_state
+    from pipeline.train.models.lora import from_peft, load_lora_state
 
     spec = cfg.lora_spec()
     load_lora_state(model, from_peft(random_peft(model.hf_arch, spec), model.hf_arch, spec,
@@ -64,10 +64,10 @@ def alignment(teacher: str, cache: str, cp: int, tp: int) -> dict:
     position off (rolled on the WHOLE rows, then split), summed over the CP ranks."""
     from megatron.core import parallel_state
 
-    from pipeline.train.context_parallel import split
-    from pipeline.train.data import ScoredLoader
-    from pipeline.train.loss import gkd_loss
-    from pipeline.train.model import build_model, load_hf_weights
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.models.megatron import build_model, load_hf_weights
+    from pipeline.train.parallel.context_parallel import split
     from pipeline.train.trainer import TrainConfig, rank_inputs
 
     cfg = TrainConfig(student=teacher, cache=[cache], seq_length=64, context_parallel_size=cp,
@@ -94,9 +94,9 @@ def alignment(teacher: str, cache: str, cp: int, tp: int) -> dict:
 
 
 def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> None:
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import sum_reports
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
     from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
 
     init_distributed(tp=tp, pp=1, seed=1234, cp=cp)

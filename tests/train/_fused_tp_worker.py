@@ -42,7 +42,7 @@ def main() -> None:
 
 
 def fused_tp(c, h, w, mode, sft_w, vocab_size, group):
-    from pipeline.train.fused_loss import fused_gkd_loss
+    from pipeline.train.losses.fused import fused_gkd_loss
 
     return fused_gkd_loss(h, w, c["ids"], c["ell"], c["mask"], beta=0.5, temperature=2.0, mode=mode,
                           teacher_tail=c["tail"], teacher_valid=c["valid"], labels=c["labels"],

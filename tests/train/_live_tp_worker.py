@@ -1,6 +1,6 @@
 """TP=2 worker for tests/train/test_live_teacher.py: the live teacher's top-k and tail from a vocab-split weight
 equal the TP=1 reduction (a vocab of 51 padded to 52, so one rank's slice ends in a padding column), and so does the
-actual-token logprob of a live cross-tokenizer teacher (train/live_xtok.py `actual_logprobs`, each logit on one rank).
+actual-token logprob of a live cross-tokenizer teacher (train/teacher/live_xtok.py `actual_logprobs`, each logit on one rank).
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_live_tp_worker.py``.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pipeline.train.live_teacher import teacher_topk
-from pipeline.train.live_xtok import actual_logprobs
+from pipeline.train.teacher.live import teacher_topk
+from pipeline.train.teacher.live_xtok import actual_logprobs
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+from pipeline.train.losses.reference import gkd_loss, vocab_parallel_ce
 
 
 def _check(name: str, fn, z: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from pipeline.train.model import build_model, export_hf, load_hf_weights
-from pipeline.train.parallel import destroy_distributed, init_distributed
+from pipeline.train.models.megatron import build_model, export_hf, load_hf_weights
+from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
 
 def main(ids_path: str, out_dir: str, hf_dirs: list[str]) -> None:

@@ -20,10 +20,10 @@ def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import sum_reports
-    from pipeline.train.model import megatron_to_hf_state_dict
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.models.megatron import megatron_to_hf_state_dict
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
     from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
 
     cfg = TrainConfig(student=student, cache=[cache], micro_batch_size=2, global_batch_size=4, seq_length=32,
@@ -35,7 +35,7 @@ def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tiny_models import random_peft
 
-        from pipeline.train.lora import from_peft, load_lora_state, to_peft
+        from pipeline.train.models.lora import from_peft, load_lora_state, to_peft
 
         spec = cfg.lora_spec()
         load_lora_state(model, from_peft(random_peft(model.hf_arch, spec), model.hf_arch, spec,

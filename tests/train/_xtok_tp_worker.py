@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tolerance import assert_layout_close
 
-from pipeline.train.xtok_loss import fused_xtok_loss, gold_weights, xtok_loss_reference
+from pipeline.train.losses.xtok import fused_xtok_loss, gold_weights, xtok_loss_reference
 
 B, T, H, V, K = 2, 14, 16, 37, 6  # V odd: TP=2 pads the last slice (Megatron's rule)
 

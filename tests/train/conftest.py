@@ -36,7 +36,7 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture
 def single_process():
     """Megatron's process groups for one process (TP=1), torn down after the test."""
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     yield

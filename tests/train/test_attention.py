@@ -1,4 +1,4 @@
-"""attention=sdpa (pipeline/train/attention.py) equals Megatron's own DotProductAttention (attention=local).
+"""attention=sdpa (pipeline/train/models/attention.py) equals Megatron's own DotProductAttention (attention=local).
 
 Run: ``python -m pytest tests/train/test_attention.py`` (``-m "not distributed"`` skips the torchrun test).
 The SMALL models of tiny_models.build_random_hf have 4 query heads over 2 KV heads, so every model-level case is
@@ -29,8 +29,8 @@ import torch
 from train_fixtures import ARCHS, needs_peak_rss, peak_rss_growth
 from train_fixtures import random_ids as _ids
 
-from pipeline.train.model import build_model, load_hf_weights
-from pipeline.train.parallel import destroy_distributed, init_distributed
+from pipeline.train.models.megatron import build_model, load_hf_weights
+from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5  # of each tensor's max |entry|, see the module docstring
@@ -54,7 +54,7 @@ PACKED = [[10, 14], [5, 7, 8]]  # row 0 fills all 24 positions; row 1 has a 4-to
 def _device(model: torch.nn.Module | None = None) -> torch.device:
     """Where Megatron computes: `model`'s parameters (build_model moves them to CUDA when there is one), else, for
     a parameterless module such as DotProductAttention, the device its buffers are allocated on (Megatron's
-    torch.cuda.current_device(); the CPU under pipeline/train/compat.py)."""
+    torch.cuda.current_device(); the CPU under pipeline/train/parallel/compat.py)."""
     if model is not None:
         return next(model.parameters()).device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -96,7 +96,7 @@ def _forward_backward(hf_dir: Path, attention: str, mask: torch.Tensor | None, i
 def test_sdpa_matches_local_logits_and_gradients(hf_dirs, single_process, arch, case):
     """"spans": sdpa given the packed rows' document spans and no mask (what the trainer passes it) against local
     given the block-diagonal mask."""
-    from pipeline.train.attention import document_spans
+    from pipeline.train.models.attention import document_spans
 
     ids = _ids()
     mask = block_causal_mask(PACKED, ids.shape[1]) if case != "causal" else None
@@ -121,7 +121,7 @@ def _core_pair(heads: int, groups: int, mask_type=None, **config_kw):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from pipeline.train.attention import SDPAttention
+    from pipeline.train.models.attention import SDPAttention
 
     config = TransformerConfig(num_layers=4, hidden_size=heads * 16, num_attention_heads=heads,
                                num_query_groups=groups, kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0,
@@ -166,7 +166,7 @@ def test_core_attention_module_matches_megatron(single_process, groups, config_k
 
 
 def test_bad_backend_and_unsupported_config_are_refused(single_process):
-    from pipeline.train.attention import layer_spec
+    from pipeline.train.models.attention import layer_spec
 
     with pytest.raises(ValueError, match="attention='flash'.*sdpa, local"):
         layer_spec("flash")
@@ -178,7 +178,7 @@ def _dropout_pair():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from pipeline.train.attention import SDPAttention
+    from pipeline.train.models.attention import SDPAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, attention_dropout=0.1,
                                use_cpu_initialization=True)
@@ -214,7 +214,7 @@ def test_tp2_sdpa_matches_tp1_local(hf_dirs, tmp_path):
 
 
 def test_packed_segments_recognises_block_diagonal_masks_only():
-    from pipeline.train.attention import packed_segments
+    from pipeline.train.models.attention import packed_segments
 
     mask = block_causal_mask(PACKED, 24)
     assert packed_segments(mask, 2, 24, 24) == [[(0, 10), (10, 24)], [(0, 5), (5, 12), (12, 20), (20, 24)]]
@@ -230,8 +230,8 @@ def test_packed_segments_recognises_block_diagonal_masks_only():
 def test_document_spans_are_the_masks_segments():
     """document_spans (O(S) from the loader's doc_ids) finds the spans packed_segments reads off the S x S mask the
     local backend gets, on loader layouts: full rows, a padded tail, one-token documents, all padding."""
-    from pipeline.train.attention import attention_inputs, document_spans, packed_segments
-    from pipeline.train.packing import attention_mask
+    from pipeline.train.data.packing import attention_mask
+    from pipeline.train.models.attention import attention_inputs, document_spans, packed_segments
 
     g = torch.Generator().manual_seed(5)
     layouts = [PACKED, [[24], [1, 1, 22]], [[3], []], [[1] * 24, [23]]]
@@ -259,7 +259,7 @@ def test_document_spans_are_the_masks_segments():
 def test_bad_document_spans_and_thd_params_are_refused(single_process):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from pipeline.train.attention import DocumentSpans, document_spans
+    from pipeline.train.models.attention import DocumentSpans, document_spans
 
     _, sdpa = _core_pair(4, 2)
     q, k, v = torch.randn(24, 2, 4, 16), torch.randn(24, 2, 2, 16), torch.randn(24, 2, 2, 16)
@@ -296,7 +296,7 @@ def test_packed_rows_cost_no_seq_squared_memory(hf_dirs, single_process):
     block-diagonal mask measured 262 MiB (the mask, and packed_segments reading it back), which the first bound
     catches and the second shows. On CUDA the memory measured is the GPU's (`_peak_growth`): the mask is built on
     the model's device from doc_ids there, and it and packed_segments' S x S temporaries are the same bytes."""
-    from pipeline.train.attention import attention_inputs
+    from pipeline.train.models.attention import attention_inputs
 
     s = 8192
     model = build_model(hf_dirs["llama"])

@@ -1,4 +1,4 @@
-"""Context parallelism (pipeline/train/context_parallel.py): CP=2 == CP=1, and a sample crossing a chunk boundary
+"""Context parallelism (pipeline/train/parallel/context_parallel.py): CP=2 == CP=1, and a sample crossing a chunk boundary
 keeps its alignment.
 
 - The split itself (no process group): every rank's zig-zag columns, put back together, are the padded micro-batch.
@@ -27,9 +27,9 @@ import pytest
 import torch
 from tolerance import assert_layout_close
 
-from pipeline.train.context_parallel import columns, split
-from pipeline.train.data import ScoredLoader
+from pipeline.train.data.loader import ScoredLoader
 from pipeline.train.metrics import OPD_KL_SUM, OPD_SUM, SFT_SUM
+from pipeline.train.parallel.context_parallel import columns, split
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,8 +84,8 @@ def test_context_spans_attention_matches_the_masked_kernel(single_process):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from pipeline.train.attention import SDPAttention, context_spans
-    from pipeline.train.packing import attention_mask
+    from pipeline.train.data.packing import attention_mask
+    from pipeline.train.models.attention import SDPAttention, context_spans
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
                                attention_dropout=0.0, use_cpu_initialization=True)

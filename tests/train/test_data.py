@@ -11,9 +11,9 @@ import torch
 from scored_rows import make_descriptor, make_row
 
 from pipeline.store import ShardError, TeacherCache
-from pipeline.train.batch import IGNORE_INDEX
-from pipeline.train.data import ScoredLoader
-from pipeline.train.sources import TokenizerMismatchError
+from pipeline.train.data.batch import IGNORE_INDEX
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.data.sources import TokenizerMismatchError
 
 K = 4
 

@@ -113,7 +113,7 @@ def test_per_microbatch_mean_would_fail_this_data(uneven):
     """The premise of the test above: on this data, in every step of the "dp1 x4" run, weighting its micro-batches
     equally (per-micro-batch means, averaged) instead of by their share of the step's tokens is off by far more
     than the rule's tolerance, so a trainer normalising per micro-batch could not pass it."""
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
 
     loader = ScoredLoader([uneven["cache"]], micro_batch_size=2, seq_length=64, seed=1234)
     for step in range(3):

@@ -1,4 +1,4 @@
-"""The supported student families (pipeline/train/families.py) through the Megatron mapping, export and vLLM.
+"""The supported student families (pipeline/train/models/families.py) through the Megatron mapping, export and vLLM.
 
 Run: ``python -m pytest tests/train/test_families.py`` (``-m "not distributed"`` skips the torchrun test).
 Every family is a tiny random model of tests/tiny_models.py `build_family` (transformers' own config classes, the
@@ -21,8 +21,8 @@ import transformers
 from tiny_cache import score_into_cache
 from tiny_models import FAMILIES, LLAMA3_ROPE, MISTRAL_WINDOW, build_family
 
-from pipeline.train.families import Llama3Rope, check_trainable, llama3_inv_freq
-from pipeline.train.model import build_model, export_hf, load_hf_weights, read_hf_arch, read_hf_state_dict
+from pipeline.train.models.families import Llama3Rope, check_trainable, llama3_inv_freq
+from pipeline.train.models.megatron import build_model, export_hf, load_hf_weights, read_hf_arch, read_hf_state_dict
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 80
@@ -155,7 +155,7 @@ def test_train_checkpoint_export(families, family_cache, tmp_path, family):
     forward of the checkpoint loaded back (same bound as the logits test)."""
     from pipeline.train import checkpoint
     from pipeline.train.export import export
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
     from pipeline.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(student=str(families[family]), cache=[str(family_cache)], micro_batch_size=2, global_batch_size=4,
@@ -188,7 +188,7 @@ def test_mistral_window_is_checked_against_seq_length(families):
 def test_trainer_refuses_a_short_window_before_any_work(families, tmp_path):
     """`train` checks the student against its seq_length first: the cache below does not even exist. backend=auto
     trains such a student on the transformers backend, which implements the sliding window itself."""
-    from pipeline.train.families import resolve_backend
+    from pipeline.train.models.families import resolve_backend
     from pipeline.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(student=str(families["mistral"]), cache=[str(tmp_path / "no-cache")], seq_length=128,

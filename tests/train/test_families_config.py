@@ -1,4 +1,4 @@
-"""config.json -> HFArch for each supported family, and one test per refused feature (pipeline/train/families.py).
+"""config.json -> HFArch for each supported family, and one test per refused feature (pipeline/train/models/families.py).
 
 Only config.json is written (read_hf_arch reads nothing else), so these run in a second. The accepted configs are
 shaped like the published ones of the recipe students (configs/recipes/), with their key spelling (legacy
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.families import Llama3Rope, UnsupportedModelError, check_trainable, read_hf_arch
+from pipeline.train.models.families import Llama3Rope, UnsupportedModelError, check_trainable, read_hf_arch
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="silu")

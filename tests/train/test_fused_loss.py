@@ -13,8 +13,8 @@ import pytest
 import torch
 from train_fixtures import needs_peak_rss, peak_rss_growth, run_tp2_worker
 
-from pipeline.train.fused_loss import fused_gkd_loss
-from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+from pipeline.train.losses.fused import fused_gkd_loss
+from pipeline.train.losses.reference import gkd_loss, vocab_parallel_ce
 
 T, H, V, K = 13, 8, 29, 5
 REPO = Path(__file__).resolve().parents[2]

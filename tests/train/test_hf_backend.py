@@ -112,8 +112,8 @@ def test_hf_resume_after_kill_is_bit_identical(tiny, runs, tmp_path):
 def test_hf_packing_equals_one_sample_per_row(tiny):
     """A packed micro-batch through the hf student (positions restarting per sample, block-diagonal mask) gives
     every sample the logits it has alone; the same rows with the loader's continuous positions and no mask do not."""
-    from pipeline.train import hf_model
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.models import hf_model
 
     student = hf_model.build(tiny["student"], fused_loss=False, packing=True, trainable=False)
     mb = ScoredLoader([tiny["cache"]], micro_batch_size=4, seq_length=64, seed=0, packing=True).micro_batch(0)
@@ -168,7 +168,7 @@ def test_lora_target_matching_nothing_names_the_modules(tiny, tmp_path, capsys):
 def test_refusals_name_model_type_key_and_backends(tmp_path):
     from transformers import BertConfig, BertForMaskedLM
 
-    from pipeline.train.families import resolve_backend
+    from pipeline.train.models.families import resolve_backend
 
     BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=64)).save_pretrained(tmp_path / "bert")
@@ -201,8 +201,8 @@ def qwen35(tmp_path_factory) -> dict:
 def test_qwen35_alignment_student_equals_teacher(qwen35):
     """Student initialised to the scoring Qwen3.5: the loss is ~0 (codec quantisation only); the teacher row for
     token j paired with logits at j instead of j - 1 (the shift-by-one bug) makes it large."""
-    from pipeline.train import hf_model
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.models import hf_model
 
     model = hf_model.build(qwen35["teacher"], fused_loss=False, trainable=False)
     mb = ScoredLoader([qwen35["cache"]], micro_batch_size=8, seq_length=64, seed=0, packing=False).micro_batch(0)

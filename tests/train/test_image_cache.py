@@ -148,7 +148,7 @@ def test_vlm_student_trains_on_an_image_cache_with_the_default_packing(vl, tmp_p
 def test_the_packed_loader_refuses_image_rows_by_name(vl):
     """Was: the packed path laid image rows out without their images (mb.images None), silently."""
     from pipeline.store.shards import ShardError
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
 
     loader = ScoredLoader([vl["cache"]], micro_batch_size=2, seq_length=128, seed=0, packing=True)
     with pytest.raises(ShardError, match="rows with images cannot be packed.*packing=false"):

@@ -1,4 +1,4 @@
-"""The live teacher's on-the-fly reduction (pipeline/train/live_teacher.py) against a full-softmax top-k, TP=2 vs
+"""The live teacher's on-the-fly reduction (pipeline/train/teacher/live.py) against a full-softmax top-k, TP=2 vs
 TP=1, the fold of ids past the student's vocab; the trainer trained by a live teacher against the same trainer on
 a cache of the same rows (exact codec: the same steps; default codec: within its quantisation bound).
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.live_teacher import teacher_topk
+from pipeline.train.teacher.live import teacher_topk
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_privileged_teacher_prompts_are_refused_by_the_live_teacher(tmp_path):
     stage, so the loader refuses them by file instead of training on the wrong teacher view."""
     from pipeline.store.rollouts import rollout_row, write_rollouts
     from pipeline.store.shards import ShardError
-    from pipeline.train.data import ScoredLoader
+    from pipeline.train.data.loader import ScoredLoader
 
     rows = [rollout_row(prompt_id="a", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset"),
             rollout_row(prompt_id="b", prompt_ids=[5, 6], completion_ids=[7, 9], source="dataset",

@@ -1,4 +1,4 @@
-"""A live teacher with another tokenizer (pipeline/train/live_xtok.py) against a cross-tokenizer cache of the same
+"""A live teacher with another tokenizer (pipeline/train/teacher/live_xtok.py) against a cross-tokenizer cache of the same
 rollouts written with the exact codec: the trainer's per-step losses and its trained weights agree (the cache's rows
 come from a transformers forward of the teacher on its own tokens, the live ones from the trainer's teacher on the
 same tokens); and the actual-token logprob of the live reduction against a full log-softmax.
@@ -16,8 +16,8 @@ import torch
 
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import write_rollouts
-from pipeline.train.live_teacher import teacher_topk
-from pipeline.train.live_xtok import actual_logprobs
+from pipeline.train.teacher.live import teacher_topk
+from pipeline.train.teacher.live_xtok import actual_logprobs
 
 SEQ = 128
 
@@ -94,8 +94,8 @@ def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
     from transformers import AutoConfig
 
     from pipeline.store.rollouts import iter_rollouts, rollout_row
-    from pipeline.train.data import ScoredLoader
-    from pipeline.train.live_xtok import open_live_xtok
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.data.xtok_rows import open_live_xtok
 
     rows = list(iter_rollouts([xl["root"] / "rollouts" / "r-00000-of-00001.parquet"]))
     empty = rollout_row(prompt_id="e", prompt_ids=rows[0]["prompt_ids"], completion_ids=[], source="dataset")
@@ -124,7 +124,7 @@ def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from pipeline.store.codec import tail_logprob
-    from pipeline.train.live_xtok import teacher_batch, with_teacher
+    from pipeline.train.teacher.live_xtok import teacher_batch, with_teacher
 
     tb = teacher_batch(live.xtok_live)
     model = AutoModelForCausalLM.from_pretrained(xl["teacher"], dtype=torch.float32).eval()

@@ -21,9 +21,9 @@ from tolerance import assert_layout_close
 from train_fixtures import ARCHS
 from train_fixtures import random_ids as _ids
 
-from pipeline.train.lora import LoRASpec, apply_lora, from_peft, load_lora_state, lora_state_dict, to_peft
-from pipeline.train.model import build_model, export_adapter, export_hf, load_hf_weights, read_hf_state_dict
-from pipeline.train.parallel import destroy_distributed, init_distributed
+from pipeline.train.models.lora import LoRASpec, apply_lora, from_peft, load_lora_state, lora_state_dict, to_peft
+from pipeline.train.models.megatron import build_model, export_adapter, export_hf, load_hf_weights, read_hf_state_dict
+from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = LoRASpec(rank=8, alpha=16.0, targets=("linear_qkv", "linear_fc1", "linear_proj", "linear_fc2"))
@@ -200,7 +200,7 @@ def test_vllm_lora_request_gives_megatron_logprobs(tiny, lora_run, tmp_path):
 
     from pipeline.engine import EngineArgs, open_engine
     from pipeline.train import checkpoint
-    from pipeline.train.lora import LoRASpec
+    from pipeline.train.models.lora import LoRASpec
 
     assert _cli(["export", "--checkpoint", str(lora_run), "--out", str(tmp_path / "ad"), "--adapter-only"]) == 0
     ids = list(range(3, 40))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from train_fixtures import needs_peak_rss, peak_rss_growth, run_tp2_worker
 
-from pipeline.train.loss import gkd_loss, vocab_parallel_ce
+from pipeline.train.losses.reference import gkd_loss, vocab_parallel_ce
 
 T, V, K = 7, 23, 5
 MASK = torch.tensor([True, True, False, True, True, False, True])

@@ -8,7 +8,7 @@ norm shows up too.
 
 Device: build_model puts the Megatron model on CUDA when there is one, so its inputs go to its parameters' device
 and its logits come back to the CPU to be compared with transformers' (run on the CPU). The tests of
-pipeline/train/compat.py's CPU layer itself are skipped on CUDA, where apply_cpu_compat() is inert by design.
+pipeline/train/parallel/compat.py's CPU layer itself are skipped on CUDA, where apply_cpu_compat() is inert by design.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from tolerance import assert_layout_close
 from train_fixtures import ARCHS
 from train_fixtures import random_ids as _ids
 
-from pipeline.train import compat
-from pipeline.train.model import (
+from pipeline.train.models.megatron import (
     build_model,
     export_hf,
     hf_to_megatron_state_dict,
@@ -35,7 +34,8 @@ from pipeline.train.model import (
     read_hf_arch,
     read_hf_state_dict,
 )
-from pipeline.train.parallel import destroy_distributed, init_distributed
+from pipeline.train.parallel import compat
+from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 

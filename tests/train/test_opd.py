@@ -1,4 +1,4 @@
-"""loss=opd: the sampled-token on-policy distillation estimator (pipeline/train/loss.py `opd_loss`, and the fused
+"""loss=opd: the sampled-token on-policy distillation estimator (pipeline/train/losses/reference.py `opd_loss`, and the fused
 path), k = 0 caches, and the refusals when a cache holds less than the loss reads.
 
 Run: ``python -m pytest tests/train/test_opd.py``.
@@ -15,9 +15,9 @@ import torch
 from conftest import random_samples, score_into_cache
 
 from pipeline.store import read_cache
-from pipeline.train.data import ScoredLoader
-from pipeline.train.fused_loss import fused_gkd_loss
-from pipeline.train.loss import gkd_loss, opd_loss
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.losses.fused import fused_gkd_loss
+from pipeline.train.losses.reference import gkd_loss, opd_loss
 
 
 def test_opd_gradient_is_an_unbiased_estimate_of_the_reverse_kl_gradient():

@@ -12,9 +12,9 @@ import torch
 from conftest import build_tiny, score_into_cache
 
 from pipeline.store import read_cache
-from pipeline.train.batch import IGNORE_INDEX
-from pipeline.train.data import ScoredLoader
-from pipeline.train.packing import attention_mask, pack, row_offsets
+from pipeline.train.data.batch import IGNORE_INDEX
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.data.packing import attention_mask, pack, row_offsets
 
 S = 32  # seq_length of these tests
 # Lengths chosen so packed rows hit every edge: rows filled exactly to S (8 + 24, 16 + 16, 8 + 8 + 16, a 32),
@@ -175,8 +175,8 @@ def _unpack(mb) -> tuple[dict, list[tuple[int, int, int]]]:
 
 @pytest.fixture(scope="module")
 def student(packed_cache):
-    from pipeline.train.model import build_model, load_hf_weights
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.models.megatron import build_model, load_hf_weights
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     model = build_model(packed_cache["student"])
@@ -191,7 +191,7 @@ def _forward(model, ids, mask=None, **attn):
 
 
 def _per_token_kd(logits, t_ids, t_lp, mask) -> torch.Tensor:
-    from pipeline.train.loss import gkd_loss
+    from pipeline.train.losses.reference import gkd_loss
 
     out = []
     for pos in mask.reshape(-1).nonzero().flatten().tolist():
@@ -216,8 +216,8 @@ def test_packed_student_equals_one_sample_per_row(packed_cache, student, dtype, 
     """Logits, per-token GKD losses and parameter gradients of packed rows equal those of the same samples padded
     one per row: samples at column offsets > 0 see RoPE at shifted positions, which must not matter. `apart`: the
     rows' samples kept apart by their document spans (the trainer's sdpa input) or by the block-diagonal mask."""
-    from pipeline.train.attention import attention_inputs
-    from pipeline.train.loss import gkd_loss
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.models.attention import attention_inputs
 
     tol_logits, tol_kd, tol_grad = TOLERANCES[dtype]
     student.to(dtype)  # float32 -> float64 -> float32 is exact: the other tests see the same weights
@@ -261,7 +261,7 @@ def test_no_attention_across_samples(packed_cache, student):
     """Perturb the first sample of a row: every later sample of that row keeps its logits exactly (masked scores
     get probability exactly 0), kept apart by document spans or by the mask. Without either they move: the check
     can fail."""
-    from pipeline.train.attention import attention_inputs
+    from pipeline.train.models.attention import attention_inputs
 
     mb = next(m for m in _epoch(_loader(packed_cache["cache"])) if int(m.doc_ids[0].max()) >= 1)
     first = mb.doc_ids[0] == 0

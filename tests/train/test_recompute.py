@@ -1,4 +1,4 @@
-"""Activation recompute (pipeline/train/recompute.py): selective and full give the gradients of no recompute.
+"""Activation recompute (pipeline/train/models/recompute.py): selective and full give the gradients of no recompute.
 
 Run: ``python -m pytest tests/train/test_recompute.py``. Exact comparison (torch.equal): recompute reruns the same
 deterministic CPU kernels on the same inputs in the same process, and every weight gradient is formed by the same
@@ -13,14 +13,14 @@ import torch
 from train_fixtures import ARCHS
 from train_fixtures import random_ids as _ids
 
-from pipeline.train.model import build_model, load_hf_weights
+from pipeline.train.models.megatron import build_model, load_hf_weights
 
 
 def _grads(hf_dir, attention: str, recompute: str, lora: bool = False, attn: dict | None = None):
     model = build_model(hf_dir, attention=attention, recompute=recompute)
     load_hf_weights(model, hf_dir)
     if lora:
-        from pipeline.train.lora import LoRASpec, apply_lora
+        from pipeline.train.models.lora import LoRASpec, apply_lora
 
         apply_lora(model, LoRASpec(4, 8.0, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")), seed=0)
         with torch.no_grad():  # B starts at zero (no gradient for A): draw it so both factors get one
@@ -51,7 +51,7 @@ def test_recompute_gives_the_same_gradients(hf_dirs, single_process, arch, atten
     mask to local), which the checkpoints carry as one more input."""
     from test_attention import PACKED, packed_doc_ids
 
-    from pipeline.train.attention import attention_inputs
+    from pipeline.train.models.attention import attention_inputs
 
     attn = attention_inputs(packed_doc_ids(PACKED, _ids().shape[1]), packed, attention)
     ref, ref_calls, layers = _grads(hf_dirs[arch], attention, "none", attn=attn)
@@ -77,7 +77,7 @@ def test_full_recompute_trains_lora_adapters(hf_dirs, single_process):
 
 
 def test_bad_mode_is_refused():
-    from pipeline.train.recompute import recompute_options
+    from pipeline.train.models.recompute import recompute_options
 
     with pytest.raises(ValueError, match="recompute='some'.*none, selective, full"):
         recompute_options("some")

@@ -11,7 +11,7 @@ import torch
 from tiny_cache import build_tiny, random_samples, score_into_cache
 
 from pipeline.store.shards import ShardError
-from pipeline.train.data import ScoredLoader
+from pipeline.train.data.loader import ScoredLoader
 from pipeline.train.metrics import KD_SUM, WEIGHTED_KD_SUM, teacher_kd_count, teacher_kd_sum
 
 N = 16
@@ -91,7 +91,7 @@ def test_unrouted_missing_and_default_routes(two):
 def test_loss_weights_each_teachers_positions(two, single_process):
     """loss = sum over teachers of w_t * KD sum on its positions / the step's count (the reference loss, unfused);
     the report holds each teacher's sum and count."""
-    from pipeline.train.loss import gkd_loss
+    from pipeline.train.losses.reference import gkd_loss
     from pipeline.train.trainer import TrainConfig, loss_func
 
     root = two["root"]

@@ -17,9 +17,9 @@ import torch
 from tolerance import assert_layout_close
 
 from pipeline.config import ConfigError, load_config
-from pipeline.train.data import ScoredLoader
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.data.sources import TokenizerMismatchError
 from pipeline.train.run import DEFAULT_CONFIG
-from pipeline.train.sources import TokenizerMismatchError
 from pipeline.train.trainer import TrainConfig, train
 
 
@@ -58,9 +58,9 @@ def test_shipped_config_loads_and_unknown_keys_fail():
 
 def test_end_to_end_alignment(tiny):
     """Student initialised to the scoring model: loss ~ 0 (codec quantisation only); off by one: large."""
-    from pipeline.train.loss import gkd_loss
-    from pipeline.train.model import build_model, load_hf_weights
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.models.megatron import build_model, load_hf_weights
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     init_distributed(tp=1, pp=1, seed=0)
     try:
@@ -176,8 +176,8 @@ def test_export_loads_in_transformers(tiny, uninterrupted, tmp_path):
 
     from pipeline.cli import main as cli
     from pipeline.train import checkpoint
-    from pipeline.train.model import build_model
-    from pipeline.train.parallel import destroy_distributed, init_distributed
+    from pipeline.train.models.megatron import build_model
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
     assert cli(["export", "--checkpoint", str(uninterrupted), "--out", str(tmp_path / "hf")]) == 0
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)

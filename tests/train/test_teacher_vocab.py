@@ -16,8 +16,8 @@ from tiny_cache import train_tiny
 
 from pipeline.store import read_cache
 from pipeline.store.fingerprint import tokenizer_fingerprint
-from pipeline.train.data import ScoredLoader
-from pipeline.train.sources import TokenizerMismatchError
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.data.sources import TokenizerMismatchError
 
 EXTRA = 48  # padding rows of the teacher's embedding past the tokenizer's vocab
 

@@ -15,9 +15,9 @@ from conftest import random_samples, score_into_cache
 from tiny_cache import train_tiny
 
 from pipeline.store import read_cache
-from pipeline.train.data import ScoredLoader
-from pipeline.train.fused_loss import fused_gkd_loss
-from pipeline.train.loss import gkd_loss
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.losses.fused import fused_gkd_loss
+from pipeline.train.losses.reference import gkd_loss
 
 CAP, MIN_K, TOPP = 8, 2, 0.9
 

@@ -1,4 +1,4 @@
-"""ULD and GOLD over aligned spans (pipeline/train/xtok_loss.py) against TRL 1.16's own implementation
+"""ULD and GOLD over aligned spans (pipeline/train/losses/xtok.py) against TRL 1.16's own implementation
 (`trl.experimental.gold.gold_trainer.ULDLoss`, installed here with `pip install --no-deps` into a temporary folder, a
 reference only), on two real tokenizers that differ (the embedded SmolLM2 tokenizer and a BPE trained in the test)
 and full distributions; then the top-k cache's version against the full one within the bound the module states; and
@@ -18,7 +18,7 @@ import torch
 from train_fixtures import run_tp2_worker
 
 from pipeline.store import align
-from pipeline.train.xtok_loss import EPS, fused_xtok_loss, gold_weights, span_divergence, xtok_loss_reference
+from pipeline.train.losses.xtok import EPS, fused_xtok_loss, gold_weights, span_divergence, xtok_loss_reference
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "<|im_start|>user\nWhat is 3 × 4?<|im_end|>\n<|im_start|>assistant\n"
@@ -218,7 +218,7 @@ def test_sorted_l1_by_top_k_equals_the_full_sort(vocab):
     """The sorted L1 compares the student's top-k only (the rest as the row sum less them); against the definition
     written with a full descending sort of both sides, zero-padded to a common width, on rows with ties (zeroed
     entries, as GOLD's unmatched part has) and a student vocabulary smaller and larger than k = 16."""
-    from pipeline.train.xtok_loss import _sorted_l1
+    from pipeline.train.losses.xtok import _sorted_l1
 
     g = torch.Generator().manual_seed(vocab)
     n, k = 6, 16

@@ -1,6 +1,6 @@
 """`gkd train loss=gold|uld` from a cross-tokenizer cache (rows in the SmolLM2 teacher's tokens, a student with a
 byte-level BPE trained in the test): the loader's student layout against the teacher's own forward, and the first
-step's loss against the plain definition (train/xtok_loss.py `xtok_loss_reference`) on a transformers forward of
+step's loss against the plain definition (train/losses/xtok.py `xtok_loss_reference`) on a transformers forward of
 the student."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from tiny_cache import build_tiny, score_cross_into_cache, xtok_rollouts
 
 from pipeline.store import align
 from pipeline.store.fingerprint import tokenizer_fingerprint
-from pipeline.train.data import ScoredLoader
-from pipeline.train.xtok_loss import gold_weights, xtok_loss_reference
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.losses.xtok import gold_weights, xtok_loss_reference
 
 SEQ = 128
 REPO = Path(__file__).resolve().parents[2]

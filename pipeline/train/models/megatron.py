@@ -1,5 +1,5 @@
 """HF Llama / Mistral / Qwen2 / Qwen3 checkpoint <-> Megatron-Core GPTModel (local layer spec, fp32), for the student
-trainer. Which configs are accepted, and the refusals: `pipeline.train.families`.
+trainer. Which configs are accepted, and the refusals: `pipeline.train.models.families`.
 
 Why our own mapping: the bridge packages (megatron-bridge, mcore-bridge) need Transformer Engine, which does not
 exist on CPU, and for these architectures the mapping is a handful of reshapes (docs/dependencies.md, "Megatron-Core
@@ -20,7 +20,7 @@ Vocab padding: Megatron needs vocab % tp == 0. `build_model` pads the vocab to a
 `pad_vocab_to_multiple_of` (default: tp) with zero rows; padded ids then get logit exactly 0, so the loss
 must ignore columns >= `model.hf_vocab_size` (the original vocab). Export strips the padding.
 
-    python -c "from pipeline.train.model import *"   # exercised by tests/train/test_model.py
+    python -c "from pipeline.train.models.megatron import *"   # exercised by tests/train/test_model.py
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from safetensors.torch import save_file
 
 from pipeline.errors import MissingInputError
 from pipeline.store.shards import staged_dir
-from pipeline.train.attention import layer_spec
-from pipeline.train.families import HFArch, check_trainable, llama3_inv_freq, read_hf_arch
-from pipeline.train.lora import merge_into, to_peft, write_peft_folder
-from pipeline.train.recompute import keep_inputs_differentiable, recompute_options
+from pipeline.train.models.attention import layer_spec
+from pipeline.train.models.families import HFArch, check_trainable, llama3_inv_freq, read_hf_arch
+from pipeline.train.models.lora import merge_into, to_peft, write_peft_folder
+from pipeline.train.models.recompute import keep_inputs_differentiable, recompute_options
 
 __all__ = ["HFArch", "build_model", "check_trainable", "export_adapter", "export_hf", "gather_shards",
            "hf_to_megatron_state_dict", "load_hf_weights", "megatron_to_hf_state_dict", "padded_vocab", "read_hf_arch",

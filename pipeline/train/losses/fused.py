@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.loss import TEACHER_EPS, divergence, loss_arg_problems, student_bins, teacher_bins
-from pipeline.train.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
+from pipeline.train.losses.reference import TEACHER_EPS, divergence, loss_arg_problems, student_bins, teacher_bins
+from pipeline.train.losses.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
 
 # The [chunk, V_local] float32 buffer is about this big; at V = 151,936 that is 441 rows. One exists at a time (two
 # with SFT rows in tail mode). Every chunk streams all of W through its three matmuls, so small chunks are slow: with
@@ -228,10 +228,10 @@ def fused_gkd_loss(
 
     ``hidden``: ``[..., H]`` (leading dims flattened like ``mask``); ``weight``: ``[V_local, H]``, this TP rank's
     vocab slice of the output layer (tied or not); the teacher arguments, ``mask``, ``tp_group`` and ``vocab_size``
-    as in :func:`pipeline.train.loss.gkd_loss`. SFT: CE on ``labels`` at ``sft_mask`` positions. Returns the
+    as in :func:`pipeline.train.losses.reference.gkd_loss`. SFT: CE on ``labels`` at ``sft_mask`` positions. Returns the
     weighted loss (differentiable w.r.t. ``hidden`` and ``weight``) and the plain sums and counts. OPD
     (``loss=opd``): at ``opd_mask`` positions (not KD positions) the sampled-token estimator of
-    :func:`pipeline.train.loss.opd_loss` on ``labels`` with ``teacher_actual``, weighted by ``opd_weight``; it
+    :func:`pipeline.train.losses.reference.opd_loss` on ``labels`` with ``teacher_actual``, weighted by ``opd_weight``; it
     reads log s(y) from the same full logsumexp as SFT's CE. k = 0 (no teacher entries): OPD/SFT rows only.
     """
     if problems := loss_arg_problems(beta, temperature, mode):

@@ -31,7 +31,7 @@ The contract we implement (megatron-core 0.16.1, `Attention.forward` -> `core_at
   gets the mask). THD `PackedSeqParams` (Transformer Engine's varlen format) stays refused.
 - context parallelism (`TransformerConfig.context_parallel_size` > 1): the micro-batch comes as `ContextSpans`, this
   rank's zig-zag chunks of the queries against the all-gathered keys and values, with the documents on global
-  columns (`_context_parallel`; pipeline/train/context_parallel.py); anything else is refused under CP.
+  columns (`_context_parallel`; pipeline/train/parallel/context_parallel.py); anything else is refused under CP.
 - softmax scale: `softmax_scale` or 1/sqrt(hn). Megatron's `apply_query_key_layer_scaling` divides the scores by
   the layer number and multiplies them back inside the softmax (an fp16 overflow guard), so the net scale is the same.
 - A query row whose keys are all masked: Megatron fills masked scores with -10000 and so averages every key; SDPA
@@ -53,8 +53,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from pipeline.train.context_parallel import gather_sequence
-from pipeline.train.packing import attention_mask
+from pipeline.train.data.packing import attention_mask
+from pipeline.train.parallel.context_parallel import gather_sequence
 
 Tensor = torch.Tensor
 BACKENDS = ("sdpa", "local")
@@ -71,7 +71,7 @@ class DocumentSpans(PackedSeqParams):
 
 @dataclass
 class ContextSpans(DocumentSpans):
-    """A context-parallel micro-batch (pipeline/train/context_parallel.py): `spans` are each row's document spans
+    """A context-parallel micro-batch (pipeline/train/parallel/context_parallel.py): `spans` are each row's document spans
     over the WHOLE row of `max_seqlen_q` columns (global positions), this rank holding zig-zag chunks `cp_rank`
     and 2 * cp_size - 1 - cp_rank of it. `max_seqlen_q` is also what Megatron's RoPE takes as the sequence length
     before it selects this rank's chunks of the position embedding (gpt_model `get_rotary_seq_len`)."""
@@ -164,7 +164,7 @@ class SDPAttention(MegatronModule):
             return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)
         if self.config.context_parallel_size != 1:
             raise ValueError("attention=sdpa under context parallelism takes its micro-batches as ContextSpans "
-                             "(pipeline/train/context_parallel.py)")
+                             "(pipeline/train/parallel/context_parallel.py)")
         # [s, b, n, hn] -> [b, n, s, hn]: views, no copy (the kernels take strided inputs).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if packed_seq_params is not None:

@@ -1,6 +1,6 @@
 """The micro-batch: samples laid out in rows, with rolled labels, loss mask and aligned teacher rows.
 
-See pipeline/train/data.py for the alignment rules and pipeline/train/packing.py for how samples share rows.
+See pipeline/train/data/loader.py for the alignment rules and pipeline/train/data/packing.py for how samples share rows.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ class MicroBatch:
     # Image rows (scored schema 1.2, padded rows only): each row's images as (cache root, content hash), in placeholder
     # order; the trainer turns them into the student processor's pixel inputs (hf_model.vision_inputs). None: text.
     images: list[list[tuple[str, str]]] | None = None
-    # Cross-tokenizer rows (loss=uld|gold, train/xtok_loss.py): loss_mask marks span heads only; span_head [B, S] is,
+    # Cross-tokenizer rows (loss=uld|gold, train/losses/xtok.py): loss_mask marks span heads only; span_head [B, S] is,
     # at a span's other positions, the flat index (row * S + column) of its head, -1 elsewhere. teacher_ids at the
     # heads are student ids of matched entries (-1: unmatched); xtok_matched is the vocabulary map's student side.
     span_head: torch.Tensor | None = None
     xtok_matched: torch.Tensor | None = None  # bool [student vocab]; None: ULD (no map)
     xtok_teacher_vocab: int = 0
-    # A live teacher with another tokenizer (train/live_xtok.py): the samples' teacher tokens and their layout here,
+    # A live teacher with another tokenizer (train/teacher/live_xtok.py): the samples' teacher tokens and their layout here,
     # from which the trainer computes the teacher rows; None otherwise.
     xtok_live: XtokLive | None = None
 
@@ -105,7 +105,7 @@ class LiveRow:
 @dataclass
 class XtokLive:
     """A micro-batch's live cross-tokenizer samples and the `assemble` arguments that laid them out, so the teacher's
-    rows, once computed, are placed by the same call (train/live_xtok.py `with_teacher`)."""
+    rows, once computed, are placed by the same call (train/teacher/live_xtok.py `with_teacher`)."""
 
     rows: list[LiveRow]
     row_of: np.ndarray
@@ -132,7 +132,7 @@ def student_layout(keys: list[str], is_dataset: np.ndarray, row_offsets: np.ndar
     """Decoded cross-tokenizer rows (teacher rows per teacher token) -> a block in the student's tokens: at each
     span's head (its first student token) the teacher row of the span's first teacher token, merged over the span
     (log-probabilities + Σ of the later teacher tokens' actual logprobs, each floored at log 1e-8: TRL's observed
-    merge, train/xtok_loss.py); ids mapped through `vmap` (teacher id -> student id, -1 unmatched; None: all -1)."""
+    merge, train/losses/xtok.py); ids mapped through `vmap` (teacher id -> student id, -1 unmatched; None: all -1)."""
     k = tids.shape[1]
     floor = np.log(1e-8)
     lens = np.asarray([len(x) - int(f) for x, f in zip(student_ids, student_first, strict=True)], np.int64)

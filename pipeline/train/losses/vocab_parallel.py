@@ -3,8 +3,8 @@
 Under tensor parallelism each rank holds `V_local` output-layer rows (its slice of the vocabulary, ids
 `[rank * V_local, (rank + 1) * V_local)`), and Megatron pads the vocabulary to a multiple of the TP size, so the last
 slices end in padding columns that are no token. A group of None means no tensor parallelism (not the default
-world group: the trainer always passes its TP group). Used by train/loss.py (the unfused reference),
-train/fused_loss.py, train/xtok_loss.py and train/live_teacher.py.
+world group: the trainer always passes its TP group). Used by train/losses/reference.py (the unfused reference),
+train/losses/fused.py, train/losses/xtok.py and train/teacher/live.py.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def global_lse(lse_local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 # the whole gradient of the reduced/gathered value, so its input's share needs no communication: the incoming
 # gradient (a sum) or its own slice (a gather). A value every rank holds and feeds into its own slice (the global
 # logsumexp, a span's factor) has, on each rank, only that slice's part of its gradient: the caller sums those over
-# the group (`all_reduce`), as train/xtok_loss.py does.
+# the group (`all_reduce`), as train/losses/xtok.py does.
 class _ReplicatedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: Tensor, group: dist.ProcessGroup | None) -> Tensor:

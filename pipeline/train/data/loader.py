@@ -73,14 +73,14 @@ import pyarrow.parquet as pq
 from pipeline.config import ConfigError
 from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, verify_shard
-from pipeline.train.batch import MicroBatch, assemble, matched_ids
-from pipeline.train.blocks import BlockReader
-from pipeline.train.live_xtok import LiveXtok
-from pipeline.train.order import EpochOrder, StepPlan
-from pipeline.train.prefetch import prefetched
-from pipeline.train.routing import Router
-from pipeline.train.shard_table import ShardTable
-from pipeline.train.sources import Source, check_sources, resolve_rollouts, resolve_sources, student_lengths
+from pipeline.train.data.batch import MicroBatch, assemble, matched_ids
+from pipeline.train.data.blocks import BlockReader
+from pipeline.train.data.xtok_rows import LiveXtok
+from pipeline.train.data.order import EpochOrder, StepPlan
+from pipeline.train.data.prefetch import prefetched
+from pipeline.train.data.routing import Router
+from pipeline.train.data.shard_table import ShardTable
+from pipeline.train.data.sources import Source, check_sources, resolve_rollouts, resolve_sources, student_lengths
 
 
 def batch_split_problem(global_batch_size: int, micro_batch_size: int, dp: int, why: str = "") -> str | None:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
+from pipeline.train.losses.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
 
 TEACHER_EPS = 1e-12
 # Relative floor for the student tail bin: below float32's smallest normal the complement has underflowed anyway.
@@ -62,7 +62,7 @@ class _TopkAndTailLSE(torch.autograd.Function):
     function for both outputs so backward writes a single ``[T, V_local]`` gradient, chunk by chunk, instead of
     autograd summing a dense gather-gradient and a dense softmax-gradient.
     This is the unfused path (`fused_loss: false`) on Megatron's logits; the fused output layer + loss, which never
-    builds the ``[T, V]`` logits, is pipeline/train/fused_loss.py, tested against this one.
+    builds the ``[T, V]`` logits, is pipeline/train/losses/fused.py, tested against this one.
     """
 
     @staticmethod

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mpu_random
 
-from pipeline.train.compat import apply_cpu_compat
+from pipeline.train.parallel.compat import apply_cpu_compat
 
 
 def _env_int(name: str, default: int) -> int:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipeline.store.codec import tail_logprob
-from pipeline.train.batch import fold_entries
-from pipeline.train.fused_loss import CHUNK_BYTES, chunk_rows
-from pipeline.train.vocab_parallel import global_lse, tp_rank_world, valid_columns
+from pipeline.train.data.batch import fold_entries
+from pipeline.train.losses.fused import CHUNK_BYTES, chunk_rows
+from pipeline.train.losses.vocab_parallel import global_lse, tp_rank_world, valid_columns
 
 
 @torch.no_grad()

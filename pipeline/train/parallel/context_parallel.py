@@ -33,7 +33,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pipeline.train.batch import IGNORE_INDEX, MicroBatch
+from pipeline.train.data.batch import IGNORE_INDEX, MicroBatch
 
 Tensor = torch.Tensor
 

@@ -21,9 +21,9 @@ see `_patch_frozen_linear`. Known limit: sequence parallelism needs Transformer 
 optimizer's checkpoint needs the format and state handling of pipeline/train/checkpoint.py (not a CUDA matter). On CPU the tracker's
 "default" stream is the global CPU generator, so `model_parallel_cuda_manual_seed(seed)` reseeds torch itself.
 
-Usage (pipeline/train/parallel.py does this before building a model)::
+Usage (pipeline/train/parallel/groups.py does this before building a model)::
 
-    from pipeline.train.compat import apply_cpu_compat
+    from pipeline.train.parallel.compat import apply_cpu_compat
     apply_cpu_compat()   # no-op when CUDA is available; safe to call twice
 """
 
@@ -104,7 +104,7 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
         return factory(*args, **kwargs)
 
     wrapper.__name__ = factory.__name__
-    wrapper.__doc__ = f"CPU-compat wrapper of torch.{factory.__name__} (see pipeline/train/compat.py)."
+    wrapper.__doc__ = f"CPU-compat wrapper of torch.{factory.__name__} (see pipeline/train/parallel/compat.py)."
     return wrapper
 
 
@@ -222,7 +222,7 @@ def _with_cuda_type_names(cls: type, why: str) -> None:
         finally:
             torch.Tensor.type = saved
 
-    __init__.__doc__ = f"CPU-compat wrapper (pipeline/train/compat.py): {why}"
+    __init__.__doc__ = f"CPU-compat wrapper (pipeline/train/parallel/compat.py): {why}"
     cls.__init__ = __init__
 
 

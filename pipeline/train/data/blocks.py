@@ -24,9 +24,9 @@ from pipeline.store.cache import cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, file_sha256
-from pipeline.train.batch import Block, fold_past_vocab, student_layout
-from pipeline.train.live_xtok import LiveXtok, rollout_block
-from pipeline.train.shard_table import ShardTable
+from pipeline.train.data.batch import Block, fold_past_vocab, student_layout
+from pipeline.train.data.xtok_rows import LiveXtok, rollout_block
+from pipeline.train.data.shard_table import ShardTable
 
 # what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
 COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]

@@ -5,10 +5,10 @@ uses for a Megatron GPTModel, so both backends share one loop, one loader and on
                                                                    (or logits [B, S, V] with logits=True)
     output_weight(student) -> the LM head's weight [V, H]: the fused loss applies the output layer itself
 
-Which backend trains which family, and the refusals: `pipeline.train.families.resolve_backend`.
+Which backend trains which family, and the refusals: `pipeline.train.models.families.resolve_backend`.
 
 What the backend does and why:
-- The fused loss (pipeline/train/fused_loss.py) takes the decoder's last hidden states and the LM head's weight, so
+- The fused loss (pipeline/train/losses/fused.py) takes the decoder's last hidden states and the LM head's weight, so
   no `[tokens, vocab]` logits exist. That is exact only where the model's logits ARE `hidden · Wᵀ` (no bias, no
   soft-capping, no logit scale: Gemma 2's `final_logit_softcapping`, Cohere's `logit_scale`, Granite's
   `logits_scaling` are not); `build` checks it on a probe input and refuses `fused_loss=true` where it is not.
@@ -58,9 +58,9 @@ from pipeline.config import ConfigError
 from pipeline.store import images as image_store
 from pipeline.store.model_config import vocab_size
 from pipeline.store.shards import staged_dir
-from pipeline.train.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
-from pipeline.train.optim import lr_scheduler, torch_optimizer
-from pipeline.train.packing import attention_mask
+from pipeline.train.data.packing import attention_mask
+from pipeline.train.models.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
+from pipeline.train.models.optim import lr_scheduler, torch_optimizer
 
 # Layer types (config.layer_types) that are attention and so keep packed samples apart under a block-diagonal mask.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
@@ -388,7 +388,7 @@ def wrap_data_parallel(student: HFStudent, fsdp: bool = False) -> nn.Module:
 def optimizer_and_scheduler(student: HFStudent, cfg):
     """The optimizer Megatron's `get_megatron_optimizer` builds on CPU (torch AdamW, betas 0.9/0.95, eps 1e-8, or
     SGD with momentum 0.9; no weight decay on biases and 1-D weights) and Megatron's own warmup + cosine schedule,
-    so both backends train with the same update rule (pipeline/train/optim.py)."""
+    so both backends train with the same update rule (pipeline/train/models/optim.py)."""
     decay, no_decay = [], []
     for name, p in student.named_parameters():
         if p.requires_grad:

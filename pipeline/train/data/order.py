@@ -1,5 +1,5 @@
 """The loader's order and packing plan: pure functions of the seed, the shards' row groups and lengths, and a
-position, so every rank computes the same ones and a resume is one integer (train/data.py's docstring).
+position, so every rank computes the same ones and a resume is one integer (train/data/loader.py's docstring).
 
 `EpochOrder`: global sample g (counting across epochs) is row order(g // N)[g % N] of the N kept rows. An epoch's
 permutation shuffles the row groups ("blocks"), groups them into windows of >= `window_rows` rows and shuffles rows
@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from pipeline.train.packing import pack, row_offsets
+from pipeline.train.data.packing import pack, row_offsets
 
 
 class EpochOrder:

@@ -7,19 +7,29 @@ cosine schedule (`lr_scheduler`): AdamW with betas 0.9/0.95 and eps 1e-8, or SGD
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from pipeline.train.config import TrainConfig
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 SGD_MOMENTUM = 0.9
 
 
-def megatron_optimizer_config(cfg: TrainConfig, bf16: bool):
+class OptimSettings(Protocol):
+    """The hyper-parameters read here: TrainConfig has them (a protocol keeps the models below the config)."""
+
+    optimizer: str
+    lr: float
+    min_lr: float
+    weight_decay: float
+    clip_grad: float
+    use_distributed_optimizer: bool
+    warmup_steps: int
+    train_steps: int
+
+
+def megatron_optimizer_config(cfg: OptimSettings, bf16: bool):
     """Megatron's OptimizerConfig of this run (fp32 main weights and grads under bf16)."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -31,14 +41,14 @@ def megatron_optimizer_config(cfg: TrainConfig, bf16: bool):
     )
 
 
-def torch_optimizer(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
+def torch_optimizer(groups: list[dict], cfg: OptimSettings) -> torch.optim.Optimizer:
     """The torch optimizer Megatron's `get_megatron_optimizer` builds on CPU, over `groups` (param groups)."""
     if cfg.optimizer == "adam":
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAM_BETAS, eps=ADAM_EPS)
     return torch.optim.SGD(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=SGD_MOMENTUM)
 
 
-def lr_scheduler(optimizer, cfg: TrainConfig):
+def lr_scheduler(optimizer, cfg: OptimSettings):
     """Megatron's schedule: linear warmup from 0 over warmup_steps, cosine to min_lr at train_steps; constant
     weight decay."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -1,7 +1,7 @@
 """Cross-tokenizer losses from the cache: ULD and GOLD over aligned spans (`loss=uld|gold`).
 
 A cross-tokenizer cache (pipeline/store/align.py) stores teacher rows per teacher token and the aligned spans of each
-completion. The loader (train/data.py) lays a sample out in the STUDENT's tokens and puts, at the first student
+completion. The loader (train/data/loader.py) lays a sample out in the STUDENT's tokens and puts, at the first student
 position of each span (its *head*, predicting the span's first student token), the teacher's row of the span's first
 teacher token, merged over the span; the span's other student positions (*members*) point at their head
 (`MicroBatch.span_head`). Merging is TRL's "observed" strategy (`ULDLoss._merge_probabilities_with_alignment_groups`):
@@ -35,7 +35,7 @@ its gradient w.r.t. the head's logits (autograd inside the chunk, through the to
 (3) members and SFT rows: the factor's gradient times (onehot − softmax), and CE's softmax − onehot. ∂h and ∂W are
 formed per chunk as in fused_loss.py; backward only scales them.
 
-Tensor parallelism (each rank holds a slice of the student vocabulary, train/vocab_parallel.py): the loss needs no
+Tensor parallelism (each rank holds a slice of the student vocabulary, train/losses/vocab_parallel.py): the loss needs no
 full vector on any rank. The student's logsumexp and label logit are all-reduced as in fused_loss.py; the matched
 JSD is a sum over ids (each rank's partial sum, all-reduced); the sorted L1 needs the student's top-k values and the
 row's sum: each rank's local top-k, all-gathered, and the top-k of those k·TP candidates are the global top-k
@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.fused_loss import CHUNK_BYTES, FusedOut
-from pipeline.train.vocab_parallel import (
+from pipeline.train.losses.fused import CHUNK_BYTES, FusedOut
+from pipeline.train.losses.vocab_parallel import (
     all_reduce,
     global_lse,
     replicated_gather,
