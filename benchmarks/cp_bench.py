@@ -49,10 +49,12 @@ def worker(student: str, cache: str, out: str, cp: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipeline.train.config import TrainConfig
     from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import KD_SUM
     from pipeline.train.parallel.groups import destroy_distributed, init_distributed
-    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
+    from pipeline.train.setup import setup_model_and_optimizer
+    from pipeline.train.step import train_step
 
     cfg = TrainConfig(student=student, cache=[cache], backend="megatron", micro_batch_size=1, global_batch_size=1,
                       seq_length=TOKENS, context_parallel_size=cp, train_steps=steps + 1, warmup_steps=0,

@@ -104,10 +104,12 @@ def _child(student: str, cache: str, tokens: int, fused: bool, steps: int, bf16:
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from pipeline.train.config import TrainConfig
     from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import KD_SUM
     from pipeline.train.parallel.groups import destroy_distributed, init_distributed
-    from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
+    from pipeline.train.setup import setup_model_and_optimizer
+    from pipeline.train.step import forward_step
 
     cuda = torch.cuda.is_available()
     extra = {"attention": "sdpa"} if "attention" in TrainConfig.__dataclass_fields__ else {}

@@ -261,7 +261,7 @@ def _first_loss(tr: dict, mb, vocab: int) -> float:
     """The loss of `mb` under the student's current weights, forward only."""
     import torch
 
-    from pipeline.train.trainer import forward_step
+    from pipeline.train.step import forward_step
 
     counts = (float(mb.loss_mask.sum()), 0.0)
     with torch.no_grad():

@@ -35,7 +35,8 @@ QWEN_VOCAB, MEMORY_VOCAB = 248_320, 151_936
 
 
 def _trainer(student: str, backend: str, **kw) -> dict:
-    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, student_dir
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.setup import setup_model_and_optimizer, student_dir
 
     cfg = TrainConfig(student=student, backend=backend, train_steps=1000, warmup_steps=1, progress=False,
                       packing=False, micro_batch_size=1, global_batch_size=1, **kw)
@@ -44,7 +45,7 @@ def _trainer(student: str, backend: str, **kw) -> dict:
 
 
 def _step(tr: dict, micro: list) -> None:
-    from pipeline.train.trainer import train_step
+    from pipeline.train.step import train_step
 
     train_step(tr["cfg"], tr["ddp"], tr["optimizer"], tr["scheduler"], micro, tr["model"].hf_vocab_size)
 

@@ -48,7 +48,8 @@ def _status_bytes(field: str) -> int:
 
 def _trainer(**kw):
     """Our trainer's model, DDP wrapper, optimizer and scheduler, built by run.py's own setup."""
-    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, student_dir
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.setup import setup_model_and_optimizer, student_dir
 
     kw.setdefault("packing", False)  # padded micro-batches in this bench (packing is measured apart)
     cfg = TrainConfig(student="default", train_steps=1000, warmup_steps=1, progress=False, **kw)
@@ -58,7 +59,7 @@ def _trainer(**kw):
 
 
 def _step(tr: dict, micro: list) -> None:
-    from pipeline.train.trainer import train_step
+    from pipeline.train.step import train_step
 
     train_step(tr["cfg"], tr["ddp"], tr["optimizer"], tr["scheduler"], micro, tr["model"].hf_vocab_size)
 

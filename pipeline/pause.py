@@ -18,7 +18,7 @@ the first; several comma-separated):
   kill here leaves the temporary that the next writer of that shard removes.
 - `checkpoint`: a training checkpoint is complete, its marker written (pipeline/train/checkpoint.py).
 - `train-step`: an optimizer step is done and rank 0 has flushed its metrics.jsonl line, before that step's
-  checkpoint if it has one (pipeline/train/trainer.py): a kill here lands mid-run, between two checkpoints.
+  checkpoint if it has one (pipeline/train/loop.py): a kill here lands mid-run, between two checkpoints.
 - `onpolicy-state`: the on-policy driver saved its resume state (pipeline/onpolicy/state.py).
 """
 

@@ -46,7 +46,7 @@ def test_every_shipped_config_loads():
 
     from pipeline.generate.sampler import GenerateConfig
     from pipeline.score.scorer import ScoreConfig
-    from pipeline.train.trainer import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
     for name, cls in (("score", ScoreConfig), ("generate", GenerateConfig), ("train", TrainConfig)):
@@ -67,7 +67,7 @@ def test_every_shipped_recipe_loads_and_its_sections_agree():
 
     from pipeline.onpolicy.config import load as load_onpolicy
     from pipeline.score.run import parse_args
-    from pipeline.train.trainer import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs" / "recipes").glob("*.yaml"))
     assert [p.stem for p in recipes] == ["llama3.1-8b-to-3.2-1b", "qwen2.5-7b-to-0.5b", "qwen3-8b-to-0.6b",
@@ -84,7 +84,7 @@ def test_every_shipped_recipe_loads_and_its_sections_agree():
 
 
 def test_recipe_sections(tmp_path):
-    from pipeline.train.trainer import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     path = tmp_path / "r.yaml"
     path.write_text("train:\n  steps: 3\nscore:\n  topk: 4\n")
@@ -106,7 +106,7 @@ def test_every_shipped_config_loads_through_its_stages_own_loader():
     from pipeline.generate.run import parse_args as generate_args
     from pipeline.onpolicy.config import load as load_onpolicy
     from pipeline.score.run import parse_args as score_args
-    from pipeline.train.trainer import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     loaders = {
         "generate": lambda p: generate_args(["--config", str(p)])[0],

@@ -176,7 +176,8 @@ TRAIN_LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline.train.models",),
     ("pipeline.train.config",),
     ("pipeline.train.checkpoint", "pipeline.train.metrics"),
-    ("pipeline.train.trainer", "pipeline.train.export"),
+    ("pipeline.train.setup", "pipeline.train.step"),
+    ("pipeline.train.loop", "pipeline.train.export"),
     ("pipeline.train.run", "pipeline.train.export_run"),
 )
 # Package __init__ modules placed as rooms of their own in a table: there they name only themselves, not the modules
@@ -236,7 +237,7 @@ def test_the_layering_check_catches_an_upward_import():
 # Modules over MAX_LINES, to be split (issue 46): a new long module fails the test below, and so does one of these
 # once it is short enough, until it is taken off this list.
 MAX_LINES = 500
-KNOWN_LONG = frozenset({"pipeline/train/trainer.py", "pipeline/score/scorer.py", "pipeline/store/cache.py",
+KNOWN_LONG = frozenset({"pipeline/score/scorer.py", "pipeline/store/cache.py",
                         "pipeline/train/models/hf_model.py"})
 
 

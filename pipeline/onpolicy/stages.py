@@ -41,8 +41,8 @@ from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, shard_path, write_rollouts
 from pipeline.store.shards import is_complete
 from pipeline.train.export import export
+from pipeline.train.loop import train
 from pipeline.train.models.families import resolve_backend
-from pipeline.train.trainer import train
 
 METRICS = "metrics.jsonl"
 

@@ -3,8 +3,8 @@
     gkd train [--config configs/train.yaml] [key=value ...]                  # one process (CPU or one GPU)
     torchrun --nproc_per_node 2 -m pipeline.train.run tensor_model_parallel_size=2   # TP / DP
 
-The trainer itself (config, setup, loss, the loop, resume) is pipeline/train/trainer.py; this module parses the
-arguments and reports errors.
+The trainer itself is pipeline/train/loop.py (the loop and resume), with config.py, setup.py (checks, building) and
+step.py (one step, the loss); this module parses the arguments and reports errors.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.errors import command
-from pipeline.train.trainer import (
-    TrainConfig,
-    train,
-)
+from pipeline.train.config import TrainConfig
+from pipeline.train.loop import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "train.yaml"
 

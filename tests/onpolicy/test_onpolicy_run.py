@@ -128,7 +128,7 @@ def test_lmbda0_equals_offpolicy_trainer(models, engines, tmp_path):
     """lmbda=0: every cycle trains on the off-policy cache, resuming its position: equal to one `gkd train`."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from pipeline.train.trainer import train
+    from pipeline.train.loop import train
 
     cfg = _cfg(models, tmp_path / "op", lmbda=0.0, heldout_prompts=None, offpolicy_cache=str(tmp_path / "off"),
                offpolicy_dataset=RG.format(size=6, seed=1))

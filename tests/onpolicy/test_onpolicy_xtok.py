@@ -51,7 +51,7 @@ def test_a_cross_tokenizer_run_refuses_what_it_cannot_do(xmodels, tmp_path):
 def test_two_cross_tokenizer_cycles(xmodels, engines, tmp_path):
     from transformers import AutoTokenizer
 
-    from pipeline.train.trainer import train
+    from pipeline.train.loop import train
 
     cfg = _cfg(xmodels, tmp_path)
     assert cfg.cross_tokenizer is None  # auto

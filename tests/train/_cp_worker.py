@@ -64,11 +64,12 @@ def alignment(teacher: str, cache: str, cp: int, tp: int) -> dict:
     position off (rolled on the WHOLE rows, then split), summed over the CP ranks."""
     from megatron.core import parallel_state
 
+    from pipeline.train.config import TrainConfig
     from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.losses.reference import gkd_loss
     from pipeline.train.models.megatron import build_model, load_hf_weights
     from pipeline.train.parallel.context_parallel import split
-    from pipeline.train.trainer import TrainConfig, rank_inputs
+    from pipeline.train.step import rank_inputs
 
     cfg = TrainConfig(student=teacher, cache=[cache], seq_length=64, context_parallel_size=cp,
                       tensor_model_parallel_size=tp)
@@ -94,10 +95,12 @@ def alignment(teacher: str, cache: str, cp: int, tp: int) -> dict:
 
 
 def main(student: str, teacher: str, cache: str, out: str, cp: int, tp: int) -> None:
+    from pipeline.train.config import TrainConfig
     from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import sum_reports
     from pipeline.train.parallel.groups import destroy_distributed, init_distributed
-    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer, train_step
+    from pipeline.train.setup import setup_model_and_optimizer
+    from pipeline.train.step import train_step
 
     init_distributed(tp=tp, pp=1, seed=1234, cp=cp)
     results: dict = {}

@@ -20,11 +20,13 @@ def main(student: str, cache: str, out: str, tp: int, lora: bool) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from pipeline.train.config import TrainConfig
     from pipeline.train.data.loader import ScoredLoader
     from pipeline.train.metrics import sum_reports
     from pipeline.train.models.megatron import megatron_to_hf_state_dict
     from pipeline.train.parallel.groups import destroy_distributed, init_distributed
-    from pipeline.train.trainer import TrainConfig, forward_step, setup_model_and_optimizer
+    from pipeline.train.setup import setup_model_and_optimizer
+    from pipeline.train.step import forward_step
 
     cfg = TrainConfig(student=student, cache=[cache], micro_batch_size=2, global_batch_size=4, seq_length=32,
                       tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0,

@@ -51,8 +51,9 @@ def _adam_state(tiny: dict, ckpt: Path, distributed: bool) -> dict[str, dict]:
     """Adam's state per parameter (flattened moments, step) of checkpoint `ckpt`, loaded by the trainer's own
     setup and checkpoint code in this one process (DP=1: every shard whole)."""
     from pipeline.train import checkpoint
+    from pipeline.train.config import TrainConfig
     from pipeline.train.parallel.groups import destroy_distributed, init_distributed
-    from pipeline.train.trainer import TrainConfig, setup_model_and_optimizer
+    from pipeline.train.setup import setup_model_and_optimizer
 
     cfg = TrainConfig(student=str(tiny["student"]), cache=[str(tiny["cache"])], backend="megatron", optimizer="adam",
                       use_distributed_optimizer=distributed, micro_batch_size=2, global_batch_size=8)

@@ -154,9 +154,10 @@ def test_train_checkpoint_export(families, family_cache, tmp_path, family):
     (every tensor of the source, q/k norms included, moved) and transformers' forward of it equals the Megatron
     forward of the checkpoint loaded back (same bound as the logits test)."""
     from pipeline.train import checkpoint
+    from pipeline.train.config import TrainConfig
     from pipeline.train.export import export
+    from pipeline.train.loop import train
     from pipeline.train.parallel.groups import destroy_distributed, init_distributed
-    from pipeline.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(student=str(families[family]), cache=[str(family_cache)], micro_batch_size=2, global_batch_size=4,
                       seq_length=64, train_steps=2, warmup_steps=0, lr=1e-3, min_lr=1e-3, save_dir=str(tmp_path / "run"),
@@ -188,8 +189,9 @@ def test_mistral_window_is_checked_against_seq_length(families):
 def test_trainer_refuses_a_short_window_before_any_work(families, tmp_path):
     """`train` checks the student against its seq_length first: the cache below does not even exist. backend=auto
     trains such a student on the transformers backend, which implements the sliding window itself."""
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.loop import train
     from pipeline.train.models.families import resolve_backend
-    from pipeline.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(student=str(families["mistral"]), cache=[str(tmp_path / "no-cache")], seq_length=128,
                       save_dir=str(tmp_path / "run"), progress=False, backend="megatron")

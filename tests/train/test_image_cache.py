@@ -95,12 +95,12 @@ def _train_args(student: Path, cache: Path, save: Path, **kw) -> list[str]:
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail the test if the trainer gets as far as building the student."""
-    from pipeline.train import trainer
+    from pipeline.train import loop
 
     def built(*a, **kw):
         raise AssertionError("the student was built before the refusal")
 
-    monkeypatch.setattr(trainer, "setup_model_and_optimizer", built)
+    monkeypatch.setattr(loop, "setup_model_and_optimizer", built)
 
 
 @pytest.mark.parametrize("backend", ["auto", "hf"])

@@ -167,7 +167,8 @@ def test_resume_with_other_lora_settings_is_refused(tiny, lora_run, tmp_path):
     shutil.copytree(lora_run, save_dir)
     with pytest.raises(ValueError, match="LoRA settings"):
         from pipeline.config import load_config
-        from pipeline.train.trainer import TrainConfig, train
+        from pipeline.train.config import TrainConfig
+        from pipeline.train.loop import train
 
         train(load_config(TrainConfig, None, _overrides(tiny, save_dir, **{"lora.rank": 8, "train_steps": 6})))
 

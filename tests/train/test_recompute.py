@@ -90,8 +90,8 @@ def test_trainer_keys_reach_the_model(tiny, tmp_path):
     from test_run import _metrics, _overrides, train_main
 
     from pipeline.config import ConfigError, load_config
+    from pipeline.train.config import TrainConfig
     from pipeline.train.run import DEFAULT_CONFIG
-    from pipeline.train.trainer import TrainConfig
 
     with pytest.raises(ConfigError, match="attention must be sdpa or local.*recompute must be none, selective or full"):
         load_config(TrainConfig, DEFAULT_CONFIG, ["attention=flash", "recompute=some"])

@@ -91,8 +91,9 @@ def test_unrouted_missing_and_default_routes(two):
 def test_loss_weights_each_teachers_positions(two, single_process):
     """loss = sum over teachers of w_t * KD sum on its positions / the step's count (the reference loss, unfused);
     the report holds each teacher's sum and count."""
+    from pipeline.train.config import TrainConfig
     from pipeline.train.losses.reference import gkd_loss
-    from pipeline.train.trainer import TrainConfig, loss_func
+    from pipeline.train.step import loss_func
 
     root = two["root"]
     routes = {"A": str(root / "a"), "B": str(root / "b")}

@@ -17,10 +17,11 @@ import torch
 from tolerance import assert_layout_close
 
 from pipeline.config import ConfigError, load_config
+from pipeline.train.config import TrainConfig
 from pipeline.train.data.loader import ScoredLoader
 from pipeline.train.data.sources import TokenizerMismatchError
+from pipeline.train.loop import train
 from pipeline.train.run import DEFAULT_CONFIG
-from pipeline.train.trainer import TrainConfig, train
 
 
 def train_main(argv: list[str]) -> int:  # through the real CLI: gkd train [key=value ...]

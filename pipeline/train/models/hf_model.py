@@ -24,7 +24,7 @@ What the backend does and why:
 - bf16: fp32 weights (the optimizer's master copy) with the body under `torch.autocast(bfloat16)`; the output layer
   and the loss run in float32.
 - Data parallelism: torch DDP with a hook that sums gradients over ranks instead of averaging them (the loss is
-  already normalised by the global active count: trainer.py's module docstring). `fsdp: true`: FSDP2
+  already normalised by the global active count: train/step.py's module docstring). `fsdp: true`: FSDP2
   (`fully_shard` on every decoder layer and on the whole student) shards weights, gradients and optimizer state
   over the ranks, for students that do not fit one device. FSDP2 averages gradients and gloo has no PREMUL_SUM for
   a divide factor of 1, so the loss is multiplied by the data-parallel size instead (exact for powers of two). After

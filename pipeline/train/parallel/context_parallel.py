@@ -18,7 +18,7 @@ Transformer Engine's, which does not exist on CPU):
   its global position, the same zig-zag as here.
 - Loss and gradients: each rank's loss is the sum over ITS positions divided by the step's global count, counted
   on the whole micro-batches before the split (every CP rank of a data-parallel replica holds the same ones), so
-  the DP rule of trainer.py holds unchanged; the reported sums are reduced over the data-parallel x context-parallel
+  the DP rule of train/step.py holds unchanged; the reported sums are reduced over the data-parallel x context-parallel
   group, and Megatron's DDP sums the weight gradients over that same group (its `dp_cp` group) — with per-token
   loss (no averaging) that sum is the gradient of the whole sequence's loss.
 
