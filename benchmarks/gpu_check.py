@@ -20,7 +20,7 @@ Parts, in this order, each with its own time limit inside `--budget` seconds (de
   Qwen2.5-1.5B-shaped student, fused vs unfused output layer + GKD loss at 16,384 then 4,096 tokens (one row per
   micro-batch, median of `--steps` steps after one untimed): tokens/s, MFU, peak GPU memory, each variant in its
   own process.
-- qwen35: the hf backend's train step (trainer.train_step: bf16 autocast body, fp32 fused output layer + loss,
+- qwen35: the hf backend's train step (step.train_step: bf16 autocast body, fp32 fused output layer + loss,
   AdamW) of a random Qwen3.5-4B-widths text student cut to 4 layers (3 Gated DeltaNet + 1 gated full attention;
   hidden 2560, FFN 9216, 16 query / 4 KV heads of 256, DeltaNet 16 key / 32 value heads of 128, conv 4, vocab
   248,320, tied embeddings), one padded row of 4,096 tokens: once with flash-linear-attention's Triton kernels

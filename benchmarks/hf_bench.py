@@ -4,7 +4,7 @@ fused output layer + loss on the hf backend, fp32 CPU. Part of the "Trainer" sec
     python -m benchmarks.run --only train                       # with the rest of the trainer section
     python -m benchmarks.hf_bench step --json OUT               # one part in its own process
 
-- step: the trainer's own step (`trainer.train_step`: forward, fused GKD loss, backward, clipping, AdamW) of the
+- step: the trainer's own step (`step.train_step`: forward, fused GKD loss, backward, clipping, AdamW) of the
   embedded-default student (SmolLM2 6-layer, Llama family, vocab 49,152) built once per backend by
   `setup_model_and_optimizer`, on the same random padded micro-batches (seq 1,024, micro-batch 1), both in one
   process, timed in interleaved rounds (order rotated; wall and process CPU time).

@@ -14,7 +14,7 @@ below): the run resumes at another data-parallel size, not at another TP size, a
 a job killed mid-save resumes from the previous checkpoint. A save that fails (a full disk) removes its temporary
 folder and raises `WriteError` naming the checkpoint; the run resumes from `latest` once space is freed.
 
-An hf-backend checkpoint (trainer.json `backend: hf`, pipeline/train/models/hf_model.py) holds the same trainer.json, and
+An hf-backend checkpoint (trainer.json `backend: hf`, pipeline/train/models/hf_state.py) holds the same trainer.json, and
 instead of dist_checkpointing files rank 0's `student.safetensors` (all weights, or the LoRA adapter) and
 `optimizer.pt` (torch's optimizer state): data-parallel replicas are identical, and there is no TP to reshard.
 
@@ -40,7 +40,7 @@ from megatron.core.tensor_parallel import random as mpu_random
 from pipeline import pause
 from pipeline.errors import MissingInputError, UserError
 from pipeline.store.shards import WriteError, atomic_write_bytes, os_error_in
-from pipeline.train.models import hf_model
+from pipeline.train.models import hf_state
 from pipeline.train.models.lora import is_lora, load_lora_state, lora_sharded_state_dict
 
 LATEST = "latest"
@@ -224,7 +224,7 @@ def save(save_dir: str | Path, step: int, model, optimizer, meta: dict) -> Path:
         states[0] = rng_state()
     try:
         if getattr(model, "gkd_backend", None) == "hf":
-            hf_model.save_state(tmp, model, optimizer, rank)
+            hf_state.save_state(tmp, model, optimizer, rank)
         else:
             dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
         if rank == 0:
@@ -269,7 +269,7 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
             raise CheckpointMismatchError(f"{ckpt}: saved by the {meta.get('backend', 'megatron')} backend, this run "
                                           f"uses the {getattr(model, 'gkd_backend', 'megatron')} one; resume with "
                                           f"backend={meta.get('backend', 'megatron')}, or start a new save_dir")
-        hf_model.load_state(ckpt, model, optimizer)
+        hf_state.load_state(ckpt, model, optimizer)
         _restore_rng(meta, optimizer)
         return meta
     state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(ckpt))

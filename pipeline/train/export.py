@@ -49,7 +49,7 @@ def export(checkpoint_path: str | Path, out_dir: str | Path, student: str | Path
         raise InputError(f"--dtype {dtype!r}: choose one of float32, bfloat16, float16")
     out_dtype = getattr(torch, DTYPES[dtype] if dtype else student_dtype(hf_dir))
     if meta.get("backend") == "hf":  # transformers' own save_pretrained (peft's for the adapter): no Megatron
-        from pipeline.train.models.hf_model import export as export_hf_backend
+        from pipeline.train.models.hf_state import export as export_hf_backend
 
         export_hf_backend(ckpt, meta, hf_dir, Path(out_dir), adapter_only=adapter_only, dtype=out_dtype)
         return Path(out_dir)

@@ -2,7 +2,7 @@
 and the step's metrics derived from them.
 
 Megatron's contract for a loss function is (loss, token count, {name: tensor}): the forward-backward schedule hands
-back one such dict per micro-batch. `trainer.loss_func` fills these entries (float64 0-d tensors, sums over the
+back one such dict per micro-batch. `step.loss_func` fills these entries (float64 0-d tensors, sums over the
 micro-batch's active positions); `sum_reports` adds them over micro-batches and ranks by name; `step_row`
 turns them and the step's counts into the metrics.jsonl row, `log_row` writes it. A new entry is a new name here, read by name.
 """
@@ -22,7 +22,7 @@ from pipeline.store.shards import WriteError
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
 
-# One loss call's sums (`trainer._loss_terms`): the divergence over KD positions, SFT cross-entropy over the
+# One loss call's sums (`step._loss_terms`): the divergence over KD positions, SFT cross-entropy over the
 # dataset-sourced ones, loss=opd's estimator and its KL over the student-sourced ones.
 KD_SUM, SFT_SUM, OPD_SUM, OPD_KL_SUM = "kd_sum", "sft_sum", "opd_sum", "opd_kl_sum"
 TERMS = (KD_SUM, SFT_SUM, OPD_SUM, OPD_KL_SUM)

@@ -342,7 +342,7 @@ class ScoredLoader:
 
 def _refuse_packed_images(fetched) -> None:
     """Packed micro-batches carry no images: rows with images are refused by name, never laid out without them (the
-    trainer pads image caches before it gets here, trainer.plan_packing)."""
+    trainer pads image caches before it gets here, setup.plan_packing)."""
     for block, r in fetched:
         if block.images is not None and block.images[r]:
             raise ShardError(f"{block.root}: rows with images cannot be packed (a vision-language student computes "

@@ -98,7 +98,7 @@ def with_teacher(batch: MicroBatch, tb: MicroBatch, ids: Tensor, lps: Tensor, ta
 def score(teacher, batch: MicroBatch, k: int, inputs, weight: Tensor, vocab_size: int,
           tp_group: dist.ProcessGroup | None = None) -> MicroBatch:
     """The micro-batch with its live cross-tokenizer teacher rows. `inputs(tb)`: the teacher's forward keywords for
-    a micro-batch (trainer.model_inputs), `weight`: its output layer (vocab slice under TP)."""
+    a micro-batch (step.model_inputs), `weight`: its output layer (vocab slice under TP)."""
     dev = batch.loss_mask.device
     tb = teacher_batch(batch.xtok_live).to(dev)
     with torch.no_grad():
