@@ -261,6 +261,18 @@ def gkd_loss(
     return div.sum(), count
 
 
+def _label_logits(logits: Tensor, labels: Tensor, mask: Tensor, tp_group: dist.ProcessGroup | None, chunk_size: int,
+                  vocab_size: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(active rows, their count, the label's logit [n, 1], the logsumexp of the other logits [n]) at `mask`'s
+    positions: the tail kernel with k = 1 and τ = 1, what the CE and the OPD estimator both start from."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    rows = mask.reshape(-1).nonzero().squeeze(-1)
+    count = torch.tensor(rows.numel(), dtype=torch.long, device=logits.device)
+    ids = labels.reshape(-1)[rows].long().unsqueeze(-1)
+    zy, lse_rest = _TopkAndTailLSE.apply(logits, rows, ids, 1.0, tp_group, chunk_size, True, vocab_size)
+    return rows, count, zy, lse_rest
+
+
 def vocab_parallel_ce(
     logits: Tensor,
     labels: Tensor,
@@ -276,11 +288,7 @@ def vocab_parallel_ce(
     inactive positions are never read (so -100 padding is fine); the input is not modified (unlike Megatron's).
     ``vocab_size`` as in :func:`gkd_loss`.
     """
-    logits = logits.reshape(-1, logits.shape[-1])
-    rows = mask.reshape(-1).nonzero().squeeze(-1)
-    count = torch.tensor(rows.numel(), dtype=torch.long, device=logits.device)
-    ids = labels.reshape(-1)[rows].long().unsqueeze(-1)
-    zy, lse_rest = _TopkAndTailLSE.apply(logits, rows, ids, 1.0, tp_group, chunk_size, True, vocab_size)
+    rows, count, zy, lse_rest = _label_logits(logits, labels, mask, tp_group, chunk_size, vocab_size)
     lse = torch.logsumexp(torch.cat([zy, lse_rest.unsqueeze(-1)], dim=-1), dim=-1)
     return (lse - zy[:, 0]).sum(), count
 
@@ -303,11 +311,7 @@ def opd_loss(
     active count, ``Σ (log s − log p)``: the per-token reverse-KL estimate, detached). ``vocab_size``, TP: as in
     :func:`gkd_loss`; ``log s`` uses the same kernel as :func:`vocab_parallel_ce`.
     """
-    logits = logits.reshape(-1, logits.shape[-1])
-    rows = mask.reshape(-1).nonzero().squeeze(-1)
-    count = torch.tensor(rows.numel(), dtype=torch.long, device=logits.device)
-    ids = labels.reshape(-1)[rows].long().unsqueeze(-1)
-    zy, lse_rest = _TopkAndTailLSE.apply(logits, rows, ids, 1.0, tp_group, chunk_size, True, vocab_size)
+    rows, count, zy, lse_rest = _label_logits(logits, labels, mask, tp_group, chunk_size, vocab_size)
     log_s = zy[:, 0] - torch.logaddexp(zy[:, 0], lse_rest)
     log_p = teacher_actual.reshape(-1)[rows].to(log_s.dtype).clamp_min(math.log(TEACHER_EPS))
     adv = log_s.detach() - log_p
