@@ -7,7 +7,8 @@ Public read API (see README "Reading a cache"):
         s.input_ids, s.first_scored, s.topk_ids, s.topk_logprobs, s.actual_logprobs
 """
 
-from pipeline.store.cache import CacheMismatchError, Descriptor, ScoredSample, TeacherCache, read_cache
+from pipeline.store.cache import CacheMismatchError, Descriptor, TeacherCache, read_cache
+from pipeline.store.reader import ScoredSample
 from pipeline.store.schema import SchemaError, load_schema
 from pipeline.store.shards import ShardError
 

@@ -9,6 +9,7 @@ is shared read-only by any number of trainers, and refuses rows of another teach
 (`topp`, `min_k`: a variable-k cache, codec.py "Top-p"), logprob mode or
 scoring numerics (dtype, quantization, ...: `Descriptor.numerics`). Numerics are refused rather than keyed apart:
 one cache holds rows of one scoring setup, so every row a trainer reads from it has the same meaning.
+Rows are decoded back into `ScoredBatch` / `ScoredSample` by store/reader.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pyarrow.parquet as pq
 
 from pipeline import pause
 from pipeline.errors import MissingInputError, UserError
-from pipeline.store import align, codec, images
+from pipeline.store import align, codec, images, reader
 from pipeline.store import index as shard_index
 from pipeline.store.fingerprint import FINGERPRINT_SCHEME
 from pipeline.store.locks import FileLock
@@ -36,7 +37,6 @@ from pipeline.store.shards import (
     WriteError,
     atomic_write_bytes,
     complete_shards,
-    open_shard,
     read_marker,
     verify_shard,
     write_shard,
@@ -47,7 +47,6 @@ SHARDS = "shards"
 COMMIT_LOCK = ".commit.lock"  # held around cache.json creation and each add_rows (pipeline/store/locks.py)
 COMMIT_WAIT_S = 600.0  # a commit takes milliseconds; this long means a holder hangs (e.g. a stalled filesystem)
 ROW_GROUP_ROWS = 128  # the trainer's loader decodes whole row groups: small ones bound its memory
-META_COLUMNS = ["key", "sample_id", "source", "policy_version", "input_ids", "first_scored", "num_scored"]
 # a cross-tokenizer row's own columns (scored 1.3, pipeline/store/align.py)
 CROSS_COLUMNS = ["student_ids", "student_first", "teacher_char_ends", "student_char_ends", "span_student",
                  "span_teacher"]
@@ -159,37 +158,6 @@ def _numerics_mismatches(cache: dict | None, run: dict | None) -> list[str]:
         return [f"numerics: cache has {json.dumps(cache, sort_keys=True)}, this writer does not say how it scored"]
     return [f"numerics.{k}: cache has {cache.get(k, '(unset)')!r}, this run has {run.get(k, '(unset)')!r}"
             for k in sorted(set(cache) | set(run)) if cache.get(k) != run.get(k)]
-
-
-@dataclass
-class ScoredSample:
-    """One cached sequence as numpy arrays. Row i of the top-k arrays is the teacher distribution of token
-    input_ids[first_scored + i] given the tokens before it."""
-
-    key: str
-    sample_id: str
-    source: str
-    policy_version: int | None
-    input_ids: np.ndarray  # int32 [L]
-    first_scored: int  # P
-    topk_ids: np.ndarray  # int32 [L-P, k]
-    topk_logprobs: np.ndarray  # float32 [L-P, k]
-    tail_logprobs: np.ndarray  # float32 [L-P]: log teacher mass outside the top-k
-    actual_logprobs: np.ndarray  # float32 [L-P]: teacher logprob of input_ids[P:]
-    actual_ranks: np.ndarray  # int32 [L-P]
-    # top-p cache: entries kept per position, int32 [L-P]; the rest of a row is padding (id 0, logprob -inf)
-    topk_counts: np.ndarray | None = None
-
-
-@dataclass
-class ScoredBatch:
-    """Many cached sequences at once (what `TeacherCache.iter_batches` yields: `gkd cache export` and the tests read
-    through it; the trainer's loader decodes shards itself, pipeline/train/data/blocks.py): metadata columns as an Arrow
-    table and the decoded top-k of all their scored positions concatenated (see codec.DecodedBatch)."""
-
-    path: Path
-    meta: pa.RecordBatch
-    topk: codec.DecodedBatch
 
 
 class TeacherCache:
@@ -381,44 +349,14 @@ class TeacherCache:
     # -- reading --------------------------------------------------------------------------------------------------
     def iter_batches(
         self, paths: Sequence[Path] | None = None, *, batch_rows: int = 64, checksum: bool = True
-    ) -> Iterator[ScoredBatch]:
-        """Stream decoded batches of `batch_rows` sequences; memory is bounded by one batch."""
-        for p in paths if paths is not None else self.shard_paths():
-            pf = open_shard(p, "scored", checksum=checksum)
-            decoder = codec.open_decoder(pf.schema_arrow.metadata or {}, where=str(p))
-            try:
-                for batch in pf.iter_batches(batch_size=batch_rows):
-                    num = batch.column("num_scored").to_numpy(zero_copy_only=False)
-                    yield ScoredBatch(Path(p), batch.select(META_COLUMNS), decoder.decode(batch, num))
-            except codec.CodecError as e:
-                raise ShardError(f"{p}: {e}") from e
-            except (pa.ArrowException, OSError) as e:
-                raise ShardError(f"{p}: read failed ({e}); run `gkd cache verify {self.root}`") from e
+    ) -> Iterator[reader.ScoredBatch]:
+        """Stream decoded batches of `batch_rows` sequences (store/reader.py); memory is bounded by one batch."""
+        yield from reader.iter_batches(paths if paths is not None else self.shard_paths(), self.root,
+                                       batch_rows=batch_rows, checksum=checksum)
 
-    def iter_samples(self, paths: Sequence[Path] | None = None, *, keys: Iterable[str] | None = None) -> Iterator[ScoredSample]:
+    def iter_samples(self, paths: Sequence[Path] | None = None, *, keys: Iterable[str] | None = None) -> Iterator[reader.ScoredSample]:
         """Per-sample numpy arrays (the public read API); optionally only the given keys."""
-        wanted = set(keys) if keys is not None else None
-        for b in self.iter_batches(paths):
-            cols = {name: b.meta.column(name).to_pylist() for name in ("key", "sample_id", "source", "policy_version", "first_scored")}
-            input_ids = b.meta.column("input_ids")
-            for i, key in enumerate(cols["key"]):
-                if wanted is not None and key not in wanted:
-                    continue
-                lo, hi = int(b.topk.offsets[i]), int(b.topk.offsets[i + 1])
-                yield ScoredSample(
-                    key=key,
-                    sample_id=cols["sample_id"][i],
-                    source=cols["source"][i],
-                    policy_version=cols["policy_version"][i],
-                    input_ids=input_ids[i].values.to_numpy(zero_copy_only=False).astype(np.int32),
-                    first_scored=int(cols["first_scored"][i]),
-                    topk_ids=b.topk.topk_ids[lo:hi],
-                    topk_logprobs=b.topk.topk_logprobs[lo:hi],
-                    tail_logprobs=b.topk.tail_logprobs[lo:hi],
-                    actual_logprobs=b.topk.actual_logprobs[lo:hi],
-                    actual_ranks=b.topk.actual_ranks[lo:hi],
-                    topk_counts=None if b.topk.counts is None else b.topk.counts[lo:hi],
-                )
+        yield from reader.iter_samples(self.iter_batches(paths), keys)
 
     # -- inspection -----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -512,6 +450,6 @@ class TeacherCache:
         return problems
 
 
-def read_cache(root: str | Path, keys: Iterable[str] | None = None) -> Iterator[ScoredSample]:
+def read_cache(root: str | Path, keys: Iterable[str] | None = None) -> Iterator[reader.ScoredSample]:
     """Read a cache back as numpy arrays per sample: `for s in read_cache("cache/"): s.topk_ids ...`."""
     return TeacherCache.open(root).iter_samples(keys=keys)

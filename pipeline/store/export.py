@@ -38,7 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.store.cache import ScoredBatch, TeacherCache
+from pipeline.store.cache import TeacherCache
+from pipeline.store.reader import ScoredBatch
 from pipeline.store.shards import ShardError, staged_dir
 
 EXPORT_VERSION = "1"
