@@ -14,7 +14,7 @@ Here, afterwards (the JSON comes back under the tool's files_at):
     python -m benchmarks.gpu_check --tiny --out x.json             # tiny shapes, CPU: checks the script (CI's test)
 
 Parts, in this order, each with its own time limit inside `--budget` seconds (default 480):
-- cuda_tests: `pytest tests/train/test_attention.py tests/train/test_model.py tests/train/test_precision.py` on the
+- cuda_tests: `pytest tests/train/models/test_attention.py tests/train/models/test_model.py tests/train/models/test_precision.py` on the
   device (they follow the model's device, d726355); counts and the failures' tail. Tiny mode only collects them.
 - fused_0.5b, fused_1.5b: benchmarks/gpu_bench.py's bf16 Megatron-Core train step of a random Qwen2.5-0.5B- and
   Qwen2.5-1.5B-shaped student, fused vs unfused output layer + GKD loss at 16,384 then 4,096 tokens (one row per
@@ -48,7 +48,7 @@ from pathlib import Path
 from benchmarks import gpu_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ("tests/train/test_attention.py", "tests/train/test_model.py", "tests/train/test_precision.py")
+CUDA_TESTS = ("tests/train/models/test_attention.py", "tests/train/models/test_model.py", "tests/train/models/test_precision.py")
 # part -> its time limit in seconds (the parts together fit the default --budget)
 LIMITS = {"cuda_tests": 120, "fused_0.5b": 100, "fused_1.5b": 120, "qwen35": 140}
 QWEN35_4B_WIDTHS = dict(vocab_size=248_320, hidden_size=2560, intermediate_size=9216, num_attention_heads=16,

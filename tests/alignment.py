@@ -1,6 +1,6 @@
 """The alignment check of a student that equals its teacher: the GKD loss against the cached teacher rows is
 ≈ 0 at every beta, and the same rows shifted by one position make it large. Shared by the image and Qwen3.5 tests
-(tests/score/test_images.py, tests/train/test_hf_backend.py), each with the bounds its rows allow."""
+(tests/score/test_images.py, tests/train/models/test_hf_backend.py), each with the bounds its rows allow."""
 
 from __future__ import annotations
 

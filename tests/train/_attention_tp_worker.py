@@ -1,4 +1,4 @@
-"""TP=2 worker for tests/train/test_attention.py: the SDPA student at TP=2, causal and with a packed mask.
+"""TP=2 worker for tests/train/models/test_attention.py: the SDPA student at TP=2, causal and with a packed mask.
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_attention_tp_worker.py IN OUT HF..``
 IN is a torch.save'd {"ids", "mask", "weights_seed"}. For every HF dir and mask case, rank 0 writes

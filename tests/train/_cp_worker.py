@@ -1,6 +1,6 @@
 """One trainer step (`train_step`: the Megatron schedule, real forward_step/loss_func) per variant at a given CP (and
 TP), dumping the loss sums, counts, grad norm and gradients in HF layout; and the alignment check under CP (student =
-the scoring model: loss ~ 0; teacher rows shifted by one: large), for tests/train/test_context_parallel.py.
+the scoring model: loss ~ 0; teacher rows shifted by one: large), for tests/train/parallel/test_context_parallel.py.
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_cp_worker.py STUDENT TEACHER CACHE
 OUT 2`` (CP=2; a 6th argument is the TP size), or plain ``python ... 1`` for the CP=1 reference.

@@ -1,4 +1,4 @@
-"""TP=2 worker for tests/train/test_fused_loss.py: the fused output layer + loss on a vocab-split weight must equal
+"""TP=2 worker for tests/train/losses/test_fused_loss.py: the fused output layer + loss on a vocab-split weight must equal
 TP=1 (same loss on every rank, the same hidden-state gradient, each rank's weight-gradient rows of the full one).
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_fused_tp_worker.py`` (plain

@@ -1,4 +1,4 @@
-"""TP=2 worker for tests/train/test_live_teacher.py: the live teacher's top-k and tail from a vocab-split weight
+"""TP=2 worker for tests/train/teacher/test_live_teacher.py: the live teacher's top-k and tail from a vocab-split weight
 equal the TP=1 reduction (a vocab of 51 padded to 52, so one rank's slice ends in a padding column), and so does the
 actual-token logprob of a live cross-tokenizer teacher (train/teacher/live_xtok.py `actual_logprobs`, each logit on one rank).
 

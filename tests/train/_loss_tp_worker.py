@@ -1,4 +1,4 @@
-"""TP=2 worker for tests/train/test_loss.py: vocab-parallel loss and gradients must equal TP=1.
+"""TP=2 worker for tests/train/losses/test_loss.py: vocab-parallel loss and gradients must equal TP=1.
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_loss_tp_worker.py``
 (plain torch.distributed with gloo; no Megatron). Prints "TP2 OK" on each rank, exits non-zero on a mismatch.

@@ -1,4 +1,4 @@
-"""TP=2 worker for tests/train/test_model.py: build, load, forward/backward and export each given HF folder.
+"""TP=2 worker for tests/train/models/test_model.py: build, load, forward/backward and export each given HF folder.
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_tp_worker.py IDS OUT HF_DIR...``
 IDS is a torch.save'd [batch, seq] LongTensor. For every HF_DIR, rank 0 writes OUT/<name>.pt with the gathered

@@ -1,4 +1,4 @@
-"""TP=2 worker for tests/train/test_xtok_loss.py::test_tp2_matches_tp1: the cross-tokenizer losses (ULD, GOLD at
+"""TP=2 worker for tests/train/losses/test_xtok_loss.py::test_tp2_matches_tp1: the cross-tokenizer losses (ULD, GOLD at
 β 0 and 0.5, with and without the SFT mix) on a vocab-split output weight equal TP=1 and the plain definition
 (`xtok_loss_reference` + CE on the full logits, autograd): the same loss on every rank, the same hidden-state
 gradient, each rank's weight-gradient rows of the full one.

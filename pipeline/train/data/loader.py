@@ -43,7 +43,7 @@ consecutive micro-batches. Packed, the plan is made per optimizer step: the long
 start that fits into `global_batch_size` rows (`rows_per_step`), cut into micro-batches of `micro_batch_size` rows,
 micro-batch q of the step going to rank q % dp; it is a pure function of the step's start position, computed from
 the cheap length columns, so every rank computes the same plan, and the samples of a step — hence its loss and
-gradient — do not depend on how it is split over accumulation steps and ranks (tests/train/test_dp.py). Either way
+gradient — do not depend on how it is split over accumulation steps and ranks (tests/train/parallel/test_dp.py). Either way
 the resume state is one integer, the global sample position after the step (= (epoch, index) via divmod), equal on
 every rank.
 

@@ -17,7 +17,7 @@ to exactly 0 in float32: samples sharing a row do not see each other at all.
 
 Positions: Megatron's GPTModel builds RoPE for positions 0..S-1 of the row whatever `position_ids` say, so a packed
 sample sees its tokens at shifted absolute positions. RoPE attention scores depend only on relative positions, so
-this is exact up to float rounding (tests/train/test_packing.py compares against the same samples one per row).
+this is exact up to float rounding (tests/train/data/test_packing.py compares against the same samples one per row).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ divergences, ∂z — in float32 (float64 inputs stay float64) inside each chunk
 chunks. TP: ∂h is the sum of every rank's vocab slice (one all-reduce at the end: what Megatron's
 ``copy_to_tensor_model_parallel_region`` does in the unfused output layer's backward).
 
-Test: ``python -m pytest tests/train/test_fused_loss.py`` (against ``loss.gkd_loss`` on ``h @ Wᵀ``).
+Test: ``python -m pytest tests/train/losses/test_fused_loss.py`` (against ``loss.gkd_loss`` on ``h @ Wᵀ``).
 """
 
 from __future__ import annotations

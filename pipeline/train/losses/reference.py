@@ -35,7 +35,7 @@ module is its reference (``fused_loss: false``).
 ``opd_loss`` (``loss=opd``): the sampled-token on-policy distillation estimator on the student's own tokens; see
 its docstring.
 
-Test: ``python -m pytest tests/train/test_loss.py``; benchmark: ``python benchmarks/loss_bench.py``.
+Test: ``python -m pytest tests/train/losses/test_loss.py``; benchmark: ``python benchmarks/loss_bench.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Vocab padding: Megatron needs vocab % tp == 0. `build_model` pads the vocab to a
 `pad_vocab_to_multiple_of` (default: tp) with zero rows; padded ids then get logit exactly 0, so the loss
 must ignore columns >= `model.hf_vocab_size` (the original vocab). Export strips the padding.
 
-    python -c "from pipeline.train.models.megatron import *"   # exercised by tests/train/test_model.py
+    python -c "from pipeline.train.models.megatron import *"   # exercised by tests/train/models/test_model.py
 """
 
 from __future__ import annotations

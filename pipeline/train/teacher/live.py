@@ -13,7 +13,7 @@ so, as in the fused loss, no [tokens, vocab] tensor exists. Nothing is quantised
 Teacher ids at or past the student's real vocab (a teacher with more embedding rows, same tokenizer) are folded
 into the tail and marked invalid, the rule the loader applies to cached rows.
 
-    python -m pytest tests/train/test_live_teacher.py
+    python -m pytest tests/train/teacher/test_live_teacher.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ and the micro-batch carries each sample's teacher tokens and its place (`XtokLiv
   3. merges them over the spans and places them in the student's layout with the same two functions the cache's
      rows go through (batch.student_layout, batch.assemble), so live and cached rows differ by the codec only.
 
-Nothing is quantised: compare with a cache written with the `exact-f32` codec (tests/train/test_live_xtok.py).
+Nothing is quantised: compare with a cache written with the `exact-f32` codec (tests/train/teacher/test_live_xtok.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The supported student families (pipeline/train/models/families.py) through the Megatron mapping, export and vLLM.
 
-Run: ``python -m pytest tests/train/test_families.py`` (``-m "not distributed"`` skips the torchrun test).
+Run: ``python -m pytest tests/train/models/test_families.py`` (``-m "not distributed"`` skips the torchrun test).
 Every family is a tiny random model of tests/tiny_models.py `build_family` (transformers' own config classes, the
 test tokenizer, head_dim 32 so vLLM's CPU backend runs it). Sequences are 80 tokens: past llama3's
 original_max_position_embeddings (16) and every band of its scaled frequencies, within Mistral's window (96).
@@ -24,7 +24,7 @@ from tiny_models import FAMILIES, LLAMA3_ROPE, MISTRAL_WINDOW, build_family
 from pipeline.train.models.families import Llama3Rope, check_trainable, llama3_inv_freq
 from pipeline.train.models.megatron import build_model, export_hf, load_hf_weights, read_hf_arch, read_hf_state_dict
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SEQ = 80
 
 
@@ -211,7 +211,7 @@ def test_qwen3_tp2_step_matches_tp1(families, family_cache, tmp_path):
     cross-layout rule of tests/tolerance.py."""
     from tolerance import assert_layout_close
 
-    worker = str(Path(__file__).with_name("_train_tp_worker.py"))
+    worker = str(Path(__file__).resolve().parents[1] / "_train_tp_worker.py")
     args = [str(families["qwen3"]), str(family_cache), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, worker, *args, "1"], check=True, env=env, cwd=REPO, timeout=300)

@@ -2,7 +2,7 @@
 bf16 resume is exact, a checkpoint refuses the other precision, export writes the dtype asked for, and the train
 loss equals pipeline/evaluate.py's held-out KL on the same rows and weights (one teacher distribution).
 
-Run: ``python -m pytest tests/train/test_precision.py``. Tiny random Llamas and a cache scored from one of them
+Run: ``python -m pytest tests/train/models/test_precision.py``. Tiny random Llamas and a cache scored from one of them
 (tests/train/conftest.py).
 
 Precision is always passed explicitly: the trainer's default (bf16 unset) means bf16 where CUDA is available and

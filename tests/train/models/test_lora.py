@@ -1,7 +1,7 @@
 """LoRA on the Megatron student: identity at init, only adapters learn, peft/vLLM/merged exports equal the Megatron
 forward, adapter-only checkpoints resume exactly, TP=2 == TP=1.
 
-Run: ``python -m pytest tests/train/test_lora.py`` (``-m "not distributed"`` skips the torchrun test).
+Run: ``python -m pytest tests/train/models/test_lora.py`` (``-m "not distributed"`` skips the torchrun test).
 The peft and merged checks use the SMALL GQA Llama (tied) and Qwen2 (qkv bias) of tests/tiny_models.py with a
 random, non-zero adapter (B starts at zero, which would make every comparison trivial).
 """
@@ -25,7 +25,7 @@ from pipeline.train.models.lora import LoRASpec, apply_lora, from_peft, load_lor
 from pipeline.train.models.megatron import build_model, export_adapter, export_hf, load_hf_weights, read_hf_state_dict
 from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SPEC = LoRASpec(rank=8, alpha=16.0, targets=("linear_qkv", "linear_fc1", "linear_proj", "linear_fc2"))
 
 
@@ -235,7 +235,7 @@ def test_vllm_lora_request_gives_megatron_logprobs(tiny, lora_run, tmp_path):
 @pytest.mark.distributed
 def test_tp2_matches_tp1(tiny, tmp_path):
     """One LoRA trainer step at TP=2 vs TP=1 with a random non-zero adapter: same loss, same adapter gradients."""
-    worker = str(Path(__file__).with_name("_train_tp_worker.py"))
+    worker = str(Path(__file__).resolve().parents[1] / "_train_tp_worker.py")
     args = [str(tiny["student"]), str(tiny["cache"]), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, worker, *args, "1", "lora"], check=True, env=env, cwd=REPO, timeout=300)

@@ -7,7 +7,7 @@ tests/tolerance.py rule 1 the weights are never compared across the two optimize
 reduce-scatter vs all-reduce, round differently): the per-step losses and gradient norms are, and Adam's moments
 after two steps (linear and quadratic in the gradients: noise stays noise-sized), read back at DP=1.
 
-Run: ``python -m pytest tests/train/test_distributed_optimizer.py`` (launches torchrun with 2 gloo processes).
+Run: ``python -m pytest tests/train/parallel/test_distributed_optimizer.py`` (launches torchrun with 2 gloo processes).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tolerance import assert_layout_close, assert_same
 
 from pipeline.cli import main as cli
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _args(tiny: dict, save: Path, *extra: str) -> list[str]:

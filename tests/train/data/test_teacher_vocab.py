@@ -1,7 +1,7 @@
 """A teacher with more embedding rows than the student (same tokenizer, as Qwen2.5-7B's 152,064 vs 0.5B's 151,936):
 teacher ids past the student's vocab are marked invalid and their mass lands in the tail; training runs.
 
-Run: ``python -m pytest tests/train/test_teacher_vocab.py`` (tiny random Llamas built with transformers' config).
+Run: ``python -m pytest tests/train/data/test_teacher_vocab.py`` (tiny random Llamas built with transformers' config).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import random_samples, score_into_cache
+from tiny_cache import random_samples, score_into_cache
 from tiny_cache import train_tiny
 
 from pipeline.store import read_cache

@@ -5,7 +5,7 @@ The cache mixes very short and very long samples (2 vs ~50 active positions), so
 of the global active count (the bug of TRL #4719 / ms-swift #10165) weights them differently and fails here.
 Compared under the cross-layout rule of tests/tolerance.py (SGD; per-step losses and the trained update).
 
-Run: ``python -m pytest tests/train/test_dp.py`` (launches torchrun with 2 gloo processes).
+Run: ``python -m pytest tests/train/parallel/test_dp.py`` (launches torchrun with 2 gloo processes).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tolerance import assert_layout_close, layout_gap
 
 from pipeline.cli import main as cli
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

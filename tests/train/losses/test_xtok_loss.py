@@ -20,7 +20,7 @@ from train_fixtures import run_tp2_worker
 from pipeline.store import align
 from pipeline.train.losses.xtok import EPS, fused_xtok_loss, gold_weights, span_divergence, xtok_loss_reference
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PROMPT = "<|im_start|>user\nWhat is 3 × 4?<|im_end|>\n<|im_start|>assistant\n"
 ANSWER = "The answer is twelve: 3 × 4 = 12. Knowledge distillation trains a small model, naïvely.<|im_end|>"
 

@@ -1,7 +1,7 @@
 """The fused output layer + GKD loss against the unfused reference (``loss.gkd_loss`` on ``h @ Wᵀ``), the stored
 teacher tail against an fp64 hand computation, the memory bound, TP=2 vs TP=1, and a whole trainer step.
 
-Run: ``python -m pytest tests/train/test_fused_loss.py`` (the TP test launches torchrun with 2 gloo processes).
+Run: ``python -m pytest tests/train/losses/test_fused_loss.py`` (the TP test launches torchrun with 2 gloo processes).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pipeline.train.losses.fused import fused_gkd_loss
 from pipeline.train.losses.reference import gkd_loss, vocab_parallel_ce
 
 T, H, V, K = 13, 8, 29, 5
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make_case(seed: int, t: int = T, h: int = H, v: int = V, k: int = K, dtype=torch.float64) -> dict:

@@ -1,7 +1,7 @@
 """Sequence packing: the plan, the packed layout against a hand computation, and the Megatron student on packed rows
 against the same samples one per row (logits, per-token losses, gradients), no cross-sample attention, DP slices.
 
-Run: ``python -m pytest tests/train/test_packing.py`` (tiny random Llama, a cache scored from it: ~20 s).
+Run: ``python -m pytest tests/train/data/test_packing.py`` (tiny random Llama, a cache scored from it: ~20 s).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny, score_into_cache
+from tiny_cache import build_tiny, score_into_cache
 
 from pipeline.store import read_cache
 from pipeline.train.data.batch import IGNORE_INDEX

@@ -1,6 +1,6 @@
 """HF Llama/Qwen2 <-> Megatron GPTModel: logits equal HF, export round trip bit-identical, TP=2 equals TP=1.
 
-Run: ``python -m pytest tests/train/test_model.py`` (``-m "not distributed"`` skips the torchrun test).
+Run: ``python -m pytest tests/train/models/test_model.py`` (``-m "not distributed"`` skips the torchrun test).
 Tiny random models (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 256): Llama with tied embeddings like
 SmolLM2, Qwen2 with qkv bias and untied embeddings. Weights are re-drawn at a larger scale than HF's init so
 logits are O(1) and a wrong mapping cannot hide under a tiny tolerance; norms get non-unit weights so a swapped
@@ -37,7 +37,7 @@ from pipeline.train.models.megatron import (
 from pipeline.train.parallel import compat
 from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _hf_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Activation recompute (pipeline/train/models/recompute.py): selective and full give the gradients of no recompute.
 
-Run: ``python -m pytest tests/train/test_recompute.py``. Exact comparison (torch.equal): recompute reruns the same
+Run: ``python -m pytest tests/train/models/test_recompute.py``. Exact comparison (torch.equal): recompute reruns the same
 deterministic CPU kernels on the same inputs in the same process, and every weight gradient is formed by the same
 ops in the same order, so anything but bit-identical is a bug (measured: bit-identical for both backends). Each case
 also counts forward calls, so a config that silently did not recompute cannot pass.

@@ -1,6 +1,6 @@
 """GKD loss against an independent full-softmax reference, its gradients, TP=2 vs TP=1, and invariants.
 
-Run: ``python -m pytest tests/train/test_loss.py`` (the TP test launches torchrun with 2 gloo processes).
+Run: ``python -m pytest tests/train/losses/test_loss.py`` (the TP test launches torchrun with 2 gloo processes).
 """
 
 from __future__ import annotations

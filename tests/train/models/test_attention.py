@@ -1,6 +1,6 @@
 """attention=sdpa (pipeline/train/models/attention.py) equals Megatron's own DotProductAttention (attention=local).
 
-Run: ``python -m pytest tests/train/test_attention.py`` (``-m "not distributed"`` skips the torchrun test).
+Run: ``python -m pytest tests/train/models/test_attention.py`` (``-m "not distributed"`` skips the torchrun test).
 The SMALL models of tiny_models.build_random_hf have 4 query heads over 2 KV heads, so every model-level case is
 GQA; the Llama one has tied embeddings, the Qwen2 one qkv bias. "Packed" rows carry an explicit block-diagonal causal
 mask in Megatron's format (bool [B, 1, S, S], True = masked out), built here independently of the loader.
@@ -32,7 +32,7 @@ from train_fixtures import random_ids as _ids
 from pipeline.train.models.megatron import build_model, load_hf_weights
 from pipeline.train.parallel.groups import destroy_distributed, init_distributed
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RTOL = 1e-5  # of each tensor's max |entry|, see the module docstring
 
 

@@ -1,7 +1,7 @@
 """loss=opd: the sampled-token on-policy distillation estimator (pipeline/train/losses/reference.py `opd_loss`, and the fused
 path), k = 0 caches, and the refusals when a cache holds less than the loss reads.
 
-Run: ``python -m pytest tests/train/test_opd.py``.
+Run: ``python -m pytest tests/train/losses/test_opd.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_samples, score_into_cache
+from tiny_cache import random_samples, score_into_cache
 
 from pipeline.store import read_cache
 from pipeline.train.data.loader import ScoredLoader

@@ -2,7 +2,7 @@
 TP=1, the fold of ids past the student's vocab; the trainer trained by a live teacher against the same trainer on
 a cache of the same rows (exact codec: the same steps; default codec: within its quantisation bound).
 
-Run: ``python -m pytest tests/train/test_live_teacher.py``.
+Run: ``python -m pytest tests/train/teacher/test_live_teacher.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from pipeline.train.teacher.live import teacher_topk
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _case(seed: int, t: int = 11, h: int = 8, v: int = 50, dtype=torch.float64):
@@ -56,7 +56,7 @@ def test_ids_past_the_student_vocab_are_folded_into_the_tail():
 
 @pytest.mark.distributed
 def test_tp2_matches_tp1():
-    worker = Path(__file__).with_name("_live_tp_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "_live_tp_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -3,7 +3,7 @@ rollouts written with the exact codec: the trainer's per-step losses and its tra
 come from a transformers forward of the teacher on its own tokens, the live ones from the trainer's teacher on the
 same tokens); and the actual-token logprob of the live reduction against a full log-softmax.
 
-Run: ``python -m pytest tests/train/test_live_xtok.py``.
+Run: ``python -m pytest tests/train/teacher/test_live_xtok.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A top-p (variable-k) cache through the loader and both loss paths: the padding after each position's kept
 entries is `teacher_valid = False`, and the loss is the KL over the kept entries plus the tail, computed by hand.
 
-Run: ``python -m pytest tests/train/test_topp.py`` (the tiny random Llama of conftest, scored by an HF forward).
+Run: ``python -m pytest tests/train/data/test_topp.py`` (the tiny random Llama of conftest, scored by an HF forward).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import random_samples, score_into_cache
+from tiny_cache import random_samples, score_into_cache
 from tiny_cache import train_tiny
 
 from pipeline.store import read_cache

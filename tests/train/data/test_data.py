@@ -1,6 +1,6 @@
 """The scored-shard loader: alignment against a hand computation, truncation, order, resume, DP slices, refusals.
 
-Run: ``python -m pytest tests/train/test_data.py`` (synthetic rows, no model: a few seconds).
+Run: ``python -m pytest tests/train/data/test_data.py`` (synthetic rows, no model: a few seconds).
 """
 
 from __future__ import annotations

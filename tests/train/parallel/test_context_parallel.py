@@ -12,7 +12,7 @@ keeps its alignment.
 - The scoring model trained on its own cache under CP=2: loss ~ 0 per active position; the teacher rows paired one
   position off (the classic bug): large.
 
-Run: ``python -m pytest tests/train/test_context_parallel.py`` (the torchrun test is marked distributed).
+Run: ``python -m pytest tests/train/parallel/test_context_parallel.py`` (the torchrun test is marked distributed).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pipeline.train.data.loader import ScoredLoader
 from pipeline.train.metrics import OPD_KL_SUM, OPD_SUM, SFT_SUM
 from pipeline.train.parallel.context_parallel import columns, split
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_split_is_the_zigzag_of_the_padded_rows(tiny):
@@ -62,7 +62,7 @@ def test_split_is_the_zigzag_of_the_padded_rows(tiny):
 
 
 def _worker(tiny: dict, out: Path, cp: int, tp: int = 1) -> dict:
-    worker = str(Path(__file__).with_name("_cp_worker.py"))
+    worker = str(Path(__file__).resolve().parents[1] / "_cp_worker.py")
     args = [worker, str(tiny["student"]), str(tiny["model"]), str(tiny["cache"]), str(out), str(cp), str(tp)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     launcher = [] if cp * tp == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cp * tp)]

@@ -1,7 +1,7 @@
 """The transformers student backend (backend=hf): equal to the Megatron backend where both train a student, and
 Qwen3.5 (hybrid Gated DeltaNet), which only it trains, end to end.
 
-Run: ``python -m pytest tests/train/test_hf_backend.py``. Cross-backend comparisons follow tests/tolerance.py
+Run: ``python -m pytest tests/train/models/test_hf_backend.py``. Cross-backend comparisons follow tests/tolerance.py
 (SGD; per-step losses and the trained update, final − initial); resume is compared exactly.
 """
 
@@ -24,7 +24,7 @@ from tolerance import assert_layout_close
 from pipeline.cli import main as cli
 from pipeline.config import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _args(student: Path, cache: Path, save: Path, **kw) -> list[str]:
