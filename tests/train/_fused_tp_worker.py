@@ -7,10 +7,15 @@ torch.distributed with gloo; no Megatron). Prints "TP2 OK" on each rank, exits n
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
-from test_fused_loss import H, fused, make_case
 from tolerance import assert_layout_close
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "losses"))  # the test module whose cases this checks
+from test_fused_loss import H, fused, make_case  # noqa: E402
 
 
 def main() -> None:
