@@ -156,7 +156,7 @@ def test_the_packed_loader_refuses_image_rows_by_name(vl):
             loader.micro_batch(m)
     padded = ScoredLoader([vl["cache"]], micro_batch_size=len(ROWS), seq_length=128, seed=0, packing=False)
     mb = padded.micro_batch(0)
-    assert sum(len(x) for x in mb.images) == sum(len(r[2]) for r in ROWS)
+    assert sum(len(x) for x in mb.images.rows) == sum(len(r[2]) for r in ROWS)
 
 
 def test_packing_auto_packs_a_megatron_student_and_says_so(vl, tmp_path, capsys):

@@ -109,16 +109,16 @@ def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
     cache = ScoredLoader([xl["root"] / "cache"], micro_batch_size=n, seq_length=SEQ, seed=0, vocab_size=vocab,
                          tokenizer_fingerprint=s_fp, xtok_map=xt.vmap).micro_batch(0)
     assert live.samples == cache.samples == n and live.xtok_live is not None and live.xtok_live.vmap is xt.vmap
-    assert torch.equal(live.xtok_matched, cache.xtok_matched) and live.xtok_teacher_vocab == cache.xtok_teacher_vocab
+    assert torch.equal(live.spans.matched, cache.spans.matched) and live.spans.teacher_vocab == cache.spans.teacher_vocab
     where = {tuple(cache.input_ids[i, :int((cache.doc_ids[i] >= 0).sum())].tolist()): i for i in range(n)}
     order = [where[tuple(live.input_ids[i, :int((live.doc_ids[i] >= 0).sum())].tolist())] for i in range(n)]
     assert sorted(order) == list(range(n))
     for name in ("loss_mask", "sft_mask", "labels"):
         assert torch.equal(getattr(live, name), getattr(cache, name)[order]), name
     w = live.input_ids.shape[1]
-    heads = cache.span_head[order]
+    heads = cache.spans.head[order]
     moved = torch.where(heads >= 0, heads % w + torch.arange(n)[:, None] * w, heads)  # row index of the live layout
-    assert torch.equal(live.span_head, moved)
+    assert torch.equal(live.spans.head, moved)
     assert not live.teacher_logprobs.any()  # placeholders until the teacher runs
     # the teacher's rows as the test's cache writer computes them (a transformers forward, top-8, actual token)
     from transformers import AutoModelForCausalLM

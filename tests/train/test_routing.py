@@ -62,8 +62,8 @@ def test_each_sample_gets_the_rows_of_its_tags_teacher(two):
             tag = by_ids[tuple(ids.tolist())]
             assert key in two["keys"]["a" if tag == "A" else "b"]  # the row came from the tag's cache
             active = mb.loss_mask[b].nonzero().flatten()
-            assert (mb.teacher_route[b, active] == loader.route_names.index(tag)).all()
-            assert (mb.teacher_route[b][~mb.loss_mask[b]] == -1).all()
+            assert (mb.route.teacher[b, active] == loader.route_names.index(tag)).all()
+            assert (mb.route.teacher[b][~mb.loss_mask[b]] == -1).all()
             own, other = (_forward(two["teachers"][t], ids) for t in (tag, "B" if tag == "A" else "A"))
             t_ids = mb.teacher_ids[b, active].long().numpy()
             got = mb.teacher_logprobs[b, active].numpy()
@@ -98,12 +98,12 @@ def test_loss_weights_each_teachers_positions(two, single_process):
     root = two["root"]
     routes = {"A": str(root / "a"), "B": str(root / "b")}
     mb = _loader(two, routes).micro_batch(0)
-    assert {0, 1} <= set(mb.teacher_route.unique().tolist())
+    assert {0, 1} <= set(mb.route.teacher.unique().tolist())
     cfg = TrainConfig(cache=[], teachers=routes, teacher_weights={"A": 2.0, "B": 0.5}, fused_loss=False)
     logits = torch.randn(*mb.input_ids.shape, two["tiny"]["vocab"], generator=torch.Generator().manual_seed(0))
     count = float(mb.loss_mask.sum())
     loss, n, report = loss_func(mb, (count, 1.0), cfg, two["tiny"]["vocab"], None, logits)
-    parts = [gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask & (mb.teacher_route == i),
+    parts = [gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask & (mb.route.teacher == i),
                       beta=cfg.kd_beta, mode=cfg.topk_mode, teacher_tail=mb.teacher_tail,
                       teacher_valid=mb.teacher_valid) for i in (0, 1)]
     expect = (2.0 * parts[0][0] + 0.5 * parts[1][0]) / count
