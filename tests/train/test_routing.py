@@ -130,3 +130,30 @@ def test_trainer_reports_each_teacher(two, tmp_path):
         assert m["jsd"] == pytest.approx((m["jsd/A"] * na + m["jsd/B"] * nb) / (na + nb), rel=1e-6)
         assert m["loss"] == pytest.approx((m["jsd/A"] * na + 0.25 * m["jsd/B"] * nb) / (na + nb), rel=1e-6)
         assert m["unrouted_samples"] == 0
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_route_part_on_the_padded_and_the_packed_path(two, packing):
+    """The loader builds the route part on both layouts: each sample's active positions hold its tag's teacher, -1
+    everywhere else; `.to` moves its tensor."""
+    root = two["root"]
+    kw = dict(packing=True, rows_per_step=4) if packing else {}
+    loader = _loader(two, {"A": root / "a", "B": root / "b"}, **kw)
+    mb = loader.micro_batch(0)
+    assert mb.parts() == ("route",) and mb.packed == packing
+    if packing:
+        assert mb.samples > mb.input_ids.shape[0]  # really several samples per row
+    route = mb.route.teacher
+    assert route.dtype == torch.int64 and route.shape == mb.input_ids.shape
+    by_ids = {tuple(s[0].tolist()): t["task"] for s, t in zip(two["samples"], two["tags"], strict=True)}
+    seen = 0
+    for r in range(mb.input_ids.shape[0]):
+        for d in range(int(mb.doc_ids[r].max()) + 1):
+            cols = np.flatnonzero(mb.doc_ids[r].numpy() == d)
+            tag = by_ids[tuple(mb.input_ids[r, cols].tolist())]
+            active = cols[mb.loss_mask[r, cols].numpy()]
+            assert len(active) and (route[r, active] == loader.route_names.index(tag)).all()
+            seen += 1
+    assert seen == mb.samples and bool((route[~mb.loss_mask] == -1).all())
+    moved = mb.to("meta")
+    assert moved.route.teacher.is_meta and moved.route.teacher.shape == route.shape and not route.is_meta

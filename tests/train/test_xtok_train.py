@@ -147,6 +147,39 @@ def test_packed_layout_equals_the_padded_one_sample_by_sample(xt):
             assert torch.equal(sp[sp >= 0] - (r * wp + o), sq[sq >= 0] - i * wq)
 
 
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_spans_part_on_the_padded_and_the_packed_path(xt, packing):
+    """The loader builds the spans part on both layouts (cross-tokenizer rows pack): every span member points at its
+    head, a loss position; the part carries the vocabulary map's student side (None for ULD) and the teacher's
+    vocabulary; `.to` moves its tensors. The consumers that cannot use it refuse it by name: a same-tokenizer loss
+    and context parallelism (the heads are flat indices into whole rows)."""
+    from pipeline.config import ConfigError
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.data.batch import matched_ids
+    from pipeline.train.parallel.context_parallel import split
+    from pipeline.train.step import loss_func
+
+    kw = dict(packing=True, rows_per_step=4) if packing else {}
+    mb = _loader(xt, **kw).micro_batch(0)
+    assert mb.parts() == ("spans",) and mb.packed == packing
+    if packing:
+        assert mb.samples > mb.input_ids.shape[0]
+    s = mb.spans
+    assert s.head.dtype == torch.int64 and s.head.shape == mb.input_ids.shape and s.teacher_vocab == len(xt["t_tok"])
+    assert torch.equal(s.matched, matched_ids(xt["vmap"], len(xt["s_tok"])))
+    members = s.head >= 0
+    assert bool(members.any()) and bool(mb.loss_mask.reshape(-1)[s.head[members]].all())
+    moved = mb.to("meta")
+    assert moved.spans.head.is_meta and moved.spans.matched.is_meta and moved.spans.teacher_vocab == s.teacher_vocab
+    assert _loader(xt, xtok_map=None, **kw).micro_batch(0).spans.matched is None  # ULD: no map
+    with pytest.raises(ConfigError, match=r"carries spans \(cross-tokenizer span heads\), which loss=gkd cannot use; "
+                                          r"cross-tokenizer rows train with loss=gold"):
+        loss_func(mb, (1.0, 1.0), TrainConfig(cache=[], loss="gkd"), len(xt["s_tok"]), None, torch.zeros(0))
+    with pytest.raises(ConfigError, match=r"carries spans .*which context parallelism \(context_parallel_size=2\) "
+                                          r"cannot use; span heads are flat indices"):
+        split(mb, 2, 0)
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["gold", "uld"])
 def test_tp2_trains_like_tp1(xt, tmp_path, kind):
