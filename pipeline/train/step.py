@@ -57,7 +57,10 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     The report: named sums (pipeline/train/metrics.py, summed over micro-batches and ranks by the loop): the
     four loss terms, the weighted KD sum, and per routed teacher its KD sum and KD count."""
     names = sorted(cfg.teachers)
-    if batch.teacher_route is None or not names:
+    # the loss reads route and spans; images and xtok_live were the forward's and the live teacher's (already used)
+    batch.refuse_parts({"route", "images", "xtok_live"} | ({"spans"} if cfg.loss in XTOK_LOSSES else set()),
+                       f"loss={cfg.loss}", fix="cross-tokenizer rows train with loss=gold (or loss=uld)")
+    if batch.route is None or not names:
         loss, kd_n, t = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt, output_tensor)
         return loss, kd_n.int(), {**t, metrics.WEIGHTED_KD_SUM: t[metrics.KD_SUM]}
     dev = batch.loss_mask.device
@@ -69,9 +72,10 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     report = {name: zero() for name in (*metrics.TERMS, metrics.WEIGHTED_KD_SUM)}
     for name in names:
         report[metrics.teacher_kd_sum(name)], report[metrics.teacher_kd_count(name)] = zero(), zero()
-    present = [i for i in range(len(names)) if bool((batch.teacher_route == i).any())] or [None]
+    route = batch.route.teacher
+    present = [i for i in range(len(names)) if bool((route == i).any())] or [None]
     for i in present:
-        mask = batch.loss_mask if i is None else batch.loss_mask & (batch.teacher_route == i)
+        mask = batch.loss_mask if i is None else batch.loss_mask & (route == i)
         w = 1.0 if i is None else float(cfg.teacher_weights.get(names[i], 1.0))
         part, n, t = _loss_terms(batch, mask, w, counts, cfg, vocab_size, gpt, output_tensor)
         loss, kd_n = loss + part, kd_n + n
@@ -99,11 +103,15 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
     opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
     if cfg.loss in XTOK_LOSSES:  # cross-tokenizer spans (xtok_loss.py): SFT on every completion position
-        matched = batch.xtok_matched
-        weights = gold_weights(int(matched.sum()) if matched is not None else 0, batch.xtok_teacher_vocab,
+        spans = batch.spans
+        if spans is None:
+            raise ConfigError(f"loss={cfg.loss}: the micro-batch of {next(iter(batch.keys), '?')} has no spans (not "
+                              "cross-tokenizer rows); train it with loss=gkd, or train on a cross-tokenizer cache")
+        matched = spans.matched
+        weights = gold_weights(int(matched.sum()) if matched is not None else 0, spans.teacher_vocab,
                                cfg.gold_matched_weight, cfg.gold_unmatched_weight)
         out = fused_xtok_loss(
-            output_tensor, output_weight(gpt), batch.labels, mask, batch.span_head, batch.teacher_ids,
+            output_tensor, output_weight(gpt), batch.labels, mask, spans.head, batch.teacher_ids,
             batch.teacher_logprobs, batch.teacher_valid, batch.teacher_tail, kind=cfg.loss, matched=matched,
             weights=weights, beta=cfg.kd_beta, sft_mask=batch.sft_mask if cfg.sft_alpha > 0 else None,
             kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size, tp_group=tp_group)
@@ -153,7 +161,7 @@ def model_inputs(batch, cfg: TrainConfig, model) -> dict:
                 **hf_model.vision_inputs(student, batch.input_ids, batch.images, batch.keys)}
     from pipeline.train.models.attention import attention_inputs
 
-    if batch.images and any(batch.images):
+    if batch.images is not None:  # the forward reads images only; the other parts are the loss's and the teacher's
         raise ConfigError(f"the cache rows of {batch.keys[0]} carry images, but the Megatron backend's students are "
                           "text-only; train a vision-language student on this cache (backend=auto puts it on the hf "
                           "backend)")
@@ -171,7 +179,7 @@ def rank_inputs(batch, cfg: TrainConfig, model):
         return batch, model_inputs(batch, cfg, model)
     from pipeline.train.models.attention import context_spans
 
-    if batch.images and any(batch.images):
+    if batch.images is not None:
         model_inputs(batch, cfg, model)  # its refusal of images on this backend
     rank = parallel_state.get_context_parallel_rank()
     local, doc_ids = context_parallel.split(batch, cp, rank)

@@ -156,7 +156,7 @@ def test_student_equals_teacher_loss_is_zero_and_a_shift_makes_it_large(vlm):
 
     model = hf_model.build(vlm["teacher"], fused_loss=False, trainable=False)
     mb = ScoredLoader([vlm["cache"]], micro_batch_size=8, seq_length=128, seed=0, packing=False).micro_batch(0)
-    assert mb.images is not None and sum(len(x) for x in mb.images) == sum(len(r[2]) for r in ROWS)
+    assert mb.images is not None and sum(len(x) for x in mb.images.rows) == sum(len(r[2]) for r in ROWS)
     vision = hf_model.vision_inputs(model, mb.input_ids, mb.images, mb.keys)
     assert set(vision) == {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
     with torch.no_grad():

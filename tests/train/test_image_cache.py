@@ -156,8 +156,37 @@ def test_the_packed_loader_refuses_image_rows_by_name(vl):
             loader.micro_batch(m)
     padded = ScoredLoader([vl["cache"]], micro_batch_size=len(ROWS), seq_length=128, seed=0, packing=False)
     mb = padded.micro_batch(0)
-    assert sum(len(x) for x in mb.images) == sum(len(r[2]) for r in ROWS)
+    assert sum(len(x) for x in mb.images.rows) == sum(len(r[2]) for r in ROWS)
 
+
+
+def test_the_images_part_on_the_padded_path_and_its_refusals(vl):
+    """Padded (packing refuses image rows, above): the images part is present exactly where a row of the micro-batch
+    has an image, each image as (cache root, content hash); `.to` keeps it (no tensors). The Megatron backend's
+    forward and context parallelism refuse it by name."""
+    from pipeline.config import ConfigError
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.parallel.context_parallel import split
+    from pipeline.train.step import model_inputs
+
+    loader = ScoredLoader([vl["cache"]], micro_batch_size=1, seq_length=128, seed=0, packing=False)
+    mbs = [loader.micro_batch(m) for m in range(len(ROWS))]
+    assert sum(mb.images is None for mb in mbs) == sum(not r[2] for r in ROWS) == 1
+    with_images = [mb for mb in mbs if mb.images is not None]
+    assert all(mb.parts() == ("images",) and len(mb.images.rows) == 1 and mb.images.rows[0] for mb in with_images)
+    found = {p for mb in with_images for p in mb.images.rows[0]}
+    assert {Path(root).resolve() for root, _ in found} == {Path(vl["cache"]).resolve()} and len(found) == 2  # a, b
+    assert all(image_store.load(root, [h])[0] is not None for root, h in found)  # in the cache's image store
+    assert sorted(len(mb.images.rows[0]) for mb in with_images) == sorted(len(r[2]) for r in ROWS if r[2])
+    mb = with_images[0]
+    moved = mb.to("meta")
+    assert moved.input_ids.is_meta and moved.images == mb.images
+    with pytest.raises(ConfigError, match="carry images, but the Megatron backend's students are text-only"):
+        model_inputs(mb, TrainConfig(cache=[]), torch.nn.Linear(1, 1))
+    with pytest.raises(ConfigError, match=r"carries images \(image rows\), which context parallelism "
+                                          r"\(context_parallel_size=2\) cannot use; .*hf backend"):
+        split(mb, 2, 0)
 
 def test_packing_auto_packs_a_megatron_student_and_says_so(vl, tmp_path, capsys):
     """A text cache and a text student (Megatron-Core): auto packs; the log and trainer.json say which and why."""

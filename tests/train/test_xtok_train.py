@@ -54,7 +54,7 @@ def test_loader_puts_the_merged_teacher_row_at_each_span_head(xt):
     teacher = AutoModelForCausalLM.from_pretrained(xt["teacher"], dtype=torch.float64).eval()
     mb = _loader(xt).micro_batch(0)
     by_ids = {tuple(r["prompt_ids"] + r["completion_ids"]): r for r in xt["rows"]}
-    assert mb.span_head is not None and mb.xtok_teacher_vocab == len(xt["t_tok"])
+    assert mb.spans.head is not None and mb.spans.teacher_vocab == len(xt["t_tok"])
     width = mb.input_ids.shape[1]
     for i in range(mb.samples):
         n = int((mb.doc_ids[i] >= 0).sum())
@@ -68,7 +68,7 @@ def test_loader_puts_the_merged_teacher_row_at_each_span_head(xt):
         assert mb.sft_mask[i, ps - 1: n - 1].all() and int(mb.sft_mask[i].sum()) == n - ps
         for g in range(len(ss) - 1):
             members = np.arange(heads[g] + 1, ps - 1 + ss[g + 1])
-            assert (mb.span_head[i, members] == i * width + heads[g]).all()
+            assert (mb.spans.head[i, members] == i * width + heads[g]).all()
             row = lt[pt + st[g] - 1]  # the teacher's distribution of the span's first teacher token
             later = sum(max(float(lt[pt + j - 1, got.teacher_ids[pt + j]]), math.log(1e-8))
                         for j in range(st[g] + 1, st[g + 1]))
@@ -78,7 +78,7 @@ def test_loader_puts_the_merged_teacher_row_at_each_span_head(xt):
             assert mb.teacher_ids[i, heads[g]].tolist() == xt["vmap"][top.indices.numpy()].tolist()
             tail = math.log1p(-float(top.values.exp().sum())) + later
             assert float(mb.teacher_tail[i, heads[g]]) == pytest.approx(tail, abs=1e-3)  # 1 - Σp: ill-conditioned
-        assert (mb.span_head[i][~mb.sft_mask[i]] == -1).all()
+        assert (mb.spans.head[i][~mb.sft_mask[i]] == -1).all()
 
 
 def _train(xt, save: Path, **kw) -> list[dict]:
@@ -108,9 +108,9 @@ def test_first_step_loss_equals_the_definition_on_the_students_own_forward(xt, t
     model = AutoModelForCausalLM.from_pretrained(xt["student"], dtype=torch.float64).eval()
     with torch.no_grad():
         logits = model(mb.input_ids).logits  # padding sits after each sample: causal, so it changes nothing before
-    matched = mb.xtok_matched
-    weights = (1.0, 1.0) if kind == "gold" else gold_weights(0, mb.xtok_teacher_vocab)
-    args = (logits, mb.labels, mb.loss_mask, mb.span_head, mb.teacher_ids, mb.teacher_logprobs.double(),
+    matched = mb.spans.matched
+    weights = (1.0, 1.0) if kind == "gold" else gold_weights(0, mb.spans.teacher_vocab)
+    args = (logits, mb.labels, mb.loss_mask, mb.spans.head, mb.teacher_ids, mb.teacher_logprobs.double(),
             mb.teacher_valid, mb.teacher_tail.double())
     total, count = xtok_loss_reference(*args, kind=kind, matched=matched, weights=weights, beta=0.0)
     if kind == "gold":  # the test tells the default β from the JSD's
@@ -129,7 +129,7 @@ def test_packed_layout_equals_the_padded_one_sample_by_sample(xt):
     merged teacher rows exactly as one sample per row does, shifted to its columns."""
     packed = _loader(xt, packing=True, rows_per_step=4).micro_batch(0)
     padded = _loader(xt, micro_batch_size=len(xt["rows"])).micro_batch(0)
-    assert packed.xtok_matched is not None and packed.samples > packed.input_ids.shape[0]  # really packed
+    assert packed.spans.matched is not None and packed.samples > packed.input_ids.shape[0]  # really packed
     where = {tuple(padded.input_ids[i, :int((padded.doc_ids[i] >= 0).sum())].tolist()): i
              for i in range(padded.samples)}
     wp, wq = packed.input_ids.shape[1], padded.input_ids.shape[1]
@@ -142,10 +142,43 @@ def test_packed_layout_equals_the_padded_one_sample_by_sample(xt):
             assert packed.sft_mask[r, o:o + n].tolist() == padded.sft_mask[i, :n].tolist()
             torch.testing.assert_close(packed.teacher_logprobs[r, o:o + n], padded.teacher_logprobs[i, :n])
             assert torch.equal(packed.teacher_ids[r, o:o + n], padded.teacher_ids[i, :n])
-            sp, sq = packed.span_head[r, o:o + n], padded.span_head[i, :n]
+            sp, sq = packed.spans.head[r, o:o + n], padded.spans.head[i, :n]
             assert torch.equal(sp >= 0, sq >= 0)
             assert torch.equal(sp[sp >= 0] - (r * wp + o), sq[sq >= 0] - i * wq)
 
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_spans_part_on_the_padded_and_the_packed_path(xt, packing):
+    """The loader builds the spans part on both layouts (cross-tokenizer rows pack): every span member points at its
+    head, a loss position; the part carries the vocabulary map's student side (None for ULD) and the teacher's
+    vocabulary; `.to` moves its tensors. The consumers that cannot use it refuse it by name: a same-tokenizer loss
+    and context parallelism (the heads are flat indices into whole rows)."""
+    from pipeline.config import ConfigError
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.data.batch import matched_ids
+    from pipeline.train.parallel.context_parallel import split
+    from pipeline.train.step import loss_func
+
+    kw = dict(packing=True, rows_per_step=4) if packing else {}
+    mb = _loader(xt, **kw).micro_batch(0)
+    assert mb.parts() == ("spans",) and mb.packed == packing
+    if packing:
+        assert mb.samples > mb.input_ids.shape[0]
+    s = mb.spans
+    assert s.head.dtype == torch.int64 and s.head.shape == mb.input_ids.shape and s.teacher_vocab == len(xt["t_tok"])
+    assert torch.equal(s.matched, matched_ids(xt["vmap"], len(xt["s_tok"])))
+    members = s.head >= 0
+    assert bool(members.any()) and bool(mb.loss_mask.reshape(-1)[s.head[members]].all())
+    moved = mb.to("meta")
+    assert moved.spans.head.is_meta and moved.spans.matched.is_meta and moved.spans.teacher_vocab == s.teacher_vocab
+    assert _loader(xt, xtok_map=None, **kw).micro_batch(0).spans.matched is None  # ULD: no map
+    with pytest.raises(ConfigError, match=r"carries spans \(cross-tokenizer span heads\), which loss=gkd cannot use; "
+                                          r"cross-tokenizer rows train with loss=gold"):
+        loss_func(mb, (1.0, 1.0), TrainConfig(cache=[], loss="gkd"), len(xt["s_tok"]), None, torch.zeros(0))
+    with pytest.raises(ConfigError, match=r"carries spans .*which context parallelism \(context_parallel_size=2\) "
+                                          r"cannot use; span heads are flat indices"):
+        split(mb, 2, 0)
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["gold", "uld"])

@@ -5,12 +5,15 @@ See pipeline/train/data/loader.py for the alignment rules and pipeline/train/dat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from pipeline.config import ConfigError
 
 IGNORE_INDEX = -100
 _PAD_MULTIPLE = 8
@@ -39,26 +42,72 @@ class MicroBatch:
     samples: int
     truncated: int  # samples longer than seq_length (cut)
     folded_positions: int  # active positions with teacher entries past the student's vocab (mass folded into the tail)
-    # Routing (`teachers`): index into the loader's `route_names` of the teacher each position's row came from
-    # (-1 where inactive); None without routing.
-    teacher_route: torch.Tensor | None = None  # int64 [B, S]
-    # Image rows (scored schema 1.2, padded rows only): each row's images as (cache root, content hash), in placeholder
-    # order; the trainer turns them into the student processor's pixel inputs (hf_model.vision_inputs). None: text.
-    images: list[list[tuple[str, str]]] | None = None
-    # Cross-tokenizer rows (loss=uld|gold, train/losses/xtok.py): loss_mask marks span heads only; span_head [B, S] is,
-    # at a span's other positions, the flat index (row * S + column) of its head, -1 elsewhere. teacher_ids at the
-    # heads are student ids of matched entries (-1: unmatched); xtok_matched is the vocabulary map's student side.
-    span_head: torch.Tensor | None = None
-    xtok_matched: torch.Tensor | None = None  # bool [student vocab]; None: ULD (no map)
-    xtok_teacher_vocab: int = 0
-    # A live teacher with another tokenizer (train/teacher/live_xtok.py): the samples' teacher tokens and their layout here,
-    # from which the trainer computes the teacher rows; None otherwise.
+    # The optional parts, one per mode (`PARTS`): None unless the micro-batch is in that mode.
+    route: Route | None = None
+    images: Images | None = None
+    spans: Spans | None = None
+    # A live teacher with another tokenizer (train/teacher/live_xtok.py): the samples' teacher tokens and their layout
+    # here, from which the trainer computes the teacher rows.
     xtok_live: XtokLive | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        """The tensors moved to `device` (a no-op on CPU)."""
-        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return MicroBatch(**{**vars(self), **moved})
+        """The tensors moved to `device`, those inside its parts too (a no-op on CPU)."""
+        moved = {k: _moved(v, device) for k, v in vars(self).items()}
+        return MicroBatch(**moved)
+
+    def parts(self) -> tuple[str, ...]:
+        """The names of the parts present, in `PARTS` order."""
+        return tuple(name for name in PARTS if getattr(self, name) is not None)
+
+    def refuse_parts(self, allowed: set[str], by: str, fix: str | dict[str, str] = "") -> None:
+        """ConfigError naming the first present part not in `allowed`, the consumer `by` that cannot use it and
+        `fix` (what to change; per part name where a dict) — never a part dropped or misread silently."""
+        for name in self.parts():
+            if name not in allowed:
+                what = fix.get(name, "") if isinstance(fix, dict) else fix
+                raise ConfigError(f"the micro-batch of {next(iter(self.keys), '?')} carries {name} "
+                                  f"({_PART_DOC[name]}), which {by} cannot use" + (f"; {what}" if what else ""))
+
+
+@dataclass
+class Route:
+    """Routing (`teachers`, data/routing.py): which routed teacher each position's row came from."""
+
+    teacher: torch.Tensor  # int64 [B, S]: index into the loader's `route_names`, -1 where inactive
+
+
+@dataclass
+class Images:
+    """Image rows (scored schema 1.2, padded rows only; present where some row has an image): each row's images as
+    (cache root, content hash), in placeholder order. The trainer turns them into the student processor's pixel
+    inputs (hf_model.vision_inputs)."""
+
+    rows: list[list[tuple[str, str]]]
+
+
+@dataclass
+class Spans:
+    """Cross-tokenizer rows (loss=uld|gold, train/losses/xtok.py): loss_mask marks span heads only; `head` [B, S] is,
+    at a span's other positions, the flat index (row * S + column) of its head, -1 elsewhere. teacher_ids at the heads
+    are student ids of matched entries (-1: unmatched)."""
+
+    head: torch.Tensor  # int64 [B, S]
+    matched: torch.Tensor | None = None  # bool [student vocab]: the vocabulary map's student side; None: ULD (no map)
+    teacher_vocab: int = 0
+
+
+PARTS = ("route", "images", "spans", "xtok_live")
+_PART_DOC = {"route": "routed teachers' positions", "images": "image rows",
+             "spans": "cross-tokenizer span heads", "xtok_live": "a live teacher with another tokenizer"}
+
+
+def _moved(v: Any, device: torch.device | str) -> Any:
+    """`v` with its tensors on `device`: a tensor, or a part (Route, Images, Spans; XtokLive holds numpy only)."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device, non_blocking=True)
+    if isinstance(v, (Route, Spans)):
+        return dataclasses.replace(v, **{f.name: _moved(getattr(v, f.name), device) for f in dataclasses.fields(v)})
+    return v
 
 
 @dataclass
@@ -280,7 +329,7 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         samples=len(fetched),
         truncated=int((full > S).sum()),
         folded_positions=folded,
-        teacher_route=None if route is None else torch.from_numpy(route),
-        span_head=None if span_head is None else torch.from_numpy(span_head),
+        route=None if route is None else Route(torch.from_numpy(route)),
+        spans=None if span_head is None else Spans(torch.from_numpy(span_head)),
         xtok_live=live,
     )

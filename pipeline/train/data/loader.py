@@ -61,6 +61,7 @@ benchmarks/train_bench.py (`loader_throughput`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -73,7 +74,7 @@ import pyarrow.parquet as pq
 from pipeline.config import ConfigError
 from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, verify_shard
-from pipeline.train.data.batch import MicroBatch, assemble, matched_ids
+from pipeline.train.data.batch import Images, MicroBatch, assemble, matched_ids
 from pipeline.train.data.blocks import BlockReader
 from pipeline.train.data.xtok_rows import LiveXtok
 from pipeline.train.data.order import EpochOrder, StepPlan
@@ -304,15 +305,17 @@ class ScoredLoader:
         mb = self._with_xtok(mb)
         if self.packing:
             _refuse_packed_images(fetched)
-        elif any(block.images is not None for block, _ in fetched):
-            mb.images = [[(block.root, h) for h in (block.images[r] if block.images is not None else None) or ()]
-                         for block, r in fetched]
+        else:
+            rows = [[(block.root, h) for h in (block.images[r] if block.images is not None else None) or ()]
+                    for block, r in fetched]
+            mb.images = Images(rows) if any(rows) else None  # the part only where some row has an image
         return mb
 
     def _with_xtok(self, mb: MicroBatch) -> MicroBatch:
-        """A cross-tokenizer micro-batch carries the vocabulary map's student side and the teacher's vocabulary."""
-        if self.cross:
-            mb.xtok_matched, mb.xtok_teacher_vocab = self.xtok_matched, self.xtok_teacher_vocab
+        """A cross-tokenizer micro-batch's spans carry the vocabulary map's student side and the teacher's
+        vocabulary."""
+        if self.cross and mb.spans is not None:
+            mb.spans = dataclasses.replace(mb.spans, matched=self.xtok_matched, teacher_vocab=self.xtok_teacher_vocab)
         if mb.xtok_live is not None:
             mb.xtok_live.vmap = self.xtok_map
         return mb

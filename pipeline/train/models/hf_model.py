@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from pipeline.config import ConfigError
 from pipeline.store import images as image_store
 from pipeline.store.model_config import vocab_size
+from pipeline.train.data.batch import Images
 from pipeline.train.data.packing import attention_mask
 from pipeline.train.models.lora import ALIASES, HF_MODULES, TARGETS, LoRASpec
 from pipeline.train.models.optim import lr_scheduler, torch_optimizer
@@ -124,11 +125,11 @@ def is_hf(model: nn.Module) -> bool:
     return getattr(model, "gkd_backend", None) == "hf"
 
 
-def vision_inputs(student: HFStudent, input_ids: Tensor, images: list[list[tuple[str, str]]] | None,
-                  keys: Sequence[str]) -> dict:
-    """The student processor's pixel inputs of a micro-batch's images (rows in order, each row's images in
+def vision_inputs(student: HFStudent, input_ids: Tensor, part: Images | None, keys: Sequence[str]) -> dict:
+    """The student processor's pixel inputs of a micro-batch's images part (rows in order, each row's images in
     placeholder order), after checking that the processor expands each image to exactly the placeholder run the row
     holds (the rows were aligned to the teacher's expansion when they were scored)."""
+    images = part.rows if part is not None else None
     if student.processor is None:
         if images and any(images):
             raise ConfigError(f"the cache rows of {next(iter(keys), '?')} carry images, but the student is a "

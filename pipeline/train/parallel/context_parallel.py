@@ -33,7 +33,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pipeline.train.data.batch import IGNORE_INDEX, MicroBatch
+from pipeline.train.data.batch import IGNORE_INDEX, MicroBatch, Route
 
 Tensor = torch.Tensor
 
@@ -49,30 +49,42 @@ def columns(width: int, size: int, rank: int, device: torch.device | str = "cpu"
 # Fill of the columns `split` pads a micro-batch with: what the loader writes at padding (batch.assemble).
 _PAD = {"input_ids": 0, "labels": IGNORE_INDEX, "loss_mask": False, "sft_mask": False, "doc_ids": -1,
         "teacher_ids": 0, "teacher_logprobs": 0.0, "teacher_valid": False, "teacher_tail": 0.0,
-        "teacher_actual": 0.0, "teacher_route": -1}
+        "teacher_actual": 0.0, "route": -1}
+# The parts `split` cannot cut into chunks, and why: it refuses them by name instead of passing them on whole.
+_UNSPLIT = {
+    "images": "a row's images feed the vision tower of a vision-language student, which is on the hf backend (no "
+              "context parallelism); train it with context_parallel_size=1",
+    "spans": "span heads are flat indices into the whole rows, and a span may cross a chunk boundary; train "
+             "cross-tokenizer rows with context_parallel_size=1",
+    "xtok_live": "the live teacher lays its rows out on whole samples; use context_parallel_size=1",
+}
 
 
 def split(batch: MicroBatch, size: int, rank: int) -> tuple[MicroBatch, Tensor]:
     """(this rank's part of `batch`, the whole padded row's doc_ids [B, W]). The rows are first padded to a multiple
     of 2 * size columns (padding: no loss, a document of its own in a packed row, after every real token in a padded
     one), then every [B, W, ...] tensor keeps `columns(W, size, rank)`; position_ids keep their global values. The
-    scalar counters (tokens, positions, ...) stay those of the whole micro-batch."""
+    scalar counters (tokens, positions, ...) stay those of the whole micro-batch. Parts: route is split like the
+    rows (padding -1: no teacher); the others (`_UNSPLIT`) are refused by name."""
+    batch.refuse_parts({"route"}, f"context parallelism (context_parallel_size={size})", fix=_UNSPLIT)
     b, w = batch.input_ids.shape
     width = -(-w // (2 * size)) * (2 * size)
-    fields = {}
-    for name, t in vars(batch).items():
-        if not isinstance(t, Tensor):
-            continue
+    keep = columns(width, size, rank, device=batch.input_ids.device)
+
+    def cut(name: str, t: Tensor) -> Tensor:
         if width != w:
             if name == "position_ids":
                 t = torch.arange(width, device=t.device).expand(b, width)
             else:
                 pad = t.new_full((b, width - w, *t.shape[2:]), _PAD[name])
                 t = torch.cat([t, pad], dim=1)
-        fields[name] = t
+        return t
+
+    fields = {name: cut(name, t) for name, t in vars(batch).items() if isinstance(t, Tensor)}
     doc_ids = fields["doc_ids"]
-    keep = columns(width, size, rank, device=batch.input_ids.device)
     local = {name: t.index_select(1, keep) for name, t in fields.items()}
+    if batch.route is not None:
+        local["route"] = Route(cut("route", batch.route.teacher).index_select(1, keep))
     return dataclasses.replace(batch, **local), doc_ids
 
 

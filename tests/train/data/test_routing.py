@@ -62,8 +62,8 @@ def test_each_sample_gets_the_rows_of_its_tags_teacher(two):
             tag = by_ids[tuple(ids.tolist())]
             assert key in two["keys"]["a" if tag == "A" else "b"]  # the row came from the tag's cache
             active = mb.loss_mask[b].nonzero().flatten()
-            assert (mb.teacher_route[b, active] == loader.route_names.index(tag)).all()
-            assert (mb.teacher_route[b][~mb.loss_mask[b]] == -1).all()
+            assert (mb.route.teacher[b, active] == loader.route_names.index(tag)).all()
+            assert (mb.route.teacher[b][~mb.loss_mask[b]] == -1).all()
             own, other = (_forward(two["teachers"][t], ids) for t in (tag, "B" if tag == "A" else "A"))
             t_ids = mb.teacher_ids[b, active].long().numpy()
             got = mb.teacher_logprobs[b, active].numpy()
@@ -98,12 +98,12 @@ def test_loss_weights_each_teachers_positions(two, single_process):
     root = two["root"]
     routes = {"A": str(root / "a"), "B": str(root / "b")}
     mb = _loader(two, routes).micro_batch(0)
-    assert {0, 1} <= set(mb.teacher_route.unique().tolist())
+    assert {0, 1} <= set(mb.route.teacher.unique().tolist())
     cfg = TrainConfig(cache=[], teachers=routes, teacher_weights={"A": 2.0, "B": 0.5}, fused_loss=False)
     logits = torch.randn(*mb.input_ids.shape, two["tiny"]["vocab"], generator=torch.Generator().manual_seed(0))
     count = float(mb.loss_mask.sum())
     loss, n, report = loss_func(mb, (count, 1.0), cfg, two["tiny"]["vocab"], None, logits)
-    parts = [gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask & (mb.teacher_route == i),
+    parts = [gkd_loss(logits, mb.teacher_ids, mb.teacher_logprobs, mb.loss_mask & (mb.route.teacher == i),
                       beta=cfg.kd_beta, mode=cfg.topk_mode, teacher_tail=mb.teacher_tail,
                       teacher_valid=mb.teacher_valid) for i in (0, 1)]
     expect = (2.0 * parts[0][0] + 0.5 * parts[1][0]) / count
@@ -130,3 +130,30 @@ def test_trainer_reports_each_teacher(two, tmp_path):
         assert m["jsd"] == pytest.approx((m["jsd/A"] * na + m["jsd/B"] * nb) / (na + nb), rel=1e-6)
         assert m["loss"] == pytest.approx((m["jsd/A"] * na + 0.25 * m["jsd/B"] * nb) / (na + nb), rel=1e-6)
         assert m["unrouted_samples"] == 0
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_route_part_on_the_padded_and_the_packed_path(two, packing):
+    """The loader builds the route part on both layouts: each sample's active positions hold its tag's teacher, -1
+    everywhere else; `.to` moves its tensor."""
+    root = two["root"]
+    kw = dict(packing=True, rows_per_step=4) if packing else {}
+    loader = _loader(two, {"A": root / "a", "B": root / "b"}, **kw)
+    mb = loader.micro_batch(0)
+    assert mb.parts() == ("route",) and mb.packed == packing
+    if packing:
+        assert mb.samples > mb.input_ids.shape[0]  # really several samples per row
+    route = mb.route.teacher
+    assert route.dtype == torch.int64 and route.shape == mb.input_ids.shape
+    by_ids = {tuple(s[0].tolist()): t["task"] for s, t in zip(two["samples"], two["tags"], strict=True)}
+    seen = 0
+    for r in range(mb.input_ids.shape[0]):
+        for d in range(int(mb.doc_ids[r].max()) + 1):
+            cols = np.flatnonzero(mb.doc_ids[r].numpy() == d)
+            tag = by_ids[tuple(mb.input_ids[r, cols].tolist())]
+            active = cols[mb.loss_mask[r, cols].numpy()]
+            assert len(active) and (route[r, active] == loader.route_names.index(tag)).all()
+            seen += 1
+    assert seen == mb.samples and bool((route[~mb.loss_mask] == -1).all())
+    moved = mb.to("meta")
+    assert moved.route.teacher.is_meta and moved.route.teacher.shape == route.shape and not route.is_meta

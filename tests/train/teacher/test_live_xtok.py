@@ -109,16 +109,18 @@ def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
     cache = ScoredLoader([xl["root"] / "cache"], micro_batch_size=n, seq_length=SEQ, seed=0, vocab_size=vocab,
                          tokenizer_fingerprint=s_fp, xtok_map=xt.vmap).micro_batch(0)
     assert live.samples == cache.samples == n and live.xtok_live is not None and live.xtok_live.vmap is xt.vmap
-    assert torch.equal(live.xtok_matched, cache.xtok_matched) and live.xtok_teacher_vocab == cache.xtok_teacher_vocab
+    assert live.parts() == ("spans", "xtok_live") and cache.parts() == ("spans",)
+    assert live.to("meta").xtok_live is live.xtok_live and live.to("meta").spans.head.is_meta  # numpy: stays put
+    assert torch.equal(live.spans.matched, cache.spans.matched) and live.spans.teacher_vocab == cache.spans.teacher_vocab
     where = {tuple(cache.input_ids[i, :int((cache.doc_ids[i] >= 0).sum())].tolist()): i for i in range(n)}
     order = [where[tuple(live.input_ids[i, :int((live.doc_ids[i] >= 0).sum())].tolist())] for i in range(n)]
     assert sorted(order) == list(range(n))
     for name in ("loss_mask", "sft_mask", "labels"):
         assert torch.equal(getattr(live, name), getattr(cache, name)[order]), name
     w = live.input_ids.shape[1]
-    heads = cache.span_head[order]
+    heads = cache.spans.head[order]
     moved = torch.where(heads >= 0, heads % w + torch.arange(n)[:, None] * w, heads)  # row index of the live layout
-    assert torch.equal(live.span_head, moved)
+    assert torch.equal(live.spans.head, moved)
     assert not live.teacher_logprobs.any()  # placeholders until the teacher runs
     # the teacher's rows as the test's cache writer computes them (a transformers forward, top-8, actual token)
     from transformers import AutoModelForCausalLM
@@ -136,6 +138,7 @@ def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
     assert int(on.sum()) == sum(len(r.teacher_ids) - r.teacher_first for r in live.xtok_live.rows)
     filled = with_teacher(live, tb, top.indices.int(), top.values, tail_logprob(top.values, torch).float(),
                           torch.where(on, actual, 0.0))
+    assert filled.parts() == live.parts()  # the teacher rows placed, the parts kept
     m = cache.loss_mask[order]
     assert torch.equal(filled.teacher_ids[m], cache.teacher_ids[order][m])
     torch.testing.assert_close(filled.teacher_logprobs[m], cache.teacher_logprobs[order][m], rtol=0, atol=1e-5)

@@ -1,0 +1,90 @@
+"""A micro-batch's optional parts (train/data/batch.py: Route, Images, Spans, XtokLive): the helper that names
+them, `.to` moving the tensors inside them, and the consumers that cannot use a part refusing it by name. The loader
+building each part on its layouts is tested beside its mode's fixture (test_routing.py, test_xtok_train.py,
+test_image_cache.py, test_live_xtok.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.train.data.batch import PARTS, Images, Route, Spans, XtokLive
+from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.parallel.context_parallel import columns, split
+
+
+@pytest.fixture(scope="module")
+def mb(tiny):
+    return ScoredLoader([tiny["cache"]], micro_batch_size=2, seq_length=32, seed=0).micro_batch(0)
+
+
+def _live(mb) -> XtokLive:
+    n = mb.samples
+    return XtokLive([], np.arange(n), np.zeros(n, np.int64), np.ones(n, np.int64), n, 32, 1, 0)
+
+
+def test_parts_names_the_parts_present_and_refuse_parts_names_part_consumer_and_fix(mb):
+    assert mb.parts() == () and PARTS == ("route", "images", "spans", "xtok_live")
+    mb.refuse_parts(set(), "anything")  # nothing to refuse
+    full = dataclasses.replace(mb, route=Route(torch.zeros_like(mb.input_ids)), images=Images([[], []]),
+                               spans=Spans(torch.full_like(mb.input_ids, -1)), xtok_live=_live(mb))
+    assert full.parts() == PARTS
+    full.refuse_parts(set(PARTS), "everything")
+    with pytest.raises(ConfigError, match=rf"the micro-batch of {mb.keys[0]} carries spans \(cross-tokenizer span "
+                                          r"heads\), which the reader cannot use; drop it$"):
+        full.refuse_parts({"route", "images", "xtok_live"}, "the reader", fix={"spans": "drop it"})
+    with pytest.raises(ConfigError, match=r"carries xtok_live \(a live teacher with another tokenizer\), which x "
+                                          r"cannot use; change y$"):
+        full.refuse_parts({"route", "images", "spans"}, "x", fix="change y")
+
+
+def test_to_moves_the_tensors_inside_the_parts(mb):
+    """Was: `.to` moved the micro-batch's own tensor fields only, the parts' tensors stayed behind."""
+    part = dataclasses.replace(mb, route=Route(torch.zeros_like(mb.input_ids)),
+                               spans=Spans(torch.full_like(mb.input_ids, -1), torch.ones(7, dtype=torch.bool), 9))
+    moved = part.to("meta")
+    assert moved.input_ids.is_meta and moved.route.teacher.is_meta and moved.spans.head.is_meta
+    assert moved.spans.matched.is_meta and moved.spans.teacher_vocab == 9
+    assert not part.route.teacher.is_meta and not part.spans.head.is_meta  # the original is unchanged
+    assert moved.keys == part.keys and moved.tokens == part.tokens
+
+
+def test_context_parallel_splits_the_route_part_like_the_rows(mb):
+    """cp=3 on 32-column rows (padded to 36): the route part is cut into the same zig-zag chunks as the loss mask,
+    its padded columns -1 (no teacher)."""
+    route = torch.where(mb.loss_mask, torch.arange(mb.input_ids.shape[0])[:, None], -1)
+    routed = dataclasses.replace(mb, route=Route(route))
+    b, w = route.shape
+    whole = torch.full((b, 36), -7, dtype=torch.long)
+    for r in range(3):
+        local, _ = split(routed, 3, r)
+        assert local.parts() == ("route",) and local.route.teacher.shape == (b, 12)
+        assert torch.equal(local.route.teacher >= 0, local.loss_mask)
+        whole[:, columns(36, 3, r)] = local.route.teacher
+    assert torch.equal(whole[:, :w], route) and bool((whole[:, w:] == -1).all())
+
+
+@pytest.mark.parametrize("part", ["images", "spans", "xtok_live"])
+def test_context_parallel_refuses_the_parts_it_cannot_split_by_name(mb, part):
+    """Was: split passed images and a live cross-tokenizer teacher's layout on whole (the rows cut, their parts not)
+    and failed on spans with a KeyError or an IndexError."""
+    value = {"images": Images([[("root", "h")], []]), "spans": Spans(torch.full_like(mb.input_ids, -1)),
+             "xtok_live": _live(mb)}[part]
+    with pytest.raises(ConfigError, match=rf"carries {part} .*which context parallelism \(context_parallel_size=2\) "
+                                          r"cannot use; .*context_parallel_size=1"):
+        split(dataclasses.replace(mb, **{part: value}), 2, 0)
+
+
+def test_the_loss_refuses_spans_unless_the_loss_is_cross_tokenizer(mb):
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.step import loss_func
+
+    spans = dataclasses.replace(mb, spans=Spans(torch.full_like(mb.input_ids, -1)))
+    for loss in ("gkd", "opd"):
+        with pytest.raises(ConfigError, match=rf"carries spans .*which loss={loss} cannot use; cross-tokenizer rows "
+                                              r"train with loss=gold \(or loss=uld\)"):
+            loss_func(spans, (1.0, 1.0), TrainConfig(cache=[], loss=loss), 10, None, torch.zeros(0))
