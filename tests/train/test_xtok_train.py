@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from tiny_cache import build_tiny, score_cross_into_cache, xtok_rollouts
+from tolerance import assert_layout_close
 
 from pipeline.store import align
 from pipeline.store.fingerprint import tokenizer_fingerprint
@@ -73,8 +74,9 @@ def test_loader_puts_the_merged_teacher_row_at_each_span_head(xt):
             later = sum(max(float(lt[pt + j - 1, got.teacher_ids[pt + j]]), math.log(1e-8))
                         for j in range(st[g] + 1, st[g + 1]))
             top = torch.topk(row, 8)
-            np.testing.assert_allclose(mb.teacher_logprobs[i, heads[g]].numpy(), (top.values + later).numpy(),
-                                       atol=2e-5)
+            # the cache's teacher ran on a batch, this forward on one row: other kernels, so the cross-layout rule
+            # (a 2.5e-5 absolute gap was measured on this machine; a row off by one position differs by O(1))
+            assert_layout_close(mb.teacher_logprobs[i, heads[g]], top.values + later, f"sample {i} span {g}")
             assert mb.teacher_ids[i, heads[g]].tolist() == xt["vmap"][top.indices.numpy()].tolist()
             tail = math.log1p(-float(top.values.exp().sum())) + later
             assert float(mb.teacher_tail[i, heads[g]]) == pytest.approx(tail, abs=1e-3)  # 1 - Σp: ill-conditioned
