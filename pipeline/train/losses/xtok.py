@@ -4,7 +4,7 @@ A cross-tokenizer cache (pipeline/store/align.py) stores teacher rows per teache
 completion. The loader (train/data/loader.py) lays a sample out in the STUDENT's tokens and puts, at the first student
 position of each span (its *head*, predicting the span's first student token), the teacher's row of the span's first
 teacher token, merged over the span; the span's other student positions (*members*) point at their head
-(`MicroBatch.span_head`). Merging is TRL's "observed" strategy (`ULDLoss._merge_probabilities_with_alignment_groups`):
+(the micro-batch's `spans.head`). Merging is TRL's "observed" strategy (`ULDLoss._merge_probabilities_with_alignment_groups`):
 
     merged(v) = p(first token = v | context) · Π_{later tokens j of the span} max(p(x_j | x_<j), 1e-8)
 
