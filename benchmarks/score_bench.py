@@ -31,7 +31,10 @@ import pyarrow.parquet as pq
 
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
-from pipeline.score.scorer import ScoreConfig, extract, score, token_batches
+from pipeline.score.config import ScoreConfig
+from pipeline.score.extract import extract
+from pipeline.score.rows import token_batches
+from pipeline.score.scorer import score
 from pipeline.store import Descriptor, TeacherCache, codec
 from pipeline.store.fingerprint import content_key, tokenizer_fingerprint
 from pipeline.store.rollouts import iter_rollouts, rollout_row, rollout_shards, write_rollouts

@@ -119,7 +119,8 @@ def score_cross_into_cache(teacher_dir: Path, student_dir: Path, cache_dir: Path
     teacher's rows from a plain transformers forward on the teacher's tokens instead of vLLM."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.score.scorer import CrossTokenizer, cross_row, store_teacher_tokenizer
+    from pipeline.score.rows import cross_row
+    from pipeline.score.tokenizers import CrossTokenizer, store_teacher_tokenizer
     from pipeline.store.codec import params as codec_params
     from pipeline.store.schema import load_schema
 

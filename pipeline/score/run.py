@@ -20,11 +20,8 @@ from pathlib import Path
 
 from pipeline.config import load_config, parse_overrides
 from pipeline.errors import command
-from pipeline.score.scorer import (
-    ScoreConfig,
-    score,
-    status,
-)
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score, status
 from pipeline.slurm.arrays import task_index
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"

@@ -21,8 +21,9 @@ from tiny_models import IMAGE_TOKEN, build_qwen2_vl, draw_image
 from vllm_server import LocalServer
 
 from pipeline.cli import main as cli
-from pipeline.score.scorer import ScoreConfig, score
-from pipeline.score.served import PROBE_IMAGE, PROBE_LEN
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
+from pipeline.score.served.probe import PROBE_IMAGE, PROBE_LEN
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store import images as image_store
 from pipeline.store.rollouts import iter_rollouts, rollout_shards

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.score.scorer import ScoreConfig, select_rows
+from pipeline.score.config import ScoreConfig
+from pipeline.score.rows import select_rows
 from pipeline.store.fingerprint import content_key
 from pipeline.store.rollouts import rollout_key, rollout_row, write_rollouts
 
