@@ -115,7 +115,7 @@ def xtok_rollouts(student_tok, n: int = len(XTOK_PROMPTS), source: str = "datase
 
 def score_cross_into_cache(teacher_dir: Path, student_dir: Path, cache_dir: Path, rollouts: list[dict], *,
                            k: int = K, codec: str = "exact-f32") -> TeacherCache:
-    """What `gkd score cross_tokenizer=true` stores (its own row builder, score/scorer.py cross_row), with the
+    """What `gkd score cross_tokenizer=true` stores (its own row builder, score/rows.py cross_row), with the
     teacher's rows from a plain transformers forward on the teacher's tokens instead of vLLM."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -28,7 +28,7 @@ class ScoreConfig:
     teacher: str = "default"  # an HF folder; "default" = SmolLM2-135M-Instruct built by pipeline.assets
     teacher_adapter: str | None = None  # a peft LoRA folder on top of `teacher`, merged for scoring (score/adapter.py)
     merge_dir: str | None = None  # where the merged teacher is written (needs one base's size); null: $TMPDIR
-    # A served teacher (score/served.py): a vLLM OpenAI-compatible server scores instead of an engine in this
+    # A served teacher (score/served/): a vLLM OpenAI-compatible server scores instead of an engine in this
     # process; `teacher` then only supplies the tokenizer and config.json (its weights are not read)
     teacher_url: str | None = None  # e.g. http://HOST:PORT/v1
     teacher_model: str | None = None  # the served model name (--served-model-name); null: the server's only model
@@ -37,7 +37,7 @@ class ScoreConfig:
     served_retries: int = 12  # per request, by the openai client: timeouts, connection errors, 408/409/429/5xx
     served_timeout_s: float = 600.0  # per request
     # The variable holding the server's API key (sent as a bearer token; the key is never a config value, so it is
-    # never written with one); null: OPENAI_API_KEY, then VLLM_API_KEY (score/served.py `api_key_from_env`).
+    # never written with one); null: OPENAI_API_KEY, then VLLM_API_KEY (score/served/access.py `api_key_from_env`).
     teacher_api_key_env: str | None = None
     topk: int = 64  # k; with topp the cap of the kept entries; 0: only the actual token's logprob and rank
     topp: float | None = None  # variable k: keep the fewest top entries with teacher mass >= topp (None: fixed k)

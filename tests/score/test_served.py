@@ -1,4 +1,4 @@
-"""Scoring through a real vLLM OpenAI-compatible server of the tiny teacher (pipeline/score/served.py).
+"""Scoring through a real vLLM OpenAI-compatible server of the tiny teacher (pipeline/score/served/).
 
 One server process serves the module (`server`, restarted only when a test needs another model or flags: three
 starts of ~30-50 s in all); it runs in its own process group and is killed with it however a test ends. It is

@@ -1,6 +1,6 @@
 """A served vision-language teacher: `gkd score --teacher-url` on image rollouts through a real vLLM OpenAI server
-of a tiny Qwen2-VL (vLLM's token-in endpoint, pipeline/score/served.py), against the in-process teacher scoring the
-same rollouts (pipeline/score/scorer.py InProcessTeacher, itself checked against transformers with the same pixels in
+of a tiny Qwen2-VL (vLLM's token-in endpoint, pipeline/score/served/), against the in-process teacher scoring the
+same rollouts (pipeline/score/teacher.py InProcessTeacher, itself checked against transformers with the same pixels in
 tests/score/test_images.py).
 
 Run: ``python -m pytest tests/score/test_served_images.py``. One module fixture imports the rollouts, scores them in

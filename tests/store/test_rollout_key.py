@@ -1,6 +1,6 @@
 """`rollouts.rollout_key`: the score stage's content-key rule for a rollout row, which the on-policy driver's views
 use too (onpolicy/state.py `rollout_keys`). Compared with what the score stage itself selects from a rollout shard
-(`score/scorer.select_rows`: the keys its rows are stored under, and the rows it skips as empty)."""
+(`score/rows.select_rows`: the keys its rows are stored under, and the rows it skips as empty)."""
 
 from __future__ import annotations
 
