@@ -25,7 +25,8 @@ from pathlib import Path
 
 from benchmarks.score_bench import build_rollouts
 from pipeline.assets import student_dir, teacher_dir
-from pipeline.score.scorer import ScoreConfig, score
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
 
 ROOT = Path(__file__).resolve().parents[1]
 

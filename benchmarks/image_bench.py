@@ -50,7 +50,9 @@ def run(work: Path) -> dict:
     from transformers import AutoConfig
 
     from pipeline.generate.import_run import main as gkd_import
-    from pipeline.score.scorer import ScoreConfig, engine_length, open_teacher_engine, score
+    from pipeline.score.config import ScoreConfig
+    from pipeline.score.scorer import score
+    from pipeline.score.teacher import engine_length, open_teacher_engine
     from pipeline.store import TeacherCache
     from pipeline.store import images as image_store
     from pipeline.store.rollouts import iter_rollouts, rollout_shards

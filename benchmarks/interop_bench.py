@@ -19,7 +19,8 @@ from pathlib import Path
 from benchmarks.score_bench import K, prose_rows
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
-from pipeline.score.scorer import ScoreConfig, score
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
 from pipeline.store import TeacherCache, read_cache
 from pipeline.store.export import export_plain
 from pipeline.store.fingerprint import tokenizer_fingerprint

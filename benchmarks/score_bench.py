@@ -31,7 +31,10 @@ import pyarrow.parquet as pq
 
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
-from pipeline.score.scorer import ScoreConfig, extract, score, token_batches
+from pipeline.score.config import ScoreConfig
+from pipeline.score.extract import extract
+from pipeline.score.rows import token_batches
+from pipeline.score.scorer import score
 from pipeline.store import Descriptor, TeacherCache, codec
 from pipeline.store.fingerprint import content_key, tokenizer_fingerprint
 from pipeline.store.rollouts import iter_rollouts, rollout_row, rollout_shards, write_rollouts
@@ -328,7 +331,7 @@ def served_run(work: Path | None = None, prose_tokens: int = 6_000, rounds: int 
     the whole `gkd score` path each time (fresh caches), rounds interleaved. The server runs with the flags the
     README gives and an API key (VLLM_API_KEY, a fresh random one; the score runs read it from the variable
     --teacher-api-key-env names), in its own process group, its log in `work`; requests go through the openai
-    client (pipeline/score/served.py). The in-process engine stays open beside it (idle while the server scores,
+    client (pipeline/score/served/client.py). The in-process engine stays open beside it (idle while the server scores,
     and the server idle while it does)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' server harness
     import secrets

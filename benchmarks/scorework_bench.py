@@ -30,7 +30,9 @@ import numpy as np
 from benchmarks.score_bench import prose_rows
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
-from pipeline.score.scorer import ScoreConfig, score, token_batches
+from pipeline.score.config import ScoreConfig
+from pipeline.score.rows import token_batches
+from pipeline.score.scorer import score
 from pipeline.store import weights
 from pipeline.store.fingerprint import teacher_fingerprint, teacher_fingerprint_info, tokenizer_fingerprint
 from pipeline.store.rollouts import iter_rollouts, rollout_shards, write_rollouts

@@ -21,7 +21,8 @@ from benchmarks.score_bench import topp_stats
 from pipeline.demo import DemoConfig, prepare, train_args
 from pipeline.engine import open_engine
 from pipeline.evaluate import heldout_kl
-from pipeline.score.scorer import ScoreConfig, score
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
 from pipeline.store import TeacherCache
 
 TOPP = 0.99

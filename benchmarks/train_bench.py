@@ -27,7 +27,8 @@ import numpy as np
 from benchmarks.score_bench import prose_text
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
-from pipeline.score.scorer import ScoreConfig, score
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import rollout_row, write_rollouts
 

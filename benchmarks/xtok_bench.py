@@ -34,7 +34,8 @@ from pathlib import Path
 
 from pipeline.assets import teacher_dir
 from pipeline.engine import EngineArgs, open_engine
-from pipeline.score.scorer import ScoreConfig, score
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
 from pipeline.store import TeacherCache
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import rollout_row, write_rollouts

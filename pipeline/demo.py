@@ -34,7 +34,9 @@ from pipeline.evaluate import heldout_kl, load_hf
 from pipeline.generate.importer import import_rows
 from pipeline.generate.prompts import load_prompts
 from pipeline.generate.sampler import GenerateConfig, output_path, run_task
-from pipeline.score.scorer import ScoreConfig, engine_length, score, teacher_engine_args
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
+from pipeline.score.teacher import engine_length, teacher_engine_args
 from pipeline.store import TeacherCache
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import iter_rollouts, rollout_shards, shard_path, write_rollouts

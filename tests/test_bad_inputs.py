@@ -247,7 +247,9 @@ def test_rollout_shard_of_a_newer_schema_major(tmp_path, teacher, capsys):
 def test_nan_logprobs_from_the_engine_are_refused(teacher):
     """The check on every engine output (check_finite) before a part is written; an engine that returns NaN
     cannot be had from a healthy model, so the engine's arrays are given here."""
-    from pipeline.score.scorer import ScoreConfig, TeacherOutputError, check_finite
+    from pipeline.score.config import ScoreConfig
+    from pipeline.score.errors import TeacherOutputError
+    from pipeline.score.extract import check_finite
 
     got = {"topk_logprobs": np.array([[-0.1, -2.0], [np.nan, -3.0]], np.float32),
            "actual_logprobs": np.array([-0.1, -1.0], np.float32)}

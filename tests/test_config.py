@@ -45,7 +45,7 @@ def test_every_shipped_config_loads():
     import yaml
 
     from pipeline.generate.sampler import GenerateConfig
-    from pipeline.score.scorer import ScoreConfig
+    from pipeline.score.config import ScoreConfig
     from pipeline.train.config import TrainConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"

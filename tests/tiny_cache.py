@@ -115,11 +115,12 @@ def xtok_rollouts(student_tok, n: int = len(XTOK_PROMPTS), source: str = "datase
 
 def score_cross_into_cache(teacher_dir: Path, student_dir: Path, cache_dir: Path, rollouts: list[dict], *,
                            k: int = K, codec: str = "exact-f32") -> TeacherCache:
-    """What `gkd score cross_tokenizer=true` stores (its own row builder, score/scorer.py cross_row), with the
+    """What `gkd score cross_tokenizer=true` stores (its own row builder, score/rows.py cross_row), with the
     teacher's rows from a plain transformers forward on the teacher's tokens instead of vLLM."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.score.scorer import CrossTokenizer, cross_row, store_teacher_tokenizer
+    from pipeline.score.rows import cross_row
+    from pipeline.score.tokenizers import CrossTokenizer, store_teacher_tokenizer
     from pipeline.store.codec import params as codec_params
     from pipeline.store.schema import load_schema
 

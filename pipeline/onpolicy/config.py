@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.config import ConfigError, load_config
 from pipeline.generate.sampler import GenerateConfig
-from pipeline.score.scorer import ScoreConfig
+from pipeline.score.config import ScoreConfig
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.train.config import TrainConfig
 from pipeline.train.losses.xtok import XTOK_LOSSES

@@ -28,7 +28,7 @@ from typing import Any
 from pipeline.engine import EngineArgs, open_engine, shutdown
 from pipeline.generate.sampler import engine_args, lora_rank_limit
 from pipeline.onpolicy.config import OnPolicyConfig
-from pipeline.score.scorer import engine_length, open_teacher_engine, teacher_engine_args
+from pipeline.score.teacher import engine_length, open_teacher_engine, teacher_engine_args
 
 
 def _repack_tied_lm_head(worker: Any) -> None:

@@ -35,7 +35,8 @@ from pipeline.generate.sampler import sample_task
 from pipeline.onpolicy.config import STAGES, OnPolicyConfig
 from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.state import State, build_view, cycle_on_policy, rollout_keys
-from pipeline.score.scorer import resolve_teacher, score
+from pipeline.score.scorer import score
+from pipeline.score.teacher import resolve_teacher
 from pipeline.store import TeacherCache
 from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.rollouts import assign_shard, shard_path, write_rollouts

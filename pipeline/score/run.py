@@ -8,8 +8,8 @@
     gkd score ... --teacher MATH_T --cache c-math --tags math --tag-key task   # one teacher per tag (routing)
     gkd score ... --teacher-url http://HOST:PORT/v1 --teacher-model NAME --teacher TOKENIZER_DIR   # a served teacher
 
-The stage itself (ScoreConfig, score(), the scoring loop) lives in pipeline/score/scorer.py; this file is its
-command line only.
+The stage itself lives in the library: score(), status() and the scoring loop in pipeline/score/scorer.py (its
+docstring lists the stage's modules), ScoreConfig in pipeline/score/config.py; this file is its command line only.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ from pathlib import Path
 
 from pipeline.config import load_config, parse_overrides
 from pipeline.errors import command
-from pipeline.score.scorer import (
-    ScoreConfig,
-    score,
-    status,
-)
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score, status
 from pipeline.slurm.arrays import task_index
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "score.yaml"

@@ -1,11 +1,11 @@
 """The score stage's writer threads: the engine scores batch i+1 while batch i is extracted, and a full part is
 encoded and committed while the batches of the next part are extracted.
 
-Two of these, chained (score/scorer.py `_score_rows`): a bounded queue (`depth` batches) between the engine's thread
-and the batch writer (`_Parts.add`: extraction and the finiteness check), and a queue of one part between that and
-the part writer (`_Parts.write`: codec encoding, the Parquet write, fsync and the commit under the cache's lock),
-which runs mostly outside the GIL (numpy, the numba codec kernels, pyarrow, the fsync). The queues bound the memory
-held by outputs and parts waiting.
+Two of these, chained (score/scorer.py `_score_rows`, score/parts.py `Parts`): a bounded queue (`depth` batches)
+between the engine's thread and the batch writer (`Parts.add`: extraction and the finiteness check), and a queue of
+one part between that and the part writer (`Parts.write`: codec encoding, the Parquet write, fsync and the commit
+under the cache's lock), which runs mostly outside the GIL (numpy, the numba codec kernels, pyarrow, the fsync). The
+queues bound the memory held by outputs and parts waiting.
 
 Each writer handles its items in the order they were put, so parts hold the same rows in the same order as in the
 engine's thread (depth 0: no threads, both run in the caller): the shards are byte-identical. An error in the

@@ -73,14 +73,14 @@ class Descriptor:
     codec: dict = field(default_factory=codec.params)
     # the scored version of the shards: a same-tokenizer cache writes no sparse (cross-tokenizer) field, so 1.2
     schema_version: str = field(default_factory=lambda: load_schema("scored").written(set()).version)
-    # Engine settings that change the stored logprobs (score/scorer.py `scoring_numerics`); None = not recorded.
+    # Engine settings that change the stored logprobs (score/numerics.py `scoring_numerics`); None = not recorded.
     numerics: dict | None = None
     # Top-p (variable-k) cache: per position the fewest entries with mass >= topp, >= min_k, <= k; None = fixed k.
     topp: float | None = None
     min_k: int | None = None
-    # A served teacher (score/served.py): its model name and logprobs of the fixed probe sequence, which a later run
-    # against this cache compares with its server's (within a tolerance: float noise must not refuse the same
-    # server); informational for the identity check itself, whose teacher_fingerprint hashes them rounded.
+    # A served teacher (score/served/probe.py): its model name and logprobs of the fixed probe sequence, which a
+    # later run against this cache compares with its server's (within a tolerance: float noise must not refuse the
+    # same server); informational for the identity check itself, whose teacher_fingerprint hashes them rounded.
     teacher_probe: dict | None = None
     # Rows brought in by `gkd cache import` (store/imports.py): one record per import (format, source, layout
     # version read, rows, when); informational, not identity.

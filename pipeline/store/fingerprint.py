@@ -33,7 +33,7 @@ FINGERPRINT_SCHEME = 2
 
 
 def new_digest() -> hashlib._Hash:
-    """The hash of every fingerprint here, of the served teacher's (score/served.py) and of imported rows."""
+    """The hash of every fingerprint here, of the served teacher's (score/served/probe.py) and of imported rows."""
     return hashlib.blake2b(digest_size=16)
 
 

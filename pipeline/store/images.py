@@ -11,7 +11,8 @@ image is another sample, and a file changed behind the store no longer matches i
 In the token ids an image is a run of the model's `image_token_id` (Qwen-VL, Qwen3.5, LLaVA-style processors expand
 one placeholder per image to as many tokens as the image has patches): the student's processor made the run, and
 vLLM expands one placeholder with the teacher's processor, so `collapse` gives vLLM the one-placeholder form and the
-score stage compares vLLM's expansion with the stored one, sample by sample (pipeline/score/scorer.py).
+score stage compares vLLM's expansion with the stored one, sample by sample (pipeline/score/teacher.py
+`check_expansion`).
 """
 
 from __future__ import annotations

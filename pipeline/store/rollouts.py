@@ -71,7 +71,7 @@ def rollout_key(row: dict, teacher_fp: str, k: int, mode: str, *, score_prompt: 
     key; None for a row the score stage skips as empty (no completion, fewer than 2 tokens, or no context before
     the first scored token, i.e. an empty prompt). `cross`: a cross-tokenizer cache's (teacher, student) tokenizer
     fingerprints (the key stays one of the rollout's own ids). The score stage's row selection
-    (`score/scorer.select_rows`) calls this."""
+    (`score/rows.select_rows`) calls this."""
     ids = np.asarray(row["prompt_ids"] + row["completion_ids"], dtype=np.int64)
     first = first_scored(row, score_prompt)
     if len(row["completion_ids"]) == 0 or len(ids) < 2 or first < 1:

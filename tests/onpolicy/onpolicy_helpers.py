@@ -80,7 +80,7 @@ def _section_key(key: str, value) -> dict:
 
     from pipeline.generate.sampler import GenerateConfig
     from pipeline.onpolicy.config import OnPolicyConfig
-    from pipeline.score.scorer import ScoreConfig
+    from pipeline.score.config import ScoreConfig
     from pipeline.train.config import TrainConfig
 
     if key in {f.name for f in dataclasses.fields(OnPolicyConfig)}:

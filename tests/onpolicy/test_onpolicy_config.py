@@ -7,7 +7,7 @@ import pytest
 from pipeline.config import ConfigError, load_config
 from pipeline.generate.sampler import GenerateConfig
 from pipeline.onpolicy.config import DRIVER_SET, STAGE_DEFAULTS, OnPolicyConfig, load
-from pipeline.score.scorer import ScoreConfig
+from pipeline.score.config import ScoreConfig
 from pipeline.train.config import TrainConfig
 
 BASE = ["lmbda=1"]  # lmbda < 1 needs off-policy data; not what these tests are about

@@ -12,7 +12,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.score.scorer import ScoreConfig, ScoreInputError, score
+from pipeline.score.config import ScoreConfig
+from pipeline.score.errors import ScoreInputError
+from pipeline.score.scorer import score
 from pipeline.store import TeacherCache, read_cache
 from pipeline.store.align import decode
 from pipeline.store.fingerprint import tokenizer_fingerprint

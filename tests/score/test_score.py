@@ -12,7 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.score.scorer import ScoreConfig, ScoreInputError, score, status
+from pipeline.score.config import ScoreConfig
+from pipeline.score.errors import ScoreInputError
+from pipeline.score.scorer import score, status
 from pipeline.slurm.arrays import array_spec
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store.rollouts import rollout_row, write_rollouts
@@ -112,7 +114,8 @@ def test_engine_arrays_equal_vllms_lists(teacher, llm):
     """The score stage keeps vLLM's prompt logprobs as the engine core's arrays (pipeline/engine.py); vLLM's own
     Python lists of the same requests, through the same `extract`, must give the same arrays bit for bit."""
     from pipeline.engine import ArrayPromptLogprobs
-    from pipeline.score.scorer import InProcessTeacher, extract
+    from pipeline.score.extract import extract
+    from pipeline.score.teacher import InProcessTeacher
 
     rng = np.random.default_rng(5)
     rows = [{"engine_ids": rng.integers(3, 384, n)} for n in (9, 40, 77)]
@@ -285,11 +288,12 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
 
 def _no_teacher_work(monkeypatch):
     """Fail the test if the engine is opened or the teacher's weights are hashed."""
-    import pipeline.engine
-    import pipeline.score.scorer as run
+    import pipeline.score.scorer as scorer
+    import pipeline.score.teacher as in_process
 
-    monkeypatch.setattr(pipeline.engine, "open_engine", lambda *a, **k: pytest.fail("the engine was opened"))
-    monkeypatch.setattr(run, "teacher_fingerprint", lambda *a: pytest.fail("the teacher's weights were hashed"))
+    # where each name is looked up when called: open_teacher_engine (teacher.py), _open_task (scorer.py)
+    monkeypatch.setattr(in_process, "open_engine", lambda *a, **k: pytest.fail("the engine was opened"))
+    monkeypatch.setattr(scorer, "teacher_fingerprint", lambda *a: pytest.fail("the teacher's weights were hashed"))
 
 
 def _swapped_tokenizer(teacher: Path, out: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Scoring through a real vLLM OpenAI-compatible server of the tiny teacher (pipeline/score/served.py).
+"""Scoring through a real vLLM OpenAI-compatible server of the tiny teacher (pipeline/score/served/).
 
 One server process serves the module (`server`, restarted only when a test needs another model or flags: three
 starts of ~30-50 s in all); it runs in its own process group and is killed with it however a test ends. It is
@@ -19,8 +19,11 @@ import numpy as np
 import pytest
 from vllm_server import LocalServer
 
-from pipeline.score.scorer import ScoreConfig, extract, score
-from pipeline.score.served import CLAMPED_LOGPROB, ServedTeacherError, flat_from_json
+from pipeline.score.config import ScoreConfig
+from pipeline.score.extract import extract
+from pipeline.score.scorer import score
+from pipeline.score.served.access import ServedTeacherError
+from pipeline.score.served.logprobs import CLAMPED_LOGPROB, flat_from_json
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store.rollouts import rollout_row, write_rollouts
 
@@ -156,7 +159,7 @@ def test_json_prompt_logprobs_become_the_in_process_flat_layout():
 def test_where_the_key_comes_from_and_what_a_url_may_hold(monkeypatch, tmp_path):
     """The named variable, else OPENAI_API_KEY, else VLLM_API_KEY; a named but unset variable is refused; a URL with
     credentials is refused without echoing them; a CA bundle path that is not a file is one clear message."""
-    from pipeline.score.served import api_key_from_env, ssl_context, url_problems
+    from pipeline.score.served.access import api_key_from_env, ssl_context, url_problems
 
     for name in ("OPENAI_API_KEY", "VLLM_API_KEY", "MY_KEY"):
         monkeypatch.delenv(name, raising=False)

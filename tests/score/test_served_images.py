@@ -1,6 +1,6 @@
 """A served vision-language teacher: `gkd score --teacher-url` on image rollouts through a real vLLM OpenAI server
-of a tiny Qwen2-VL (vLLM's token-in endpoint, pipeline/score/served.py), against the in-process teacher scoring the
-same rollouts (pipeline/score/scorer.py InProcessTeacher, itself checked against transformers with the same pixels in
+of a tiny Qwen2-VL (vLLM's token-in endpoint, pipeline/score/served/), against the in-process teacher scoring the
+same rollouts (pipeline/score/teacher.py InProcessTeacher, itself checked against transformers with the same pixels in
 tests/score/test_images.py).
 
 Run: ``python -m pytest tests/score/test_served_images.py``. One module fixture imports the rollouts, scores them in
@@ -21,8 +21,9 @@ from tiny_models import IMAGE_TOKEN, build_qwen2_vl, draw_image
 from vllm_server import LocalServer
 
 from pipeline.cli import main as cli
-from pipeline.score.scorer import ScoreConfig, score
-from pipeline.score.served import PROBE_IMAGE, PROBE_LEN
+from pipeline.score.config import ScoreConfig
+from pipeline.score.scorer import score
+from pipeline.score.served.probe import PROBE_IMAGE, PROBE_LEN
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store import images as image_store
 from pipeline.store.rollouts import iter_rollouts, rollout_shards

@@ -1,13 +1,14 @@
 """`rollouts.rollout_key`: the score stage's content-key rule for a rollout row, which the on-policy driver's views
 use too (onpolicy/state.py `rollout_keys`). Compared with what the score stage itself selects from a rollout shard
-(`score/scorer.select_rows`: the keys its rows are stored under, and the rows it skips as empty)."""
+(`score/rows.select_rows`: the keys its rows are stored under, and the rows it skips as empty)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.score.scorer import ScoreConfig, select_rows
+from pipeline.score.config import ScoreConfig
+from pipeline.score.rows import select_rows
 from pipeline.store.fingerprint import content_key
 from pipeline.store.rollouts import rollout_key, rollout_row, write_rollouts
 

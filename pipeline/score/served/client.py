@@ -1,13 +1,12 @@
-"""A served teacher: the score stage's engine behind a running vLLM OpenAI-compatible server.
+"""A served teacher: the score stage's engine behind a running vLLM OpenAI-compatible server (`ServedTeacher`).
 
     gkd score --teacher-url http://HOST:PORT/v1 --teacher-model NAME --teacher TOKENIZER_DIR --rollouts R --cache C --topk K
 
 Only the engine changes: rows, alignment, parts, markers, resume and the progress bar are the score stage's own
 (pipeline/score/scorer.py). Each rollout is one `/v1/completions` request with the token ids as `prompt`,
-`max_tokens: 1` and `prompt_logprobs: K`; the answer's `prompt_logprobs` (entry 0 null, then per position a JSON
-object keyed by token-id strings: the actual token with its true rank plus ranks 1..K, K entries when the actual
-token is itself in the top K) is turned into the flat layout of an in-process engine (`flat_from_json`) and goes
-through the same `extract` (docs/dependencies.md, "OpenAI-compatible server").
+`max_tokens: 1` and `prompt_logprobs: K`; the answer's `prompt_logprobs` is turned into the flat layout of an
+in-process engine (served/logprobs.py `flat_from_json`) and goes through the same `extract`
+(docs/dependencies.md, "OpenAI-compatible server").
 
 Rollouts with images go to vLLM's token-in endpoint instead, `POST /inference/v1/generate` (the server must run
 with `--enable-scale-out`): `token_ids` are the rollout's ids with each image's placeholder run collapsed to one
@@ -22,239 +21,55 @@ rollout's exact ids with pixels (docs/dependencies.md, "OpenAI-compatible server
 Requests go through the `openai` client (what vLLM's own examples, TRL's and verl's server clients use): vLLM's
 `prompt_logprobs` rides in `extra_body` and comes back among the answer's extra fields. The client sends the API
 key as a bearer token (read from the variable --teacher-api-key-env names, else OPENAI_API_KEY, else VLLM_API_KEY:
-`api_key_from_env`; never from the URL, which is refused when it holds one: `url_problems`), pools connections,
-times out (`served_timeout_s`) and retries 408/409/429/5xx and connection errors with its backoff (0.5 s doubling
-to 8 s, jittered; `served_retries` times: the default 12 waits ~70 s, a restarting vLLM server). https:// works
-with the system's CAs or the bundle SSL_CERT_FILE names. What the client does not do is kept here: requests run on
-a thread pool bounded by the tokens in flight and are answered to the loop in rollout order; a 4xx stops the run
-with the server's message and the server flag or variable that fixes it (`_explain`).
+served/access.py `api_key_from_env`; never from the URL, which is refused when it holds one: `url_problems`), pools
+connections, times out (`served_timeout_s`) and retries 408/409/429/5xx and connection errors with its backoff
+(0.5 s doubling to 8 s, jittered; `served_retries` times: the default 12 waits ~70 s, a restarting vLLM server).
+https:// works with the system's CAs or the bundle SSL_CERT_FILE names (`ssl_context`). What the client does not
+do is kept here: requests run on a thread pool bounded by the tokens in flight and are answered to the loop in
+rollout order; a 4xx stops the run with the server's message and the server flag or variable that fixes it
+(`_explain`).
 
-Identity: a remote teacher's weights cannot be hashed. Its fingerprint is the served model name plus the teacher's
-logprobs of a fixed probe sequence (`probe_ids`), each rounded to PROBE_QUANTUM nat, so a different model behind
-the same URL and name gets another fingerprint; a vision-language teacher's probe is scored a second time with a
-fixed synthetic image (`probe_image`) in the middle, so another vision tower gets another fingerprint too. Rounding
-alone would let float noise near a rounding boundary flip a value, so the raw probe is also recorded in cache.json
-(`teacher_probe`) and a later run against that cache compares its own probe to it within PROBE_TOLERANCE instead
-(`reconcile_probe`): within it, the run takes the cache's fingerprint; outside it, the run is refused before the
-cache is touched.
+Identity (`describe`): the served model name plus its logprobs of a fixed probe sequence (served/probe.py).
 """
 
 from __future__ import annotations
 
 import base64
-import io
 import json
-import os
-import ssl
 import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import openai
 
-from pipeline.errors import UserError
+from pipeline.score.served.access import (
+    CA_BUNDLE_ENV,
+    NO_KEY,
+    ServedTeacherError,
+    api_key_from_env,
+    ssl_context,
+    url_problems,
+)
+from pipeline.score.served.logprobs import FlatLogprobs, flat_from_json
+from pipeline.score.served.probe import (
+    PROBE_IMAGE,
+    PROBE_QUANTUM,
+    PROBE_TOLERANCE,
+    png_bytes,
+    probe_fingerprint,
+    probe_ids,
+    probe_image,
+)
 from pipeline.store import images as image_store
-from pipeline.store.cache import DESCRIPTOR, CacheMismatchError, Descriptor
-from pipeline.store.fingerprint import new_digest
 
-PROBE_LEN = 32
-# The probe's logprobs are rounded to this step in the fingerprint: coarse enough that a server's float noise
-# (fp32 on CPU: ~1e-5 nat between batch compositions; bf16 on GPU: up to ~1e-2) rarely crosses a step, fine
-# enough that another model (another seed, another fine-tune) changes some of the 31 values.
-PROBE_QUANTUM = 0.1
-# A cache's recorded probe and the server's agree when every value is within this (half a rounding step): the
-# same server restarted, or another replica, passes; another model does not (its values move by O(1) nat).
-PROBE_TOLERANCE = 0.05
 # What the openai client retries itself (408, 409, 429, >= 500); still failing after its retries: "no answer".
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
-# Where the bearer key is read from when --teacher-api-key-env is not given: the openai client's variable, then
-# vLLM's own (the server reads VLLM_API_KEY as its --api-key).
-API_KEY_ENVS = ("OPENAI_API_KEY", "VLLM_API_KEY")
-NO_KEY = "EMPTY"  # sent when no key is set (what vLLM's examples pass); a server without --api-key ignores it
-CA_BUNDLE_ENV = "SSL_CERT_FILE"
-SECRET_WORDS = ("key", "token", "secret", "password", "auth", "sig")  # query parameters refused in a teacher_url
-# vLLM writes -inf logprobs as -9999.0 in JSON (clamp_prompt_logprobs); mapped back so check_finite sees them.
-CLAMPED_LOGPROB = -9999.0
 # vLLM's token-in endpoint (at the server root, behind --api-key like /v1): token ids plus raw images
 GENERATE_PATH = "/inference/v1/generate"
 SCALE_OUT_FLAG = "--enable-scale-out"  # the server flag that mounts it (without it: HTTP 403 naming the flag)
-PROBE_IMAGE = "synthetic-56x56-v1"  # the probe image's name in the fingerprint: change it when probe_image changes
-
-
-class ServedTeacherError(UserError, RuntimeError):
-    """The server refused a request or stayed unreachable: the message names the URL, the server's words, the fix."""
-
-
-@dataclass
-class FlatLogprobs:
-    """The layout of vLLM's FlatLogprobs (what `extract` reads): per position [start, end) into the entry arrays."""
-
-    start_indices: np.ndarray
-    end_indices: np.ndarray
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    ranks: np.ndarray
-
-
-def flat_from_json(prompt_logprobs: list, ids: np.ndarray, k: int) -> FlatLogprobs:
-    """A completion's `prompt_logprobs` -> the flat layout with exactly k+1 entries per position j >= 1: entry 0
-    the actual token x_j with its true rank, then ranks 1..k, as the in-process engine returns them (a dict holds
-    x_j once: when it is in the top k, it is both entry 0 and its top-k entry here, as in the flat form)."""
-    n = len(ids)
-    if len(prompt_logprobs) != n:
-        raise ServedTeacherError(f"the server returned prompt_logprobs for {len(prompt_logprobs)} positions, the "
-                                 f"request had {n} tokens")
-    tok = np.empty((max(n - 1, 0), k + 1), np.int64)
-    lp = np.empty((max(n - 1, 0), k + 1), np.float64)
-    rank = np.empty((max(n - 1, 0), k + 1), np.int64)
-    for j in range(1, n):
-        d = prompt_logprobs[j] or {}
-        actual = str(int(ids[j]))
-        if actual not in d:
-            raise ServedTeacherError(f"position {j}: the server's prompt_logprobs lack the actual token {actual} "
-                                     "(did it tokenize the prompt itself, or add a BOS token?)")
-        # the top k by rank: every entry but the actual one when the dict holds k+1, else all k (x_j among them)
-        top = sorted(((e["rank"], int(t), e["logprob"]) for t, e in d.items() if len(d) <= k or t != actual))[:k]
-        if len(top) < k:
-            raise ServedTeacherError(f"position {j}: the server returned {len(d)} logprobs, expected {k} or {k + 1}: "
-                                     f"start it with --max-logprobs >= {k}")
-        a = d[actual]
-        tok[j - 1, 0], lp[j - 1, 0], rank[j - 1, 0] = int(actual), a["logprob"], a["rank"]
-        for i, (r, t, v) in enumerate(top, 1):
-            tok[j - 1, i], lp[j - 1, i], rank[j - 1, i] = t, v, r
-    lp[lp == CLAMPED_LOGPROB] = -np.inf
-    ends = np.concatenate([[0], np.arange(1, n) * (k + 1)]).astype(np.int64)  # position 0: empty
-    starts = np.concatenate([[0], np.arange(0, n - 1) * (k + 1)]).astype(np.int64)
-    return FlatLogprobs(starts, ends, tok.ravel(), lp.astype(np.float32).ravel(), rank.ravel())
-
-
-def probe_ids(vocab_size: int) -> list[int]:
-    """The fixed probe sequence: PROBE_LEN ids spread over the vocabulary by a fixed multiplicative step (no
-    randomness, so every run and every machine sends the same ids)."""
-    return [(7 + 7919 * i) % vocab_size for i in range(PROBE_LEN)]
-
-
-def probe_image() -> bytes:
-    """The vision-language probe's image: 56x56 px (Qwen-VL's default min_pixels, so no processor enlarges it)
-    of a fixed pattern, as PNG; the same bytes on every run and machine."""
-    from PIL import Image
-
-    y, x, c = np.mgrid[0:56, 0:56, 0:3]
-    pixels = ((x * 7 + y * 13 + c * 101 + (x * y) % 17) % 256).astype(np.uint8)
-    return png_bytes(Image.fromarray(pixels, "RGB"))
-
-
-def png_bytes(image) -> bytes:
-    """A decoded image as PNG (lossless: the server decodes exactly these pixels)."""
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def probe_fingerprint(model: str, ids: list[int], logprobs: list[float], image: str | None = None) -> str:
-    """The served teacher's fingerprint: name, probe ids and the probe's actual-token logprobs in PROBE_QUANTUM steps
-    (a vision-language teacher's: `image` names the probe image, whose positions' logprobs follow the text's)."""
-    h = new_digest()
-    steps = [round(v / PROBE_QUANTUM) for v in logprobs]
-    h.update(f"served|{model}|{json.dumps(ids)}|{PROBE_QUANTUM}|{json.dumps(steps)}".encode())
-    if image is not None:
-        h.update(f"|image|{image}".encode())
-    return h.hexdigest()
-
-
-def reconcile_probe(cache_root: str | Path, fingerprint: str, probe: dict) -> str:
-    """The teacher fingerprint to score under, checked against an existing cache before it is touched (read only):
-    the cache's own fingerprint when its recorded probe agrees with the server's within PROBE_TOLERANCE; this
-    run's otherwise (a new cache, or one whose descriptor check will name the mismatch). Another model behind the
-    same URL and name is refused here, naming both fingerprints."""
-    path = Path(cache_root) / DESCRIPTOR
-    if not path.exists():
-        return fingerprint
-    cached = Descriptor.read(path)
-    recorded = cached.teacher_probe
-    if recorded is None or cached.teacher_fingerprint == fingerprint:
-        return fingerprint  # an in-process cache: Descriptor.mismatches names the two fingerprints
-    old_ids, new_ids = json.loads(recorded["ids"]), json.loads(probe["ids"])
-    old_lp = np.asarray(json.loads(recorded["logprobs"]), np.float64)
-    new_lp = np.asarray(json.loads(probe["logprobs"]), np.float64)
-    why = None
-    if recorded.get("model") != probe["model"]:
-        why = f"the cache's teacher was served as {recorded.get('model')!r}, this server serves {probe['model']!r}"
-    elif old_ids != new_ids or old_lp.shape != new_lp.shape:
-        why = "the cache's probe sequence differs from this run's (another vocabulary size?)"
-    else:
-        dev = np.abs(old_lp - new_lp)
-        if np.all(dev <= PROBE_TOLERANCE):
-            return cached.teacher_fingerprint
-        i = int(np.argmax(dev))
-        why = (f"its logprobs of the probe sequence differ from the cache's by up to {dev[i]:.3f} nat (position "
-               f"{i + 1}: {new_lp[i]:.4f} vs {old_lp[i]:.4f}; the same teacher agrees within {PROBE_TOLERANCE})")
-    raise CacheMismatchError(
-        f"{path}: the served teacher is not the one this cache was scored with: {why}. Cache's teacher fingerprint "
-        f"{cached.teacher_fingerprint} ({cached.teacher}), the server's {fingerprint}. Nothing was written; serve "
-        "the cache's teacher again, or score this one into another --cache")
-
-
-def api_key_from_env(env: str | None) -> tuple[str | None, str]:
-    """The bearer key for the server and the name of the variable it came from (the key itself is never in a
-    config, a command line, a file or a message: only its variable's name is). `env` names the variable
-    (--teacher-api-key-env); without it OPENAI_API_KEY, then VLLM_API_KEY, as the openai client and vLLM read
-    them. A named variable that is unset or empty is refused: the user meant to send a key."""
-    for name in [env] if env else API_KEY_ENVS:
-        value = os.environ.get(name, "")
-        if value:
-            return value, name
-    if env:
-        raise ServedTeacherError(f"--teacher-api-key-env {env}: the environment variable {env} is not set (or is "
-                                 f"empty); export {env} with the key the server was started with (--api-key)")
-    return None, " or ".join(API_KEY_ENVS)
-
-
-def url_problems(url: str) -> list[str]:
-    """What is wrong with a --teacher-url, as config problems. A key inside the URL (https://KEY@host,
-    https://user:KEY@host, ?api_key=KEY) would be written wherever the URL is (cache.json, logs, sbatch scripts):
-    refused, and the message shows the URL with that part replaced, never the part itself."""
-    if not str(url).startswith(("http://", "https://")):
-        return [f"teacher_url must be an http(s) URL like http://HOST:PORT/v1, got {_redacted(url)!r}"]
-    parts = urllib.parse.urlsplit(str(url))
-    secret_query = [k for k, _ in urllib.parse.parse_qsl(parts.query) if any(w in k.lower() for w in SECRET_WORDS)]
-    if parts.username is not None or parts.password is not None or secret_query:
-        where = "user/password part (KEY@)" if parts.username is not None else f"query ({', '.join(secret_query)})"
-        return [f"teacher_url holds credentials in its {where}: {_redacted(url)!r}. The URL is written into "
-                "cache.json, logs and Slurm scripts, so a key must not be in it: put the key in an environment "
-                "variable and pass its name, --teacher-api-key-env VAR (default: OPENAI_API_KEY, then "
-                "VLLM_API_KEY); it is sent as a bearer token"]
-    return []
-
-
-def _redacted(url: str) -> str:
-    """`url` with any user/password part and query string replaced by '***' (safe to print)."""
-    parts = urllib.parse.urlsplit(str(url))
-    netloc = parts.netloc.rpartition("@")[2]
-    netloc = ("***@" if "@" in parts.netloc else "") + netloc
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
-
-
-def ssl_context() -> ssl.SSLContext | bool:
-    """Certificate checks for https:// URLs: the system's CAs, or the bundle SSL_CERT_FILE names (the variable
-    OpenSSL, httpx and the openai client read), checked here so a wrong path is one clear message."""
-    bundle = os.environ.get(CA_BUNDLE_ENV)
-    if not bundle:
-        return True
-    if not Path(bundle).is_file():
-        raise ServedTeacherError(f"{CA_BUNDLE_ENV}={bundle}: no such file; point {CA_BUNDLE_ENV} at the PEM bundle of "
-                                 "the CA that signed the server's certificate, or unset it to use the system's CAs")
-    try:
-        return ssl.create_default_context(cafile=bundle)
-    except ssl.SSLError as e:
-        raise ServedTeacherError(f"{CA_BUNDLE_ENV}={bundle}: not a PEM certificate bundle ({e})") from None
 
 
 class ServedTeacher:
