@@ -29,7 +29,7 @@ from pipeline.store.fingerprint import tokenizer_fingerprint
 from pipeline.store.shards import atomic_write_bytes
 from pipeline.train import metrics
 from pipeline.train.config import TrainConfig
-from pipeline.train.data.loader import ScoredLoader, batch_split_problem
+from pipeline.train.data.loader import LiveRows, Routing, ScoredLoader, batch_split_problem
 from pipeline.train.losses.xtok import XTOK_LOSSES
 from pipeline.train.models.families import resolve_backend
 from pipeline.train.setup import (
@@ -106,9 +106,10 @@ def _train(cfg: TrainConfig, backend: str, why: str, packing: bool | str = True,
         seq_length=cfg.seq_length, seed=cfg.seed, pad_id=pad_id, dp_rank=dp_rank, dp_size=dp,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), vocab_size=model.hf_vocab_size,
         window_rows=cfg.window_rows, packing=packing, rows_per_step=cfg.global_batch_size,
-        live_k=cfg.teacher_live_topk if teacher is not None else None, actual=cfg.loss == "opd",
-        routes=cfg.teachers or None, route_key=cfg.teacher_tag_key, on_unrouted=cfg.on_unrouted,
-        xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in XTOK_LOSSES and xt is None else None, live_xtok=xt,
+        actual=cfg.loss == "opd",
+        live=LiveRows(cfg.teacher_live_topk, xt) if teacher is not None else None,
+        routing=Routing(cfg.teachers, cfg.teacher_tag_key, cfg.on_unrouted) if cfg.teachers else None,
+        xtok_map=xtok_map(cfg, tokenizer) if cfg.loss in XTOK_LOSSES and xt is None else None,
     )
 
     save_dir = Path(cfg.save_dir)

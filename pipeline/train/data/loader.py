@@ -96,6 +96,25 @@ def batch_split_problem(global_batch_size: int, micro_batch_size: int, dp: int, 
             f"e.g. {max(rows, global_batch_size // rows * rows)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveRows:
+    """The loader's live mode: its sources are rollout shards and a live teacher computes each micro-batch's rows
+    (`gkd train teacher_live=DIR`): `k` entries per position; `xtok` for a teacher with another tokenizer."""
+
+    k: int
+    xtok: LiveXtok | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The loader's routed mode (`teachers: {TAG: CACHE}`, data/routing.py): each sample's row comes from the cache its
+    `tags[key]` names (`default` for the rest); `on_unrouted`: error | skip for a sample no route covers."""
+
+    caches: dict[str, str | Path]
+    key: str = "data_source"
+    on_unrouted: str = "error"
+
+
 class ScoredLoader:
     """Iterate micro-batches for one data-parallel rank from `start` (a global sample position) onwards."""
 
@@ -115,14 +134,11 @@ class ScoredLoader:
         verify_checksums: bool = True,
         packing: bool = False,
         rows_per_step: int | None = None,
-        live_k: int | None = None,
         actual: bool = False,
-        routes: dict[str, str | Path] | None = None,
-        route_key: str = "data_source",
-        on_unrouted: str = "error",
         use_index: bool = True,
         xtok_map: np.ndarray | None = None,
-        live_xtok: LiveXtok | None = None,
+        live: LiveRows | None = None,
+        routing: Routing | None = None,
     ) -> None:
         self.B, self.S, self.seed, self.pad_id = micro_batch_size, seq_length, seed, pad_id
         self.dp_rank, self.dp_size, self.window_rows, self.packing = dp_rank, dp_size, window_rows, packing
@@ -133,20 +149,21 @@ class ScoredLoader:
             raise ConfigError(problem)
         self.vocab_size = vocab_size
         self.actual = actual  # also decode the actual token's teacher logprob (MicroBatch.teacher_actual: loss=opd)
-        # live_k: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each
-        # micro-batch are placeholders of width live_k that the trainer fills from its live teacher.
-        self.live = live_k is not None
-        # Routing (routing.py): `routes` {TAG: cache dir, "default": cache dir} replaces `sources`.
-        self.router = Router(routes, route_key, on_unrouted) if routes else None
+        # live: the sources are rollout shards (`gkd train teacher_live=...`); the teacher arrays of each
+        # micro-batch are placeholders of width live.k that the trainer fills from its live teacher.
+        self.live = live is not None
+        # Routing (routing.py): `routing.caches` {TAG: cache dir, "default": cache dir} replaces `sources`.
+        self.router = Router(routing.caches, routing.key, routing.on_unrouted) if routing and routing.caches else None
         self.route_names = self.router.names if self.router else []
         if self.router:
             sources = self.router.caches()
         # A cross-tokenizer cache (store/align.py) sets these below; rollouts for a live teacher are never one.
         self.cross, self.xtok_map, self.xtok_matched, self.xtok_teacher_vocab = False, None, None, 0
-        self.live_xtok = live_xtok if self.live else None  # a live teacher with another tokenizer (live_xtok.py)
-        if self.live:
+        live_xtok = live.xtok if live is not None else None
+        self.live_xtok = live_xtok  # a live teacher with another tokenizer (data/xtok_rows.py, teacher/live_xtok.py)
+        if live is not None:
             resolved = resolve_rollouts(sources, tokenizer_fingerprint)
-            self.k = int(live_k)
+            self.k = int(live.k)
             self.topp = self.min_k = None
             if live_xtok is not None:
                 self.cross, self.xtok_map = True, live_xtok.vmap

@@ -11,7 +11,7 @@ import torch
 from tiny_cache import build_tiny, random_samples, score_into_cache
 
 from pipeline.store.shards import ShardError
-from pipeline.train.data.loader import ScoredLoader
+from pipeline.train.data.loader import Routing, ScoredLoader
 from pipeline.train.metrics import KD_SUM, WEIGHTED_KD_SUM, teacher_kd_count, teacher_kd_sum
 
 N = 16
@@ -37,7 +37,9 @@ def two(tiny, tmp_path_factory) -> dict:
 
 
 def _loader(two, routes, **kw):
-    return ScoredLoader(None, micro_batch_size=4, seq_length=64, seed=0, routes=routes, route_key="task", **kw)
+    on_unrouted = kw.pop("on_unrouted", "error")
+    return ScoredLoader(None, micro_batch_size=4, seq_length=64, seed=0, routing=Routing(routes, "task", on_unrouted),
+                        **kw)
 
 
 def _forward(model_dir, ids) -> np.ndarray:

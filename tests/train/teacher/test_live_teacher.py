@@ -140,16 +140,16 @@ def test_privileged_teacher_prompts_are_refused_by_the_live_teacher(tmp_path):
     stage, so the loader refuses them by file instead of training on the wrong teacher view."""
     from pipeline.store.rollouts import rollout_row, write_rollouts
     from pipeline.store.shards import ShardError
-    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.data.loader import LiveRows, ScoredLoader
 
     rows = [rollout_row(prompt_id="a", prompt_ids=[5, 6], completion_ids=[7, 8], source="dataset"),
             rollout_row(prompt_id="b", prompt_ids=[5, 6], completion_ids=[7, 9], source="dataset",
                         teacher_prompt_ids=[3, 4, 5])]
     write_rollouts(tmp_path / "plain.parquet", rows[:1])
     write_rollouts(tmp_path / "opsd.parquet", rows)
-    assert ScoredLoader([tmp_path / "plain.parquet"], micro_batch_size=1, seq_length=8, seed=0, live_k=4).num_samples == 1
+    assert ScoredLoader([tmp_path / "plain.parquet"], micro_batch_size=1, seq_length=8, seed=0, live=LiveRows(4)).num_samples == 1
     with pytest.raises(ShardError, match=r"opsd\.parquet: rollouts with a privileged teacher_prompt_ids"):
-        ScoredLoader([tmp_path / "opsd.parquet"], micro_batch_size=1, seq_length=8, seed=0, live_k=4)
+        ScoredLoader([tmp_path / "opsd.parquet"], micro_batch_size=1, seq_length=8, seed=0, live=LiveRows(4))
 
 
 def test_hf_backend_live_teacher_trains_like_its_exact_cache(same_rows, tmp_path):

@@ -94,7 +94,7 @@ def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
     from transformers import AutoConfig
 
     from pipeline.store.rollouts import iter_rollouts, rollout_row
-    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.data.loader import LiveRows, ScoredLoader
     from pipeline.train.data.xtok_rows import open_live_xtok
 
     rows = list(iter_rollouts([xl["root"] / "rollouts" / "r-00000-of-00001.parquet"]))
@@ -104,8 +104,8 @@ def test_live_layout_equals_the_caches_sample_by_sample(xl, tmp_path):
     vocab = AutoConfig.from_pretrained(xl["student"]).vocab_size
     xt = open_live_xtok(xl["student"], xl["teacher"], AutoConfig.from_pretrained(xl["teacher"]).vocab_size, vocab, True)
     n = len(rows)
-    live = ScoredLoader([tmp_path / "r.parquet"], micro_batch_size=n, seq_length=SEQ, seed=0, live_k=8,
-                        tokenizer_fingerprint=s_fp, live_xtok=xt).micro_batch(0)
+    live = ScoredLoader([tmp_path / "r.parquet"], micro_batch_size=n, seq_length=SEQ, seed=0, live=LiveRows(8, xt),
+                        tokenizer_fingerprint=s_fp).micro_batch(0)
     cache = ScoredLoader([xl["root"] / "cache"], micro_batch_size=n, seq_length=SEQ, seed=0, vocab_size=vocab,
                          tokenizer_fingerprint=s_fp, xtok_map=xt.vmap).micro_batch(0)
     assert live.samples == cache.samples == n and live.xtok_live is not None and live.xtok_live.vmap is xt.vmap
