@@ -180,9 +180,22 @@ TRAIN_LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline.train.loop", "pipeline.train.export"),
     ("pipeline.train.run", "pipeline.train.export_run"),
 )
+# The score stage's rooms: the config and its errors below everything that reads them, the served client's
+# pieces under the client, the orchestration (scorer) on top.
+SCORE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("pipeline.score.served.access", "pipeline.score.served.probe", "pipeline.score.errors", "pipeline.score.writer",
+     "pipeline.score.adapter", "pipeline.score", "pipeline.score.served"),
+    ("pipeline.score.config", "pipeline.score.served.logprobs"),
+    ("pipeline.score.numerics", "pipeline.score.tokenizers", "pipeline.score.extract", "pipeline.score.served.client",
+     "pipeline.score.teacher"),
+    ("pipeline.score.rows", "pipeline.score.parts"),
+    ("pipeline.score.scorer",),
+    ("pipeline.score.run",),
+)
 # Package __init__ modules placed as rooms of their own in a table: there they name only themselves, not the modules
 # below them.
-EXACT_ROOMS = frozenset({("pipeline", "LAYERS"), ("pipeline.train", "TRAIN_LAYERS")})
+EXACT_ROOMS = frozenset({("pipeline", "LAYERS"), ("pipeline.train", "TRAIN_LAYERS"), ("pipeline.score", "SCORE_LAYERS"),
+                         ("pipeline.score.served", "SCORE_LAYERS")})
 
 
 def room(name: str, layers: tuple[tuple[str, ...], ...]) -> tuple[int, str] | None:
@@ -193,7 +206,7 @@ def room(name: str, layers: tuple[tuple[str, ...], ...]) -> tuple[int, str] | No
 
 
 def table_name(layers: tuple[tuple[str, ...], ...]) -> str:
-    return "LAYERS" if layers is LAYERS else "TRAIN_LAYERS"
+    return {id(LAYERS): "LAYERS", id(TRAIN_LAYERS): "TRAIN_LAYERS", id(SCORE_LAYERS): "SCORE_LAYERS"}[id(layers)]
 
 
 def downward_problems(graph: dict[str, list[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
@@ -219,7 +232,11 @@ def test_rooms_import_downwards_only():
     train = {n: d for n, d in graph.items() if n.startswith("pipeline.train")}
     unplaced = sorted(n for n in train if room(n, TRAIN_LAYERS) is None)
     assert not unplaced, f"trainer modules in no room of TRAIN_LAYERS (place them): {unplaced}"
-    bad = downward_problems(graph, LAYERS) + downward_problems(train, TRAIN_LAYERS)
+    score = {n: d for n, d in graph.items() if n.startswith("pipeline.score")}
+    unplaced = sorted(n for n in score if room(n, SCORE_LAYERS) is None)
+    assert not unplaced, f"score modules in no room of SCORE_LAYERS (place them): {unplaced}"
+    bad = (downward_problems(graph, LAYERS) + downward_problems(train, TRAIN_LAYERS)
+           + downward_problems(score, SCORE_LAYERS))
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
