@@ -266,10 +266,11 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     proc = killing.start(_score_cmd(tmp_path, teacher, tmp_path / "killed"), "cache-commit:2", env=env)
     shards = tmp_path / "killed" / "shards"
-    killing.wait_stopped(proc)  # stopped itself right after its second commit: the kill lands there exactly
+    stopped = killing.wait_stopped(proc)  # stopped itself right after its second commit: the kill lands there exactly
     killing.kill(proc)  # the command alone, as a user's kill -9 (its engine dies with it: pipeline/lifetime.py)
-    done_before = len(list(shards.glob("*.ok")))
-    assert done_before == 2, done_before
+    done = sorted(p.name for p in shards.glob("*.ok"))
+    done_before = len(done)
+    assert stopped == proc.pid and done_before == 2, (stopped, proc.pid, done)  # the scorer itself commits and stops
     for cache in ("killed", "clean"):
         out = subprocess.run(_score_cmd(tmp_path, teacher, tmp_path / cache), env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
