@@ -4,7 +4,7 @@ finalize_model_grads) per variant at a given pipeline size, dumping the loss sum
 layout (all stages merged by global layer index), for tests/train/test_pipeline_parallel.py.
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_pp_worker.py STUDENT TIED CACHE OUT 2``
-(PP=2; a 6th argument is the TP size: 4 processes for PP=2 x TP=2), or plain ``python ... 1`` for the PP=1
+(PP=2; a 6th argument is the TP size: 4 processes for PP=2 x TP=2, or PP=2 x DP=2 with TP 1), or plain ``python ... 1`` for the PP=1
 reference. TIED: a student with tied embeddings (same tokenizer).
 """
 
@@ -26,7 +26,7 @@ VARIANTS = {  # packed rows of 64 tokens (about two samples each) + the fused lo
     "tied": {"tied": True},
     "bf16": {"bf16": True},
 }
-# Under PP x TP, where TP meets the pipeline: the vocabulary-parallel fused loss on the last stage and the tied
+# Under PP x TP (and PP x DP, 4 processes both), where TP meets the pipeline: the vocabulary-parallel fused loss on the last stage and the tied
 # embedding's copies (first and last stage, each split over the TP ranks). bf16 is compared at TP=1 only: a TP split
 # reorders bf16 sums, a gap of bf16's size (1e-2 of the scale) that is not the pipeline's.
 TP_VARIANTS = ("packed fused", "tied")
@@ -69,7 +69,7 @@ def main(student: str, tied: str, cache: str, out: str, pp: int, tp: int) -> Non
     init_distributed(tp=tp, pp=pp, seed=1234)
     results: dict = {}
     for name, kw in VARIANTS.items():
-        if tp > 1 and name not in TP_VARIANTS:
+        if dist.get_world_size() > pp and name not in TP_VARIANTS:
             continue
         kw = dict(kw)
         hf_dir = tied if kw.pop("tied", False) else student
@@ -77,9 +77,12 @@ def main(student: str, tied: str, cache: str, out: str, pp: int, tp: int) -> Non
                           pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0,
                           **{"seq_length": 32, **kw})
         model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, Path(hf_dir))
-        it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=cfg.seq_length, seed=cfg.seed,
+        # 4 micro-batches a step > 2 stages (1F1B's warm-up, steady state, cool-down); under DP, m = rank (mod dp)
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        it = ScoredLoader(cfg.cache, micro_batch_size=2, seq_length=cfg.seq_length, seed=cfg.seed, dp_rank=dp_rank,
+                          dp_size=dp, rows_per_step=cfg.global_batch_size,
                           packing=cfg.packing is not False).iter_from(0, prefetch=0)
-        micro = [next(it) for _ in range(4)]  # 4 micro-batches > 2 stages: 1F1B's warm-up, steady state, cool-down
+        micro = [next(it) for _ in range(4 // dp)]
         counts, reports, _, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size)
         sums = metrics.pipeline_sums(reports, metrics.report_names(cfg), parallel_state.get_data_parallel_group(),
                                      parallel_state.get_pipeline_model_parallel_group(),
@@ -88,7 +91,7 @@ def main(student: str, tied: str, cache: str, out: str, pp: int, tp: int) -> Non
         results[name] = {"sums": sums, "counts": counts[:2].tolist(), "grad_norm": float(grad_norm), "grads": grads,
                          "tied_copy": tied_copy, "embedding": embedding, "reports": len(reports),
                          "layers": len(model.decoder.layers), "widths": [b.input_ids.shape[1] for b in micro],
-                         "samples": sum(b.samples for b in micro)}
+                         "samples": sum(b.samples for b in micro), "dp": dp}
     if dist.get_rank() == 0:
         torch.save(results, Path(out) / f"pp{pp}_tp{tp}.pt")
     destroy_distributed()
