@@ -3,9 +3,10 @@ finalize_model_grads) per variant at a given pipeline size, dumping the loss sum
 (`metrics.pipeline_sums`: summed on the last stage, broadcast), the counts, the grad norm and the gradients in HF
 layout (all stages merged by global layer index), for tests/train/test_pipeline_parallel.py.
 
-Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_pp_worker.py STUDENT TIED CACHE OUT 2``
+Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_pp_worker.py STUDENT TIED TEACHER CACHE
+OUT 2``
 (PP=2; a 6th argument is the TP size: 4 processes for PP=2 x TP=2, or PP=2 x DP=2 with TP 1), or plain ``python ... 1`` for the PP=1
-reference. TIED: a student with tied embeddings (same tokenizer).
+reference. TIED: a student with tied embeddings (same tokenizer); TEACHER: the model the cache was scored from.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ VARIANTS = {  # packed rows of 64 tokens (about two samples each) + the fused lo
     "padded unfused recompute": {"packing": False, "fused_loss": False, "recompute": "selective", "seq_length": 64},
     "tied": {"tied": True},
     "bf16": {"bf16": True},
+    "aligned": {"teacher": True, "temperature": 1.0},  # the scoring model as the student: KD ≈ 0 at every active position (alignment)
 }
 # Under PP x TP (and PP x DP, 4 processes both), where TP meets the pipeline: the vocabulary-parallel fused loss on the last stage and the tied
 # embedding's copies (first and last stage, each split over the TP ranks). bf16 is compared at TP=1 only: a TP split
@@ -56,7 +58,7 @@ def _grads(model) -> tuple:
     return megatron_to_hf_state_dict(shards, model.hf_arch), tied_copy, embedding
 
 
-def main(student: str, tied: str, cache: str, out: str, pp: int, tp: int) -> None:
+def main(student: str, tied: str, teacher: str, cache: str, out: str, pp: int, tp: int) -> None:
     from megatron.core import parallel_state
 
     from pipeline.train import metrics
@@ -72,10 +74,10 @@ def main(student: str, tied: str, cache: str, out: str, pp: int, tp: int) -> Non
         if dist.get_world_size() > pp and name not in TP_VARIANTS:
             continue
         kw = dict(kw)
-        hf_dir = tied if kw.pop("tied", False) else student
+        hf_dir = tied if kw.pop("tied", False) else teacher if kw.pop("teacher", False) else student
         cfg = TrainConfig(student=hf_dir, cache=[cache], micro_batch_size=2, global_batch_size=8,
-                          pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5, temperature=2.0,
-                          **{"seq_length": 32, **kw})
+                          pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5,
+                          **{"seq_length": 32, "temperature": 2.0, **kw})
         model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, Path(hf_dir))
         # 4 micro-batches a step > 2 stages (1F1B's warm-up, steady state, cool-down); under DP, m = rank (mod dp)
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -98,4 +100,4 @@ def main(student: str, tied: str, cache: str, out: str, pp: int, tp: int) -> Non
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5], int(sys.argv[5]), int(sys.argv[6]) if len(sys.argv) > 6 else 1)
+    main(*sys.argv[1:6], int(sys.argv[6]), int(sys.argv[7]) if len(sys.argv) > 7 else 1)

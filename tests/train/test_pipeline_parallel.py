@@ -5,7 +5,8 @@
   cool-down): the same counts, the loss sums the loop reports (summed on the last stage, broadcast), the grad norm
   and every gradient (HF layout, stages merged by global layer index) under tests/tolerance.py's rule, for packed
   rows + the fused loss, padded rows of varying width + the unfused loss + selective recompute, a student with tied
-  embeddings (the last stage's copy of the embedding gets the same summed gradient), and bf16.
+  embeddings (the last stage's copy of the embedding gets the same summed gradient), and bf16; and the scoring
+  model as the student has KD ≈ 0 per active position at PP=2 (the last stage pairs positions and teacher rows).
 - Through the CLI: 3 SGD steps at PP=2, stopped after step 2 and resumed from its checkpoint, against 3 steps at
   PP=1: per-step losses and grad norms of metrics.jsonl (written by rank 0, a first-stage rank), the same fields, and
   what training changed in the weights `gkd export` writes from the PP=2 checkpoint; a resume at another pipeline
@@ -48,8 +49,8 @@ def _env() -> dict:
 
 
 def _worker(tiny: dict, tied: Path, out: Path, pp: int, tp: int = 1, dp: int = 1) -> dict:
-    args = [str(Path(__file__).with_name("_pp_worker.py")), str(tiny["student"]), str(tied), str(tiny["cache"]),
-            str(out), str(pp), str(tp)]
+    args = [str(Path(__file__).with_name("_pp_worker.py")), str(tiny["student"]), str(tied), str(tiny["model"]),
+            str(tiny["cache"]), str(out), str(pp), str(tp)]
     world = pp * tp * dp
     launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
     subprocess.run([sys.executable, *launcher, *args], check=True, env=_env(), cwd=REPO, timeout=300)
@@ -66,7 +67,7 @@ def pp1(tiny, tied, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 2)], ids=["pp2", "pp2 x tp2", "pp2 x dp2"])
 def test_pp2_step_matches_pp1(tiny, tied, pp1, tp, dp, tmp_path):
     one, two = pp1, _worker(tiny, tied, tmp_path, 2, tp, dp)
-    assert set(one) == {"packed fused", "padded unfused recompute", "tied", "bf16"}
+    assert set(one) == {"packed fused", "padded unfused recompute", "tied", "bf16", "aligned"}
     assert next(iter(two.values()))["dp"] == dp
     assert len({w for w in one["padded unfused recompute"]["widths"]}) > 1  # rows of varying width crossed stages
     assert one["packed fused"]["samples"] > 4 * 2  # packed: more samples than rows
@@ -80,6 +81,9 @@ def test_pp2_step_matches_pp1(tiny, tied, pp1, tp, dp, tmp_path):
         assert_layout_close(b["sums"], a["sums"], f"{name} loss sums")
         assert_layout_close(torch.tensor(b["grad_norm"]), torch.tensor(a["grad_norm"]), f"{name} grad norm")
         assert_layout_close(b["grads"], a["grads"], f"{name} grads")
+    for run in (one, two) if "aligned" in two else ():  # the last stage pairs each position with its teacher row
+        kd = float(run["aligned"]["sums"][KD_SUM]) / run["aligned"]["counts"][0]
+        assert kd < 2e-4, kd  # codec quantisation only (test_run.py: a row one position off is > 100x this)
     # tied: the last stage's copy of the embedding ends the step with the first stage's (summed) gradient
     t = two["tied"]
     assert one["tied"]["tied_copy"] is None and t["tied_copy"] is not None and t["embedding"] is not None
