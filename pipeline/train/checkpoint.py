@@ -139,17 +139,6 @@ def check_optimizer_layout(ckpt: Path, meta: dict, distributed: bool, tp: int) -
             "data-parallel ranks), or start a new save_dir")
 
 
-def check_pipeline_layout(ckpt: Path, meta: dict, pp: int) -> None:
-    """Refuse a resume at another pipeline_model_parallel_size than the checkpoint's: GPTModel's sharded state dict
-    keys layers globally, but resuming across pipeline sizes is untested (`gkd export` reads any: it loads at 1)."""
-    saved = meta.get("config", {}).get("pipeline_model_parallel_size", 1)
-    if saved != pp:
-        raise CheckpointMismatchError(
-            f"{ckpt}: saved at pipeline_model_parallel_size={saved}, this run has {pp}; resuming at another pipeline "
-            f"size is not supported yet. Resume with pipeline_model_parallel_size={saved}, or start a new save_dir "
-            "(gkd export writes the checkpoint as an HF folder to start from)")
-
-
 def _prime_distributed_state(optimizer) -> None:
     """Give every shard of a distributed optimizer its state before a save or load. Without apex or Transformer
     Engine (CPU, a plain GPU install) its torch Adam keeps the step per parameter, and DistributedOptimizer.state_dict

@@ -61,9 +61,8 @@ def train(cfg: TrainConfig) -> dict:
     packing, packing_why = plan_packing(cfg, backend, images_at, hf_dir)
     resume = checkpoint.latest(cfg.save_dir)
     if resume is not None and backend == "megatron":  # before any process group: a layout it cannot load into
-        meta = checkpoint.read_meta(resume)
-        checkpoint.check_optimizer_layout(resume, meta, cfg.use_distributed_optimizer, cfg.tensor_model_parallel_size)
-        checkpoint.check_pipeline_layout(resume, meta, cfg.pipeline_model_parallel_size)
+        checkpoint.check_optimizer_layout(resume, checkpoint.read_meta(resume), cfg.use_distributed_optimizer,
+                                          cfg.tensor_model_parallel_size)
     init_distributed(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size, seed=cfg.seed,
                      cp=cfg.context_parallel_size)
     try:
