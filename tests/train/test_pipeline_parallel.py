@@ -116,7 +116,8 @@ def _torchrun_train(*args: str) -> None:
 def test_pp2_training_run_resumes_and_matches_pp1(tiny, tied, tmp_path):
     """Through the CLI, with the tied student (the checkpoint's embedding and the last stage's replica of it): 3 SGD
     steps at PP=2 under torchrun (stopped after step 2, resumed) against 3 at PP=1; and each run's step-2 checkpoint
-    resumed at the other pipeline size (dist_checkpointing reshards the layers and the SGD momentum)."""
+    resumed at the other pipeline size (dist_checkpointing reshards the layers and the SGD momentum); the resumed PP=2
+    run equals an uninterrupted one bit for bit."""
     from safetensors.torch import load_file
 
     from pipeline.cli import main as cli
@@ -150,6 +151,19 @@ def test_pp2_training_run_resumes_and_matches_pp1(tiny, tied, tmp_path):
         change[save] = {k: weights[k] - start[k] for k in start}
     for save in runs[1:]:  # a lost momentum buffer would make step 3's update differ by its own size
         assert_layout_close(change[save], change[one], f"{save.name}: trained change")
+    # the stopped and resumed PP=2 run is the uninterrupted one, bit for bit (same layout, same order: rule 3)
+    whole = tmp_path / "pp2-whole"
+    _torchrun_train(*_train_args(tiny, tied, whole, pp2))
+    keys = ("step", "loss", "jsd", "sft", "lr", "grad_norm", "active_tokens", "data_position", "samples")
+    assert [[m[k] for k in keys] for m in metrics[two]] == [[json.loads(x)[k] for k in keys]
+                                                             for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for name, save in (("a.pt", two), ("b.pt", whole)):
+        dcp_to_torch_save(save / "step_0000003", tmp_path / name)
+    wa, wb = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert wa.keys() == wb.keys() and len(wa) > 10
+    assert all(torch.equal(wa[k], wb[k]) for k in wa if torch.is_tensor(wa[k]))
 
 
 # What compat.py patches on the pipeline path, pinned to megatron-core 0.16.1's source: (module, function, the CUDA
