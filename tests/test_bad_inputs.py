@@ -480,7 +480,6 @@ def test_pipeline_parallel_settings(tmp_path, capsys, monkeypatch):
             r"pipeline_model_parallel_size=2: the hf backend .* has no pipeline parallelism", r"fsdp=true")
     for key, why in (("lora_rank=8", "lora_rank=8: LoRA adapters split over pipeline stages"),
                      ("context_parallel_size=2", "context_parallel_size=2: context parallelism inside pipeline stages"),
-                     ("loss=opd", "loss=opd: the sampled-token loss"),
                      ("loss=gold", "loss=gold: the cross-tokenizer losses"),
                      ("use_distributed_optimizer=true", "use_distributed_optimizer=true: the distributed optimizer"),
                      ("teachers={a: x}", "teachers \\(routing\\)"),

@@ -243,7 +243,8 @@ class TrainConfig:
 
     def pipeline_problems(self) -> list[str]:
         """What pipeline_model_parallel_size > 1 does not run with yet, each by name with the reason (issue 48's first
-        cut: packed or padded rows, the fused or unfused GKD loss with SFT, recompute, tied embeddings, TP and DP)."""
+        cut: packed or padded rows, the fused or unfused GKD or OPD loss with SFT, recompute, tied embeddings,
+        bf16, TP and DP)."""
         pp = self.pipeline_model_parallel_size
         if pp <= 1:
             return []
@@ -262,8 +263,6 @@ class TrainConfig:
              "supported yet; train one cache (cache=[DIR])"),
             (self.loss in XTOK_LOSSES, f"with loss={self.loss}: the cross-tokenizer losses under pipeline parallelism "
              "are not supported yet (their span rows are untested across stages); use loss=gkd"),
-            (self.loss == "opd", "with loss=opd: the sampled-token loss under pipeline parallelism is not supported "
-             "yet (untested); use loss=gkd"),
             (self.use_distributed_optimizer, "with use_distributed_optimizer=true: the distributed optimizer's "
              "checkpoint layout per stage is not supported yet (untested); set use_distributed_optimizer=false"),
         ]

@@ -26,6 +26,7 @@ VARIANTS = {  # packed rows of 64 tokens (about two samples each) + the fused lo
     "padded unfused recompute": {"packing": False, "fused_loss": False, "recompute": "selective", "seq_length": 64},
     "tied": {"tied": True},
     "bf16": {"bf16": True},
+    "opd": {"loss": "opd"},  # student-sourced rows: the sampled-token loss; dataset-sourced ones: GKD
     "aligned": {"teacher": True, "temperature": 1.0},  # the scoring model as the student: KD ≈ 0 at every active position (alignment)
 }
 # Under PP x TP (and PP x DP, 4 processes both), where TP meets the pipeline: the vocabulary-parallel fused loss on the last stage and the tied

@@ -5,7 +5,7 @@
   cool-down): the same counts, the loss sums the loop reports (summed on the last stage, broadcast), the grad norm
   and every gradient (HF layout, stages merged by global layer index) under tests/tolerance.py's rule, for packed
   rows + the fused loss, padded rows of varying width + the unfused loss + selective recompute, a student with tied
-  embeddings (the last stage's copy of the embedding gets the same summed gradient), and bf16; and the scoring
+  embeddings (the last stage's copy of the embedding gets the same summed gradient), bf16 and loss=opd; and the scoring
   model as the student has KD ≈ 0 per active position at PP=2 (the last stage pairs positions and teacher rows).
 - Through the CLI: 3 SGD steps at PP=2, stopped after step 2 and resumed from its checkpoint, against 3 steps at
   PP=1: per-step losses and grad norms of metrics.jsonl (written by rank 0, a first-stage rank), the same fields, and
@@ -28,7 +28,7 @@ import pytest
 import torch
 from tolerance import assert_layout_close
 
-from pipeline.train.metrics import KD_SUM, SFT_SUM
+from pipeline.train.metrics import KD_SUM, OPD_KL_SUM, OPD_SUM, SFT_SUM
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,8 @@ def pp1(tiny, tied, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 2)], ids=["pp2", "pp2 x tp2", "pp2 x dp2"])
 def test_pp2_step_matches_pp1(tiny, tied, pp1, tp, dp, tmp_path):
     one, two = pp1, _worker(tiny, tied, tmp_path, 2, tp, dp)
-    assert set(one) == {"packed fused", "padded unfused recompute", "tied", "bf16", "aligned"}
+    assert set(one) == {"packed fused", "padded unfused recompute", "tied", "bf16", "opd", "aligned"}
+    assert float(one["opd"]["sums"][OPD_SUM]) != 0 and float(one["opd"]["sums"][OPD_KL_SUM]) != 0  # sums to compare
     assert next(iter(two.values()))["dp"] == dp
     assert len({w for w in one["padded unfused recompute"]["widths"]}) > 1  # rows of varying width crossed stages
     assert one["packed fused"]["samples"] > 4 * 2  # packed: more samples than rows
