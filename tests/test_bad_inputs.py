@@ -482,9 +482,8 @@ def test_pipeline_parallel_settings(tmp_path, capsys, monkeypatch):
                      ("context_parallel_size=2", "context_parallel_size=2: context parallelism inside pipeline stages"),
                      ("loss=gold", "loss=gold: the cross-tokenizer losses"),
                      ("use_distributed_optimizer=true", "use_distributed_optimizer=true: the distributed optimizer"),
-                     ("teachers={a: x}", "teachers \\(routing\\)"),
                      ("teacher_live=x", "teacher_live: the live teacher")):
-        extra = ["cache=[]", "rollouts=[r]"] if key.startswith("teacher_live") else ["cache=[]"] if key.startswith("teachers") else []
+        extra = ["cache=[]", "rollouts=[r]"] if key.startswith("teacher_live") else []
         monkeypatch.setenv("WORLD_SIZE", "4" if key.startswith("context") else "2")
         refused(tmp_path, ["train", "pipeline_model_parallel_size=2", key, *extra, f"save_dir={tmp_path / 'run'}"],
                 capsys, f"pipeline_model_parallel_size=2 with {why}", "or pipeline_model_parallel_size=1")

@@ -7,6 +7,7 @@
   rows + the fused loss, padded rows of varying width + the unfused loss + selective recompute, a student with tied
   embeddings (the last stage's copy of the embedding gets the same summed gradient), bf16 and loss=opd; and the scoring
   model as the student has KD ≈ 0 per active position at PP=2 (the last stage pairs positions and teacher rows).
+- Routed teachers under PP=2: 2 CLI steps match PP=1, the per-teacher metrics included.
 - Through the CLI: 3 SGD steps at PP=2, stopped after step 2 and resumed from its checkpoint, against 3 steps at
   PP=1: per-step losses and grad norms of metrics.jsonl (written by rank 0, a first-stage rank), the same fields, and
   what training changed in the weights `gkd export` writes from the PP=2 checkpoint, with the tied student; and each
@@ -166,6 +167,39 @@ def test_pp2_training_run_resumes_and_matches_pp1(tiny, tied, tmp_path):
     assert wa.keys() == wb.keys() and len(wa) > 10
     assert all(torch.equal(wa[k], wb[k]) for k in wa if torch.is_tensor(wa[k]))
 
+
+
+@pytest.mark.distributed
+def test_pp2_routed_teachers_match_pp1(tiny, tmp_path):
+    """Routed teachers (`teachers: {A: CACHE, B: CACHE}`, weighted) under PP=2: the per-teacher report entries come
+    from the last stage like the others; 2 SGD steps through the CLI against PP=1, per-teacher metrics included."""
+    from tiny_cache import build_tiny, random_samples, score_into_cache
+
+    from pipeline.cli import main as cli
+
+    samples = random_samples(16, tiny["vocab"], seed=5)
+    tags = [{"task": "A" if i % 2 else "B"} for i in range(16)]
+    score_into_cache(tiny["model"], tmp_path / "a", samples, tags=tags)
+    score_into_cache(build_tiny(tmp_path / "teacher-b", seed=2), tmp_path / "b", samples, tags=tags)
+
+    def args(save: Path, *extra: str) -> list[str]:
+        return [f"student={tiny['student']}", "cache=[]", f"teachers={{A: {tmp_path / 'a'}, B: {tmp_path / 'b'}}}",
+                "teacher_tag_key=task", "teacher_weights={B: 0.25}", "micro_batch_size=2", "global_batch_size=8",
+                "seq_length=64", "train_steps=2", "warmup_steps=0", "optimizer=sgd", "lr=0.5", "min_lr=0.5",
+                f"save_dir={save}", "save_interval=2", "progress=false", *extra]
+
+    assert cli(["train", *args(tmp_path / "pp1")]) == 0
+    _torchrun_train(*args(tmp_path / "pp2", "pipeline_model_parallel_size=2"))
+    one, two = ([json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                for name in ("pp1", "pp2"))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two, strict=True):
+        assert set(a) == set(b) and a["active_tokens/A"] > 0 and a["active_tokens/B"] > 0
+        for key in ("active_tokens", "active_tokens/A", "active_tokens/B", "samples", "unrouted_samples"):
+            assert a[key] == b[key], key
+        names = ("loss", "jsd", "jsd/A", "jsd/B", "grad_norm")
+        assert_layout_close(torch.tensor([b[n] for n in names]), torch.tensor([a[n] for n in names]),
+                            f"step {a['step']}")
 
 # What compat.py patches on the pipeline path, pinned to megatron-core 0.16.1's source: (module, function, the CUDA
 # call the patch answers). An upgrade that moves or rewrites one of these fails here, naming what to re-check in
