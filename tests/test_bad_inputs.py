@@ -479,12 +479,11 @@ def test_pipeline_parallel_settings(tmp_path, capsys, monkeypatch):
     refused(tmp_path, ["train", "pipeline_model_parallel_size=2", "backend=hf", f"save_dir={tmp_path / 'run'}"], capsys,
             r"pipeline_model_parallel_size=2: the hf backend .* has no pipeline parallelism", r"fsdp=true")
     for key, why in (("lora_rank=8", "lora_rank=8: LoRA adapters split over pipeline stages"),
-                     ("context_parallel_size=2", "context_parallel_size=2: context parallelism inside pipeline stages"),
                      ("loss=gold", "loss=gold: the cross-tokenizer losses"),
                      ("use_distributed_optimizer=true", "use_distributed_optimizer=true: the distributed optimizer"),
                      ("teacher_live=x", "teacher_live: the live teacher")):
         extra = ["cache=[]", "rollouts=[r]"] if key.startswith("teacher_live") else []
-        monkeypatch.setenv("WORLD_SIZE", "4" if key.startswith("context") else "2")
+        monkeypatch.setenv("WORLD_SIZE", "2")
         refused(tmp_path, ["train", "pipeline_model_parallel_size=2", key, *extra, f"save_dir={tmp_path / 'run'}"],
                 capsys, f"pipeline_model_parallel_size=2 with {why}", "or pipeline_model_parallel_size=1")
     assert not (tmp_path / "run").exists()

@@ -244,7 +244,7 @@ class TrainConfig:
     def pipeline_problems(self) -> list[str]:
         """What pipeline_model_parallel_size > 1 does not run with yet, each by name with the reason (issue 48's first
         cut: packed or padded rows, the fused or unfused GKD or OPD loss with SFT, routed teachers, recompute, tied
-        embeddings, bf16, TP and DP)."""
+        embeddings, bf16, TP, CP and DP)."""
         pp = self.pipeline_model_parallel_size
         if pp <= 1:
             return []
@@ -256,9 +256,6 @@ class TrainConfig:
             (self.teacher_live is not None, "with teacher_live: the live teacher would run beside the whole student on "
              "every rank, but only the last stage holds the loss; score the rollouts into a cache (gkd score) and "
              "train from it"),
-            (self.context_parallel_size > 1, f"with context_parallel_size={self.context_parallel_size}: context "
-             "parallelism inside pipeline stages is not supported yet (its chunk split and key/value gathers are "
-             "untested across stages); set context_parallel_size=1"),
             (self.loss in XTOK_LOSSES, f"with loss={self.loss}: the cross-tokenizer losses under pipeline parallelism "
              "are not supported yet (their span rows are untested across stages); use loss=gkd"),
             (self.use_distributed_optimizer, "with use_distributed_optimizer=true: the distributed optimizer's "

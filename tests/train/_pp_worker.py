@@ -5,7 +5,7 @@ layout (all stages merged by global layer index), for tests/train/test_pipeline_
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_pp_worker.py STUDENT TIED TEACHER CACHE
 OUT 2``
-(PP=2; a 6th argument is the TP size: 4 processes for PP=2 x TP=2, or PP=2 x DP=2 with TP 1), or plain ``python ... 1`` for the PP=1
+(PP=2; then the TP and CP sizes: 4 processes for PP=2 x TP=2, PP=2 x CP=2, or PP=2 x DP=2 with both 1), or plain ``python ... 1`` for the PP=1
 reference. TIED: a student with tied embeddings (same tokenizer); TEACHER: the model the cache was scored from.
 """
 
@@ -29,7 +29,7 @@ VARIANTS = {  # packed rows of 64 tokens (about two samples each) + the fused lo
     "opd": {"loss": "opd"},  # student-sourced rows: the sampled-token loss; dataset-sourced ones: GKD
     "aligned": {"teacher": True, "temperature": 1.0},  # the scoring model as the student: KD ≈ 0 at every active position (alignment)
 }
-# Under PP x TP (and PP x DP, 4 processes both), where TP meets the pipeline: the vocabulary-parallel fused loss on the last stage and the tied
+# Under PP x TP (and PP x DP, PP x CP: 4 processes each), where TP meets the pipeline: the vocabulary-parallel fused loss on the last stage and the tied
 # embedding's copies (first and last stage, each split over the TP ranks). bf16 is compared at TP=1 only: a TP split
 # reorders bf16 sums, a gap of bf16's size (1e-2 of the scale) that is not the pipeline's.
 TP_VARIANTS = ("packed fused", "tied")
@@ -59,7 +59,7 @@ def _grads(model) -> tuple:
     return megatron_to_hf_state_dict(shards, model.hf_arch), tied_copy, embedding
 
 
-def main(student: str, tied: str, teacher: str, cache: str, out: str, pp: int, tp: int) -> None:
+def main(student: str, tied: str, teacher: str, cache: str, out: str, pp: int, tp: int, cp: int) -> None:
     from megatron.core import parallel_state
 
     from pipeline.train import metrics
@@ -69,7 +69,7 @@ def main(student: str, tied: str, teacher: str, cache: str, out: str, pp: int, t
     from pipeline.train.setup import setup_model_and_optimizer
     from pipeline.train.step import device, train_step
 
-    init_distributed(tp=tp, pp=pp, seed=1234)
+    init_distributed(tp=tp, pp=pp, seed=1234, cp=cp)
     results: dict = {}
     for name, kw in VARIANTS.items():
         if dist.get_world_size() > pp and name not in TP_VARIANTS:
@@ -77,7 +77,8 @@ def main(student: str, tied: str, teacher: str, cache: str, out: str, pp: int, t
         kw = dict(kw)
         hf_dir = tied if kw.pop("tied", False) else teacher if kw.pop("teacher", False) else student
         cfg = TrainConfig(student=hf_dir, cache=[cache], micro_batch_size=2, global_batch_size=8,
-                          pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, sft_alpha=0.5, beta=0.5,
+                          pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                          sft_alpha=0.5, beta=0.5,
                           **{"seq_length": 32, "temperature": 2.0, **kw})
         model, ddp, optimizer, scheduler = setup_model_and_optimizer(cfg, Path(hf_dir))
         # 4 micro-batches a step > 2 stages (1F1B's warm-up, steady state, cool-down); under DP, m = rank (mod dp)
@@ -87,7 +88,8 @@ def main(student: str, tied: str, teacher: str, cache: str, out: str, pp: int, t
                           packing=cfg.packing is not False).iter_from(0, prefetch=0)
         micro = [next(it) for _ in range(4 // dp)]
         counts, reports, _, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size)
-        sums = metrics.pipeline_sums(reports, metrics.report_names(cfg), parallel_state.get_data_parallel_group(),
+        sums = metrics.pipeline_sums(reports, metrics.report_names(cfg),
+                                     parallel_state.get_data_parallel_group(with_context_parallel=True),
                                      parallel_state.get_pipeline_model_parallel_group(),
                                      parallel_state.get_pipeline_model_parallel_last_rank(), device())
         grads, tied_copy, embedding = _grads(model)
@@ -96,9 +98,9 @@ def main(student: str, tied: str, teacher: str, cache: str, out: str, pp: int, t
                          "layers": len(model.decoder.layers), "widths": [b.input_ids.shape[1] for b in micro],
                          "samples": sum(b.samples for b in micro), "dp": dp}
     if dist.get_rank() == 0:
-        torch.save(results, Path(out) / f"pp{pp}_tp{tp}.pt")
+        torch.save(results, Path(out) / f"pp{pp}_tp{tp}_cp{cp}.pt")
     destroy_distributed()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6], int(sys.argv[6]), int(sys.argv[7]) if len(sys.argv) > 7 else 1)
+    main(*sys.argv[1:6], *(int(a) for a in sys.argv[6:9]))

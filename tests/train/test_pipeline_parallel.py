@@ -1,6 +1,6 @@
 """Pipeline parallelism on the Megatron backend (issue 48, first cut): PP=2 == PP=1.
 
-- One trainer step at PP=2 (torchrun, gloo; 2 processes, PP=2 x TP=2 and PP=2 x DP=2 on 4: stage 0 holds layer 0 and the embedding, stage 1 layer 1,
+- One trainer step at PP=2 (torchrun, gloo; 2 processes, PP=2 x TP=2, x DP=2 and x CP=2 on 4: stage 0 holds layer 0 and the embedding, stage 1 layer 1,
   the final norm, the output layer and the loss) vs PP=1, 4 micro-batches (1F1B's warm-up, steady state and
   cool-down): the same counts, the loss sums the loop reports (summed on the last stage, broadcast), the grad norm
   and every gradient (HF layout, stages merged by global layer index) under tests/tolerance.py's rule, for packed
@@ -49,13 +49,13 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
-def _worker(tiny: dict, tied: Path, out: Path, pp: int, tp: int = 1, dp: int = 1) -> dict:
+def _worker(tiny: dict, tied: Path, out: Path, pp: int, tp: int = 1, dp: int = 1, cp: int = 1) -> dict:
     args = [str(Path(__file__).with_name("_pp_worker.py")), str(tiny["student"]), str(tied), str(tiny["model"]),
-            str(tiny["cache"]), str(out), str(pp), str(tp)]
-    world = pp * tp * dp
+            str(tiny["cache"]), str(out), str(pp), str(tp), str(cp)]
+    world = pp * tp * dp * cp
     launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
     subprocess.run([sys.executable, *launcher, *args], check=True, env=_env(), cwd=REPO, timeout=300)
-    return torch.load(out / f"pp{pp}_tp{tp}.pt")
+    return torch.load(out / f"pp{pp}_tp{tp}_cp{cp}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +65,16 @@ def pp1(tiny, tied, tmp_path_factory) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 2)], ids=["pp2", "pp2 x tp2", "pp2 x dp2"])
-def test_pp2_step_matches_pp1(tiny, tied, pp1, tp, dp, tmp_path):
-    one, two = pp1, _worker(tiny, tied, tmp_path, 2, tp, dp)
+@pytest.mark.parametrize("tp,dp,cp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
+                         ids=["pp2", "pp2 x tp2", "pp2 x dp2", "pp2 x cp2"])
+def test_pp2_step_matches_pp1(tiny, tied, pp1, tp, dp, cp, tmp_path):
+    one, two = pp1, _worker(tiny, tied, tmp_path, 2, tp, dp, cp)
     assert set(one) == {"packed fused", "padded unfused recompute", "tied", "bf16", "opd", "aligned"}
     assert float(one["opd"]["sums"][OPD_SUM]) != 0 and float(one["opd"]["sums"][OPD_KL_SUM]) != 0  # sums to compare
     assert next(iter(two.values()))["dp"] == dp
     assert len({w for w in one["padded unfused recompute"]["widths"]}) > 1  # rows of varying width crossed stages
     assert one["packed fused"]["samples"] > 4 * 2  # packed: more samples than rows
-    assert set(two) == (set(one) if tp * dp == 1 else {"packed fused", "tied"})  # _pp_worker.TP_VARIANTS
+    assert set(two) == (set(one) if tp * dp * cp == 1 else {"packed fused", "tied"})  # _pp_worker.TP_VARIANTS
     for name in two:
         a, b = one[name], two[name]
         assert a["layers"] == 2 and b["layers"] == 1, name  # each stage built its own layer
