@@ -465,6 +465,32 @@ def test_context_parallel_settings(tmp_path, capsys, monkeypatch):
             r"context_parallel_size=1 \(fsdp=true to shard it\), or on the Megatron backend")
     assert not (tmp_path / "run").exists()
 
+
+def test_pipeline_parallel_settings(tmp_path, capsys, monkeypatch):
+    """pipeline_model_parallel_size: refused before any process group or model (no save_dir appears) where the
+    processes, the student's layers or the backend do not allow it, and by name for every key PP does not run with
+    yet (issue 48's first cut)."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    refused(tmp_path, ["train", "pipeline_model_parallel_size=2", "micro_batch_size=2", "global_batch_size=2"], capsys,
+            r"pipeline_model_parallel_size 2 x tensor_model_parallel_size 1 x context_parallel_size 1 = 2 does not "
+            r"divide the 3 processes \(WORLD_SIZE\)", r"launch a multiple of 2 processes")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the default student has 6 layers: 4 stages cannot hold them evenly
+    refused(tmp_path, ["train", "pipeline_model_parallel_size=4", f"save_dir={tmp_path / 'run'}"], capsys,
+            r"pipeline_model_parallel_size=4 does not divide the student's 6 layers", r"use a divisor of 6 \(2, 3, 6\)")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    refused(tmp_path, ["train", "pipeline_model_parallel_size=2", "backend=hf", f"save_dir={tmp_path / 'run'}"], capsys,
+            r"pipeline_model_parallel_size=2: the hf backend .* has no pipeline parallelism", r"fsdp=true")
+    for key, why in (("lora_rank=8", "lora_rank=8: LoRA adapters split over pipeline stages"),
+                     ("loss=gold", "loss=gold: the cross-tokenizer losses"),
+                     ("use_distributed_optimizer=true", "use_distributed_optimizer=true: the distributed optimizer"),
+                     ("teacher_live=x", "teacher_live: the live teacher")):
+        extra = ["cache=[]", "rollouts=[r]"] if key.startswith("teacher_live") else []
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        refused(tmp_path, ["train", "pipeline_model_parallel_size=2", key, *extra, f"save_dir={tmp_path / 'run'}"],
+                capsys, f"pipeline_model_parallel_size=2 with {why}", "or pipeline_model_parallel_size=1")
+    assert not (tmp_path / "run").exists()
+
+
 # -- the catalogue is this file -----------------------------------------------------------------------------------
 
 

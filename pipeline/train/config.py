@@ -93,6 +93,12 @@ class TrainConfig:
     # activations do not fit one device. World = tensor_model_parallel_size x context_parallel_size x data-parallel;
     # seq_length must be a multiple of 2 x context_parallel_size.
     context_parallel_size: int = 1
+    # Pipeline parallelism (Megatron backend; docs/architecture.md, "Pipeline parallelism"): the student's layers split
+    # into this many stages, Megatron-Core's 1F1B schedule; the first stage embeds the tokens, the last runs the output
+    # layer and the loss on the cached teacher rows, only activations cross stages. World = tensor x context x
+    # pipeline x data-parallel; it must divide num_hidden_layers. Combinations not supported yet are refused by name
+    # (`pipeline_problems`).
+    pipeline_model_parallel_size: int = 1
     # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
     # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/models/attention.py.
     attention: str = "sdpa"
@@ -130,7 +136,8 @@ class TrainConfig:
         entry: the data-parallel split is checked before any process group exists)."""
         p = []
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps", "save_interval",
-                     "tensor_model_parallel_size", "context_parallel_size", "window_rows"):
+                     "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                     "window_rows"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1, got {getattr(self, name)}")
         world = world_size
@@ -142,8 +149,15 @@ class TrainConfig:
             p.append(f"context_parallel_size {cp} x tensor_model_parallel_size {tp} = {tp * cp} does not divide the "
                      f"{world} processes (WORLD_SIZE); launch a multiple of {tp * cp} processes or change "
                      "context_parallel_size")
-        dp = max(1, world // (tp * cp))
-        why = f" (WORLD_SIZE {world} / tensor_model_parallel_size {tp}{f' / context_parallel_size {cp}' if cp > 1 else ''})"
+        pp = max(1, self.pipeline_model_parallel_size)
+        if not world % (tp * cp) and world % (tp * cp * pp):
+            p.append(f"pipeline_model_parallel_size {pp} x tensor_model_parallel_size {tp} x context_parallel_size "
+                     f"{cp} = {tp * cp * pp} does not divide the {world} processes (WORLD_SIZE); launch a multiple of "
+                     f"{tp * cp * pp} processes or change pipeline_model_parallel_size")
+        dp = max(1, world // (tp * cp * pp))
+        why = (f" (WORLD_SIZE {world} / tensor_model_parallel_size {tp}"
+               f"{f' / context_parallel_size {cp}' if cp > 1 else ''}"
+               f"{f' / pipeline_model_parallel_size {pp}' if pp > 1 else ''})")
         if problem := batch_split_problem(self.global_batch_size, max(1, self.micro_batch_size), dp, why):
             p.append(problem)
         if cp > 1 and self.seq_length % (2 * cp):
@@ -219,12 +233,35 @@ class TrainConfig:
             p.append(f"packing must be true, false or auto, got {self.packing!r}")
         if self.backend not in BACKENDS:
             p.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        p += self.pipeline_problems()
         if self.lora_rank > 0:
             if self.lora_alpha <= 0:
                 p.append("lora_alpha must be > 0")
             if self.backend == "megatron" and (problem := self.megatron_lora_problem()):
                 p.append(problem)  # auto: train() asks once the family is known; hf checks them on the model
         return p
+
+    def pipeline_problems(self) -> list[str]:
+        """What pipeline_model_parallel_size > 1 does not run with yet, each by name with the reason (issue 48's first
+        cut: packed or padded rows, the fused or unfused GKD or OPD loss with SFT, routed teachers, recompute, tied
+        embeddings, bf16, TP, CP and DP)."""
+        pp = self.pipeline_model_parallel_size
+        if pp <= 1:
+            return []
+        head = f"pipeline_model_parallel_size={pp}"
+        fix = "; or pipeline_model_parallel_size=1"
+        refused = [
+            (self.lora_rank > 0, f"with lora_rank={self.lora_rank}: LoRA adapters split over pipeline stages are not "
+             "supported yet (untested: its adapter checkpoints and export gather per stage); set lora_rank=0"),
+            (self.teacher_live is not None, "with teacher_live: the live teacher would run beside the whole student on "
+             "every rank, but only the last stage holds the loss; score the rollouts into a cache (gkd score) and "
+             "train from it"),
+            (self.loss in XTOK_LOSSES, f"with loss={self.loss}: the cross-tokenizer losses under pipeline parallelism "
+             "are not supported yet (their span rows are untested across stages); use loss=gkd"),
+            (self.use_distributed_optimizer, "with use_distributed_optimizer=true: the distributed optimizer's "
+             "checkpoint layout per stage is not supported yet (untested); set use_distributed_optimizer=false"),
+        ]
+        return [f"{head} {why}{fix}" for bad, why in refused if bad]
 
     def megatron_lora_problem(self) -> str | None:
         """What is wrong with lora_targets on a Megatron-Core student (its layer names only), or None."""

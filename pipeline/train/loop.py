@@ -55,7 +55,7 @@ def train(cfg: TrainConfig) -> dict:
 
     hf_dir = student_dir(cfg)  # the student's family and this run's seq_length are checked before any work
     backend, why = resolve_backend(hf_dir, cfg.backend, cfg.seq_length)
-    check_backend(cfg, backend, why)
+    check_backend(cfg, backend, why, hf_dir)
     images_at = image_rows(cfg)  # one listing per cache without images; before the model is built
     check_images(hf_dir, images_at)
     packing, packing_why = plan_packing(cfg, backend, images_at, hf_dir)
@@ -63,7 +63,8 @@ def train(cfg: TrainConfig) -> dict:
     if resume is not None and backend == "megatron":  # before any process group: a layout it cannot load into
         checkpoint.check_optimizer_layout(resume, checkpoint.read_meta(resume), cfg.use_distributed_optimizer,
                                           cfg.tensor_model_parallel_size)
-    init_distributed(tp=cfg.tensor_model_parallel_size, pp=1, seed=cfg.seed, cp=cfg.context_parallel_size)
+    init_distributed(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size, seed=cfg.seed,
+                     cp=cfg.context_parallel_size)
     try:
         return _train(cfg, backend, why, packing, packing_why)
     finally:
@@ -125,11 +126,14 @@ def _train(cfg: TrainConfig, backend: str, why: str, packing: bool | str = True,
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
               f"{', LoRA ' + str(model.lora_spec.to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
-              f"dp={dp} tp={cfg.tensor_model_parallel_size} cp={cfg.context_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
+              f"dp={dp} tp={cfg.tensor_model_parallel_size} cp={cfg.context_parallel_size} pp={cfg.pipeline_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
 
     batches = loader.iter_from(position, prefetch=cfg.prefetch)
     # The loss sums: each context-parallel rank's over its own chunks (context_parallel.py), so over DP x CP.
     sums_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    pipeline_group = parallel_state.get_pipeline_model_parallel_group()
+    last_stage_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+    report_names = metrics.report_names(cfg)
     last: dict = {}
     steps_this_run = 0
     state_bytes = 0
@@ -147,7 +151,8 @@ def _train(cfg: TrainConfig, backend: str, why: str, packing: bool | str = True,
                 state_bytes = int(most.item())
             position = micro[-1].end
 
-            sums = metrics.sum_reports(reports, sums_group)
+            # the loss sums exist on the last pipeline stage only: summed there, broadcast to the other stages
+            sums = metrics.pipeline_sums(reports, report_names, sums_group, pipeline_group, last_stage_rank, device())
             last = metrics.step_row(cfg, step, sums, counts, lr=lr, grad_norm=grad_norm,
                                     seconds=time.perf_counter() - t0, position=position,
                                     state_bytes=state_bytes if backend == "megatron" else None,

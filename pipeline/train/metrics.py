@@ -57,6 +57,30 @@ def sum_reports(reports: list[dict[str, Tensor]], group: dist.ProcessGroup | Non
     return dict(zip(names, total.unbind(), strict=True))
 
 
+def report_names(cfg: TrainConfig) -> list[str]:
+    """The entries every report of a step of `cfg` has (`step.loss_func`), in one fixed order."""
+    names = [*TERMS, WEIGHTED_KD_SUM]
+    for name in sorted(cfg.teachers):
+        names += [teacher_kd_sum(name), teacher_kd_count(name)]
+    return names
+
+
+def pipeline_sums(reports: list[dict[str, Tensor]], names: list[str], group: dist.ProcessGroup | None,
+                  pipeline_group: dist.ProcessGroup, last_rank: int, device: torch.device) -> dict[str, Tensor]:
+    """`sum_reports` under pipeline parallelism: only the last stage runs the loss (the schedule hands the other
+    stages no reports), so it sums them over `group` (its data-parallel ranks) and broadcasts the sums over
+    `pipeline_group` from global rank `last_rank`, and every stage reports the same step. One stage: sum_reports."""
+    if dist.get_world_size(pipeline_group) == 1:
+        return sum_reports(reports, group)
+    if reports:
+        summed = sum_reports(reports, group)
+        total = torch.stack([summed[n].reshape(()).double() for n in names]).to(device)
+    else:
+        total = torch.zeros(len(names), dtype=torch.float64, device=device)
+    dist.broadcast(total, src=last_rank, group=pipeline_group)
+    return dict(zip(names, total.unbind(), strict=True))
+
+
 def step_row(cfg: TrainConfig, step: int, sums: dict[str, Tensor], counts: Tensor, *, lr: float, grad_norm,
              seconds: float, position: int, state_bytes: int | None, unrouted: int) -> dict:
     """The step's metrics.jsonl row from the summed entries and its global counts [KD, SFT, real tokens, positions,

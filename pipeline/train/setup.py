@@ -27,7 +27,7 @@ from pipeline.train.data.sources import image_rows as source_images
 from pipeline.train.losses.fused import output_hidden_states
 from pipeline.train.losses.xtok import XTOK_LOSSES
 from pipeline.train.models import hf_model
-from pipeline.train.models.families import resolve_backend
+from pipeline.train.models.families import read_hf_arch, resolve_backend
 from pipeline.train.models.lora import apply_lora
 from pipeline.train.models.optim import lr_scheduler, megatron_optimizer_config
 
@@ -90,13 +90,16 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     model = build_model(hf_dir, params_dtype=torch.bfloat16 if bf16 else torch.float32, attention=cfg.attention,
                         recompute=cfg.recompute)
     load_hf_weights(model, hf_dir)
-    if cfg.fused_loss:
+    if cfg.fused_loss and model.post_process:  # only the last pipeline stage has the output layer
         output_hidden_states(model)  # the loss applies the output layer (its weight stays in the model)
     spec = cfg.lora_spec()
     if spec is not None:
         apply_lora(model, spec, seed=cfg.seed)  # freezes the base: DDP and the optimizer see only the adapters
     config = model.config
     config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
+    # Pipeline stages exchange [row width, rows, hidden] activations; padded rows are as wide as their micro-batch's
+    # longest sample, so the schedule sends each tensor's shape first rather than assume seq_length.
+    config.variable_seq_lengths = cfg.pipeline_model_parallel_size > 1
     # DDP sums grads over DP ranks (per-token loss); num_tokens=None: no second normalisation.
     config.finalize_model_grads_func = lambda models, num_tokens, **kw: finalize_model_grads(models, None, **kw)
     wrapped = model
@@ -143,9 +146,23 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
     return teacher.eval()
 
 
-def check_backend(cfg: TrainConfig, backend: str, why: str) -> None:
+def check_backend(cfg: TrainConfig, backend: str, why: str, hf_dir: Path | None = None) -> None:
     """Refuse, before any process group or model, the keys the chosen backend has no meaning for (`why`: the
-    reason it was chosen, `families.resolve_backend`)."""
+    reason it was chosen, `families.resolve_backend`), and a pipeline split the student's layers do not allow
+    (`hf_dir`: its config.json)."""
+    pp = cfg.pipeline_model_parallel_size
+    if backend == "hf" and pp > 1:
+        raise ConfigError(f"pipeline_model_parallel_size={pp}: the hf backend ({why}) has no pipeline parallelism "
+                          "(it is Megatron-Core's); shard this student with fsdp=true (weights, gradients and "
+                          "optimizer state over the data-parallel ranks), or train it on the Megatron backend")
+    if backend == "megatron" and pp > 1 and hf_dir is not None:
+        layers = read_hf_arch(hf_dir).num_layers
+        if layers % pp:
+            fits = [d for d in range(2, layers + 1) if layers % d == 0]
+            raise ConfigError(f"pipeline_model_parallel_size={pp} does not divide the student's {layers} layers "
+                              f"(num_hidden_layers in {hf_dir / 'config.json'}): every stage holds the same number "
+                              f"of layers; use a divisor of {layers}"
+                              + (f" ({', '.join(map(str, fits))})" if fits else " (only 1: no pipeline split)"))
     if backend == "megatron" and cfg.fsdp:
         raise ConfigError(f"fsdp=true shards a transformers student; this one trains on Megatron-Core ({why}): use "
                           "use_distributed_optimizer=true there, or backend=hf")
