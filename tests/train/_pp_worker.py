@@ -1,7 +1,7 @@
 """One trainer step (`train_step`: Megatron's schedule — 1F1B at PP > 1 —, the real forward_step/loss_func, DDP,
 finalize_model_grads) per variant at a given pipeline size, dumping the loss sums as the loop reports them
 (`metrics.pipeline_sums`: summed on the last stage, broadcast), the counts, the grad norm and the gradients in HF
-layout (all stages merged by global layer index), for tests/train/test_pipeline_parallel.py.
+layout (all stages merged by global layer index), for tests/train/parallel/test_pipeline_parallel.py.
 
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train/_pp_worker.py STUDENT TIED TEACHER CACHE
 OUT 2``

@@ -13,7 +13,7 @@
   what training changed in the weights `gkd export` writes from the PP=2 checkpoint, with the tied student; and each
   run's step-2 checkpoint resumed at the other pipeline size (P=2 -> P=1 and back) continues the same trajectory.
 
-Run: ``python -m pytest tests/train/test_pipeline_parallel.py`` (the torchrun tests are marked distributed). The
+Run: ``python -m pytest tests/train/parallel/test_pipeline_parallel.py`` (the torchrun tests are marked distributed). The
 refusals of keys PP does not run with yet are in tests/test_bad_inputs.py (`test_pipeline_parallel_settings`).
 """
 
@@ -31,7 +31,7 @@ from tolerance import assert_layout_close
 
 from pipeline.train.metrics import KD_SUM, OPD_KL_SUM, OPD_SUM, SFT_SUM
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def _env() -> dict:
 
 
 def _worker(tiny: dict, tied: Path, out: Path, pp: int, tp: int = 1, dp: int = 1, cp: int = 1) -> dict:
-    args = [str(Path(__file__).with_name("_pp_worker.py")), str(tiny["student"]), str(tied), str(tiny["model"]),
+    args = [str(Path(__file__).resolve().parents[1] / "_pp_worker.py"), str(tiny["student"]), str(tied), str(tiny["model"]),
             str(tiny["cache"]), str(out), str(pp), str(tp), str(cp)]
     world = pp * tp * dp * cp
     launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
