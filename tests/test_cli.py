@@ -29,7 +29,7 @@ def test_cache_on_a_non_cache_dir_is_a_clear_error(tmp_path, capsys):
 
 
 def test_python_dash_m_entry_point():
-    out = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0 and "cache" in out.stdout
 
 

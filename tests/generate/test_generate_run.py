@@ -172,18 +172,18 @@ def test_cli_end_to_end_and_rerun_is_a_no_op(tiny_student, prompts_file, tmp_pat
         killing.resume(proc)
     err = capsys.readouterr().err
     assert f"held by pid {proc.pid} on host {socket.gethostname()}" in err and "gkd generate task 1/2" in err, err
-    stdout, stderr = proc.communicate(timeout=600)
+    stdout, stderr = proc.communicate(timeout=1800)
     out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not lock.exists()
     assert "prompts" in out.stdout and "tok/s" in out.stdout and "finish" in out.stdout
     assert (tmp_path / "rollouts-00001-of-00002.parquet.ok").exists()
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     assert again.returncode == 0 and "nothing to do" in again.stdout
     # Quiet by default (pipeline/logs.py): none of vLLM's INFO lines, nor its CPU notices; all of them with --verbose.
     assert not VLLM_INFO.search(out.stdout + out.stderr), (out.stdout + out.stderr)[-3000:]
     assert "Transformer Engine" not in out.stderr and "libtcmalloc" not in out.stderr
     loud = subprocess.run([*cmd[:-7], "--shard", "0", *cmd[-5:], "--verbose"], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=env)
+                          timeout=1800, cwd=ROOT, env=env)
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert VLLM_INFO.search(loud.stdout + loud.stderr), "--verbose must show vLLM's INFO lines"

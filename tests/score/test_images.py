@@ -238,7 +238,7 @@ def test_sigkill_mid_run_on_image_rollouts_then_rerun_equals_uninterrupted(vlm, 
     killing.kill(proc)
     done_before = len(list(shards.glob("*.ok")))
     assert done_before == 2, done_before
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     assert cli(_score_args(tmp_path / "rollouts", tmp_path / "clean", vlm["teacher"])) == 0
     killed, clean = ({s.key: s for s in TeacherCache.open(tmp_path / c).iter_samples()} for c in ("killed", "clean"))

@@ -272,7 +272,7 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path, teacher):
     done_before = len(done)
     assert stopped == proc.pid and done_before == 2, (stopped, proc.pid, done)  # the scorer itself commits and stops
     for cache in ("killed", "clean"):
-        out = subprocess.run(_score_cmd(tmp_path, teacher, tmp_path / cache), env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(_score_cmd(tmp_path, teacher, tmp_path / cache), env=env, capture_output=True, text=True, timeout=1800)
         assert out.returncode == 0, out.stderr[-2000:]
     assert "scored" in out.stdout
     _assert_same_rows(tmp_path / "killed", tmp_path / "clean", n)
@@ -401,7 +401,7 @@ def test_two_score_jobs_on_one_cache(tmp_path, teacher, llm):
         b = score(_cfg(tmp_path, teacher, rollouts=str(tmp_path / "B"), part_rows=2), llm=llm)
         assert proc.poll() is None, "job A ended before job B: the writers did not overlap"
         killing.resume(proc)
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=1800)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-2000:]
@@ -606,7 +606,7 @@ def test_base_plus_adapter_teacher_scores_like_peft_merged_model(tmp_path, teach
     base = _score_cmd(tmp_path, teacher, tmp_path / "cache")
     at = base.index(f"max_model_len={MAX_LEN}")  # flags before the key=value overrides
     cmd = [*base[:at], "--teacher-adapter", str(adapter), *base[at:], f"merge_dir={tmp_path / 'tmp'}"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "scored 3 samples" in out.stdout
     assert not list((tmp_path / "tmp").iterdir())  # the merged folder is gone

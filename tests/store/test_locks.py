@@ -72,7 +72,7 @@ def test_two_writers_of_overlapping_rows_write_each_key_once(tmp_path):
     cmd = [sys.executable, str(HERE / "_lock_writer.py"), "add", str(root)]
     procs = [subprocess.Popen(cmd + [name, lo, hi], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, lo, hi in (("a", "0", "30"), ("b", "15", "45"))]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=1800) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     dropped = sum(int(o[0].split()[-1]) for o in outs)
     cache = TeacherCache.open(root)

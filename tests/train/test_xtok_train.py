@@ -201,7 +201,7 @@ def test_tp2_trains_like_tp1(xt, tmp_path, kind):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "pipeline.train.run", *argv, f"save_dir={tmp_path / 'tp2'}",
-                    "tensor_model_parallel_size=2"], check=True, env=env, cwd=REPO, timeout=600)
+                    "tensor_model_parallel_size=2"], check=True, env=env, cwd=REPO, timeout=1800)
     runs = {}
     for name in ("tp1", "tp2"):
         metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

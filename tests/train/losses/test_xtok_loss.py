@@ -30,7 +30,7 @@ def trl_uld(tmp_path_factory):
     target = tmp_path_factory.mktemp("trl")
     try:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "trl==1.16.*", "--target",
-                        str(target)], check=True, capture_output=True, timeout=300)
+                        str(target)], check=True, capture_output=True, timeout=1800)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         out = getattr(e, "stderr", b"") or b""
         pytest.skip(f"PyPI unreachable, TRL 1.16 cannot be installed as the reference: {out.decode()[-300:]}")

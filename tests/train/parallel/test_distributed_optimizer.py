@@ -38,7 +38,7 @@ def _args(tiny: dict, save: Path, *extra: str) -> list[str]:
 def _torchrun(args: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    "-m", "pipeline.train.run", *args], check=True, env=env, cwd=REPO, timeout=600)
+                    "-m", "pipeline.train.run", *args], check=True, env=env, cwd=REPO, timeout=1800)
 
 
 def _export(save: Path) -> dict:

@@ -59,7 +59,7 @@ def _run(d: dict, save: Path, micro: int, dp: int = 1, backend: str = "auto", ex
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(dp),
                         "-m", "pipeline.train.run", *_args(d, save, micro, backend=backend), *extra], check=True,
-                       env=env, cwd=REPO, timeout=600)
+                       env=env, cwd=REPO, timeout=1800)
     assert cli(["export", "--checkpoint", str(save), "--out", str(save / "hf")]) == 0
     metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     return metrics, load_file(save / "hf" / "model.safetensors")

@@ -54,7 +54,7 @@ def _worker(tiny: dict, tied: Path, out: Path, pp: int, tp: int = 1, dp: int = 1
             str(tiny["cache"]), str(out), str(pp), str(tp), str(cp)]
     world = pp * tp * dp * cp
     launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-    subprocess.run([sys.executable, *launcher, *args], check=True, env=_env(), cwd=REPO, timeout=300)
+    subprocess.run([sys.executable, *launcher, *args], check=True, env=_env(), cwd=REPO, timeout=1800)
     return torch.load(out / f"pp{pp}_tp{tp}_cp{cp}.pt")
 
 
@@ -112,7 +112,7 @@ def _from_step_2(run: Path, to: Path) -> Path:
 
 def _torchrun_train(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    "-m", "pipeline.train.run", *args], check=True, env=_env(), cwd=REPO, timeout=300)
+                    "-m", "pipeline.train.run", *args], check=True, env=_env(), cwd=REPO, timeout=1800)
 
 
 @pytest.mark.distributed
