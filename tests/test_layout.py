@@ -192,21 +192,15 @@ SCORE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline.score.scorer",),
     ("pipeline.score.run",),
 )
-# Package __init__ modules placed as rooms of their own in a table: there they name only themselves, not the modules
-# below them.
-EXACT_ROOMS = frozenset({("pipeline", "LAYERS"), ("pipeline.train", "TRAIN_LAYERS"), ("pipeline.score", "SCORE_LAYERS"),
-                         ("pipeline.score.served", "SCORE_LAYERS")})
-
-
 def room(name: str, layers: tuple[tuple[str, ...], ...]) -> tuple[int, str] | None:
-    """(layer, room) of module `name`: the longest room that is `name` or a package above it."""
+    """(layer, room) of module `name`: the longest room that is `name` or a package above it. A room that is a
+    package above other rooms of the same table (a package's __init__, e.g. `pipeline.score` in SCORE_LAYERS) names
+    only itself, so a module placed in no room is reported, not swept into its package's room."""
+    every = {r for rooms in layers for r in rooms}
+    packages = {r for r in every if any(o.startswith(r + ".") for o in every)}
     found = [(len(r), i, r) for i, rooms in enumerate(layers) for r in rooms
-             if name == r or name.startswith(r + ".") and (r, table_name(layers)) not in EXACT_ROOMS]
+             if name == r or name.startswith(r + ".") and r not in packages]
     return max(found)[1:] if found else None
-
-
-def table_name(layers: tuple[tuple[str, ...], ...]) -> str:
-    return {id(LAYERS): "LAYERS", id(TRAIN_LAYERS): "TRAIN_LAYERS", id(SCORE_LAYERS): "SCORE_LAYERS"}[id(layers)]
 
 
 def downward_problems(graph: dict[str, list[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
