@@ -118,6 +118,14 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     return model, ddp, optimizer, lr_scheduler(optimizer, cfg)
 
 
+def live_teacher_dir(cfg: TrainConfig) -> Path:
+    """The folder of `teacher_live`, refused unless it is a Hugging Face model folder."""
+    teacher_dir = Path(cfg.teacher_live)
+    if not (teacher_dir / "config.json").exists():
+        raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
+    return teacher_dir
+
+
 def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = "megatron",
                        packing: bool | None = None):
     """The frozen teacher of `teacher_live` on the student's backend, with its TP split and precision: HF weights,
@@ -126,9 +134,7 @@ def setup_live_teacher(cfg: TrainConfig, student_tokenizer: str, backend: str = 
     loss=uld|gold, which needs one (train/teacher/live_xtok.py)."""
     from pipeline.train.models.megatron import build_model, load_hf_weights
 
-    teacher_dir = Path(cfg.teacher_live)
-    if not (teacher_dir / "config.json").exists():
-        raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
+    teacher_dir = live_teacher_dir(cfg)
     fp = tokenizer_fingerprint(teacher_dir)
     # uld|gold: another tokenizer, checked before the model by live_xtok_setup (train/teacher/live_xtok.py aligns them)
     if fp != student_tokenizer and cfg.loss not in XTOK_LOSSES:
@@ -294,9 +300,7 @@ def live_xtok_setup(cfg: TrainConfig, hf_dir: Path, tokenizer) -> xtok_rows.Live
     (train/teacher/live_xtok.py); with the vocabulary map for loss=gold."""
     from transformers import AutoConfig
 
-    teacher_dir = Path(cfg.teacher_live)
-    if not (teacher_dir / "config.json").exists():
-        raise ConfigError(f"teacher_live: {teacher_dir} is not a Hugging Face model folder (no config.json)")
+    teacher_dir = live_teacher_dir(cfg)
     if tokenizer_fingerprint(teacher_dir) == tokenizer_fingerprint(tokenizer):
         xtok_rows.refuse_same_tokenizer(teacher_dir, cfg.loss)
     xt = xtok_rows.open_live_xtok(hf_dir, teacher_dir, AutoConfig.from_pretrained(teacher_dir).vocab_size,
