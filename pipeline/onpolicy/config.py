@@ -70,6 +70,10 @@ class OnPolicyConfig:
     num_cycles: int = 4
     steps_per_generation: int = 2
     lmbda: float = 0.5  # probability that a cycle is on-policy, drawn from random.Random(seed + step)
+    # Overlapped cycles (cycle.py): cycle c is sampled with the weights of cycle c - max_staleness, so the sampler
+    # and the teacher work on the next cycles while the trainer trains this one. 0: the strict order, one stage at
+    # a time. Forward-KL / JSD losses accept N >= 1; OPD (the sampled tokens' reverse KL) is refused (docs/tuning.md).
+    max_staleness: int = 0
     seed: int = 1234  # lmbda draws, trainer seed, sampling seeds
     # -- on-policy sampling (the sampling settings themselves are generate's: `generate:` below)
     prompts: str = "reasoning-gym:basic_arithmetic?size=64&seed=0"
@@ -120,6 +124,11 @@ class OnPolicyConfig:
             p.append(f"weight_sync must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r}")
         if not 0.0 <= self.lmbda <= 1.0:
             p.append("lmbda must be in [0, 1]")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            p.append(f"max_staleness must be an integer >= 0 (0: strict cycles), got {self.max_staleness!r}")
+        elif self.max_staleness > 0 and self.executor == "slurm":
+            p.append("max_staleness >= 1 runs on executor=local or executor=ray; the Slurm executor runs the strict "
+                     "order only (set max_staleness=0, or executor=ray)")
         for name in ("num_cycles", "steps_per_generation", "prompts_per_cycle", "heldout_n"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1")
@@ -139,6 +148,10 @@ class OnPolicyConfig:
             return p + stage_problems
         gen, sc, tr = self.generate_settings, self.score_settings, self.train_settings
         p += self.cross_problems()
+        if isinstance(self.max_staleness, int) and self.max_staleness > 0 and tr.loss == "opd":
+            p.append(f"max_staleness={self.max_staleness} with train.loss=opd: the sampled-token reverse KL trains on "
+                     "the sampler's own tokens, so stale samples bias it without an importance correction, which is "
+                     "not implemented; use max_staleness=0 with opd, or a forward-KL / JSD loss (train.loss=gkd)")
         if sc.topk == 0 and tr.loss != "opd":
             p.append("score.topk=0 stores no teacher top-k: only train.loss=opd can train from it")
         if sc.topk == 0 and self.heldout_prompts:

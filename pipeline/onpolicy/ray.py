@@ -1,7 +1,8 @@
-"""On-policy GKD, Ray executor: the local executor's loop, with each engine in a long-lived Ray actor.
+"""On-policy GKD, Ray executor: the plan of cycle.py run on three long-lived Ray actors, one per role.
 
     gkd onpolicy executor=ray ray_address=auto ray_num_gpus=1          # a running cluster (or HOST:PORT, ray://...)
     gkd onpolicy executor=ray ray_num_cpus=2                            # ray_address=local: a cluster of our own
+    gkd onpolicy executor=ray max_staleness=1                           # the next cycle sampled while this one trains
 
 Three actors, started once per run and reused by every cycle, each `ray_num_cpus`/`ray_num_gpus`:
 
@@ -9,15 +10,14 @@ Three actors, started once per run and reused by every cycle, each `ray_num_cpus
     teacher   the teacher vLLM engine (Engines.scorer): score
     trainer   the trainer process (torch + Megatron-Core or transformers): export, train, eval
 
-The cycle is the local executor's (local.py): the stages of stages.py in order from the stage state.json names,
-`record_stage` after each, here in the driver, which alone writes state.json; a killed driver takes its actors with
-it (they are not detached) and a rerun resumes at the first stage not recorded as done, with fresh actors. The run's
-setup (held-out samples, an off-policy dataset), once per run, runs step by step (stages.setup_steps) on the actor
-that holds each step's engine, so every engine opens once per run (the local executor's setup also opens the engines
-its cycles reuse). Stages run one at a time, so on one machine each actor may reserve all its cores:
-`ray_address=local` declares enough logical CPUs for the three. Each actor uses int(ray_num_cpus) torch threads.
-Every actor records itself in OUT/ray/actors.jsonl (role, pid, node) when it starts, and the number of engines it
-has opened into the cycle's record in state.json (`ray_actors`): one per engine per run.
+The loop is cycle.run_cycles, the same as the local executor's, here in the driver, which alone writes state.json;
+with max_staleness >= 1 the actors run their tasks at the same time. A killed driver takes its actors with it (they
+are not detached) and a rerun resumes at the tasks not recorded as done, with fresh actors. The run's setup
+(held-out samples, an off-policy dataset), once per run, runs step by step (stages.setup_steps) on the actor that
+holds each step's engine, so every engine opens once per run. `ray_address=local` declares enough logical CPUs for
+the three actors. Each actor uses int(ray_num_cpus) torch threads. Every actor records itself in
+OUT/ray/actors.jsonl (role, pid, node) when it starts, and the number of engines it has opened into the cycle's
+record in state.json (`ray_actors`): one per engine per run.
 """
 
 from __future__ import annotations
@@ -25,31 +25,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.onpolicy.config import STAGES, OnPolicyConfig
+from pipeline.onpolicy.config import OnPolicyConfig
+from pipeline.onpolicy.cycle import ROLE_OF, ROLES, Task, run_cycles, run_setup, run_task
 from pipeline.onpolicy.engines import Engines
-from pipeline.onpolicy.stages import (
-    Workspace,
-    cycle_info,
-    cycle_stages,
-    eval_stage,
-    export_stage,
-    generate_stage,
-    read_metrics,
-    record_stage,
-    score_stage,
-    setup_step,
-    setup_steps,
-    train_stage,
-)
+from pipeline.onpolicy.stages import Workspace, read_metrics, setup_step
 from pipeline.onpolicy.state import State
 from pipeline.ray.cluster import RayError, check_resources, connect, enter_cwd, import_ray
-
-ROLES = ("sampler", "teacher", "trainer")
 
 
 class StageHost:
@@ -79,39 +64,23 @@ class StageHost:
     def info(self) -> dict:
         return {**self.where, "engine_starts": len(self.opened)}
 
-    # -- sampler / teacher --------------------------------------------------------------------------------------
-    def generate(self, cycle: int) -> dict:
-        out = generate_stage(self.ws, self.engines, cycle)
-        self._count(self.engines.sampler)
+    def run(self, task: Task, state: State, info: dict) -> dict:
+        out = run_task(self.ws, self.engines, state, task, info)
+        self._count(self.engines.sampler if self.role == "sampler" else self.engines.teacher)
         return out
 
-    def score(self, cycle: int) -> dict:
-        llm = self.engines.scorer(self.cfg, self.ws.teacher)
-        self._count(llm)
-        return score_stage(self.ws, cycle, llm)[0]
-
-    # -- trainer ------------------------------------------------------------------------------------------------
-    def export(self, cycle: int) -> dict:
-        return export_stage(self.ws, cycle)
-
-    def train(self, cycle: int, state: State, info: dict) -> tuple[dict, int]:
-        train_stage(self.ws, state, cycle, info)
-        return info, state.offpolicy_position
-
-    def eval(self, cycle: int) -> dict:
-        return eval_stage(self.ws, cycle)
-
     # -- the run's setup, one step at a time on the actor whose engine it uses ------------------------------------
-    def setup(self, step: str, state: State) -> None:
-        setup_step(self.ws, self.engines, state, step)
+    def setup(self, step: str, state: State) -> tuple[bool, State]:
+        changed = setup_step(self.ws, self.engines, state, step)
         self._count(self.engines.sampler if self.role == "sampler" else self.engines.teacher)
+        return changed, state
 
     def close(self) -> None:
         self.engines.close()
 
 
 class RayDriver:
-    """The local executor's loop over the three actors; state.json written here only."""
+    """cycle.run_cycles over the three actors (this is its Runner); state.json written here only."""
 
     def __init__(self, cfg: OnPolicyConfig) -> None:
         self.cfg = cfg
@@ -119,6 +88,8 @@ class RayDriver:
         self.ws = Workspace.open(cfg)
         self.state = State.load(self.ws.out)
         self.actors: dict[str, Any] = {}
+        self.refs: dict[Any, Task] = {}  # tasks in flight
+        self.busy: set[str] = set()  # roles whose task was in flight when the cycles ended
 
     def get(self, ref: Any, what: str) -> Any:
         """A result; the stage's own exception as the local executor would raise it; a dead actor as a RayError."""
@@ -133,7 +104,7 @@ class RayDriver:
             raise RayError(f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0]}; state is saved, rerun the "
                            "same command to continue") from None
 
-    def start(self) -> None:
+    def start_actors(self) -> None:
         cfg = self.cfg
         host = self.ray.remote(StageHost)
         threads = max(1, int(cfg.ray_num_cpus))
@@ -142,37 +113,30 @@ class RayDriver:
                                  name=f"gkd-onpolicy-{role}-{os.getpid()}")
             self.actors[role] = actor.remote(cfg, role, threads, os.getcwd())
 
-    def setup(self) -> None:
-        """setup_stage's steps, each on the actor that holds its engine (the engine the cycles reuse); the step
-        that only freezes the off-policy shard list here, and state.json saved here only."""
-        st = self.state
-        if st.setup_done:
-            return
-        for step, where in setup_steps(self.cfg):
-            if where is None:
-                if setup_step(self.ws, Engines(), st, step):
-                    st.save(self.ws.out)
-            else:
-                self.get(self.actors[where].setup.remote(step, st), f"the setup's {step}")
-        st.setup_done = True
-        st.save(self.ws.out)
+    # -- the Runner of cycle.run_cycles --------------------------------------------------------------------------
+    def setup(self, step: str, where: str | None, state: State) -> bool:
+        if where is None:  # only freezes the off-policy shard list: here
+            return setup_step(self.ws, Engines(), state, step)
+        changed, got = self.get(self.actors[where].setup.remote(step, state), f"the setup's {step}")
+        vars(state).update(vars(got))
+        return changed
 
-    def run_stage(self, stage: str, cycle: int, info: dict) -> None:
-        a = self.actors
-        if stage == "export":
-            info.update(self.get(a["trainer"].export.remote(cycle), f"cycle {cycle} export"))
-        elif stage == "generate":
-            info.update(self.get(a["sampler"].generate.remote(cycle), f"cycle {cycle} generate"))
-        elif stage == "score":
-            info.update(self.get(a["teacher"].score.remote(cycle), f"cycle {cycle} score"))
-        elif stage == "train":
-            got, position = self.get(a["trainer"].train.remote(cycle, self.state, info), f"cycle {cycle} train")
-            info.update(got)
-            self.state.offpolicy_position = position
-        elif stage == "eval":
-            info.update(self.get(a["trainer"].eval.remote(cycle), f"cycle {cycle} eval"))
-        else:
-            raise ValueError(f"unknown stage {stage!r}")
+    def start(self, task: Task, role: str, state: State, info: dict) -> None:
+        self.refs[self.actors[role].run.remote(task, state, info)] = task
+
+    def wait(self) -> tuple[Task, dict]:
+        ready, _ = self.ray.wait(list(self.refs), num_returns=1)
+        task = self.refs.pop(ready[0])
+        result = self.get(ready[0], str(task))
+        if task.stage == "eval":  # the engines each actor has opened so far: one per engine per run
+            refs = {r: h.info.remote() for r, h in self.actors.items()}
+            result["ray_actors"] = {r: self.get(ref, f"the {r} actor") for r, ref in refs.items()}
+        return task, result
+
+    def close(self) -> None:
+        """A stop or an error with tasks in flight: their actors are killed in stop() (outputs are atomic)."""
+        self.busy = {ROLE_OF[t.stage] for t in self.refs.values()}
+        self.refs.clear()
 
     def loop(self, phases: dict | None = None) -> list[dict]:
         """Actors started, setup on them, the cycles, actors stopped; the seconds of each into `phases` and
@@ -182,12 +146,13 @@ class RayDriver:
         need = {"CPU": cfg.ray_num_cpus, "GPU": cfg.ray_num_gpus}
         check_resources(need, "an on-policy engine actor (ray_num_cpus/ray_num_gpus)", count=len(ROLES))
         t0 = time.perf_counter()
-        self.start()
+        self.start_actors()
         try:
-            self.setup()  # on the actors: their engines serve the cycles after it
+            # on the actors: their engines serve the cycles after it
+            run_setup(cfg, self.state, self, lambda: self.state.save(self.ws.out))
             phases["setup_s"] = round(time.perf_counter() - t0, 2)  # with the actors' start-up (concurrent to it)
             t0 = time.perf_counter()
-            self.cycles()
+            run_cycles(cfg, self.state, self, desc="onpolicy (ray)")
             phases["cycles_s"] = round(time.perf_counter() - t0, 2)
         finally:
             t0 = time.perf_counter()
@@ -199,35 +164,13 @@ class RayDriver:
                 f.write(json.dumps({"pid": os.getpid(), **phases}) + "\n")
         return read_metrics(self.ws.out)
 
-    def cycles(self) -> None:
-        from tqdm import tqdm
-
-        cfg, st = self.cfg, self.state
-        bar = tqdm(total=cfg.num_cycles, initial=min(st.cycle, cfg.num_cycles), desc="onpolicy (ray)", unit="cycle",
-                   disable=not cfg.progress, file=sys.stderr)
-        try:
-            while st.cycle < cfg.num_cycles:
-                c = st.cycle
-                info = cycle_info(cfg, st, c)
-                for stage in STAGES[STAGES.index(st.stage):]:
-                    t0 = time.perf_counter()
-                    if stage in cycle_stages(info["on_policy"]):
-                        self.run_stage(stage, c, info)
-                    info["seconds"][stage] = round(info["seconds"].get(stage, 0.0) + time.perf_counter() - t0, 2)
-                    if stage == "eval":
-                        refs = {r: h.info.remote() for r, h in self.actors.items()}
-                        info["ray_actors"] = {r: self.get(ref, f"the {r} actor") for r, ref in refs.items()}
-                    record_stage(cfg, st, c, stage, info)
-                bar.update(1)
-                bar.set_postfix(loss=f"{info['loss']:.4f}", kl=f"{info.get('heldout_kl', float('nan')):.4f}",
-                                mode="on" if info["on_policy"] else "off")
-        finally:
-            bar.close()
-
     def stop(self) -> None:
         """Close the engines (vLLM wants an explicit shutdown; the actors close theirs at once), then end the
         actors."""
-        closing = [(handle, handle.close.remote()) for handle in self.actors.values()]
+        busy = self.busy
+        closing = [(handle, handle.close.remote()) for role, handle in self.actors.items() if role not in busy]
+        for role in busy & set(self.actors):
+            self.ray.kill(self.actors[role])
         for handle, ref in closing:
             try:
                 self.ray.get(ref, timeout=120)

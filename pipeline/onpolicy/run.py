@@ -13,6 +13,7 @@ spg steps on that view. Off-policy: spg steps on the off-policy cache, continuin
 
 The stages are defined once (stages.py); this module picks the executor: local (local.py, one process, engines kept
 open), slurm (slurm.py, each stage a job, a polling driver) or ray (ray.py, the engines in long-lived Ray actors).
+Local and Ray run the one plan of cycle.py (tasks and their dependencies; max_staleness >= 1 overlaps the cycles).
 The driver sits above the stages and calls their public functions; no stage imports it.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from pipeline.errors import command
 from pipeline.onpolicy.config import OnPolicyConfig, load
 from pipeline.onpolicy.engines import Engines
-from pipeline.onpolicy.local import run_local
+from pipeline.onpolicy.local import RoleDied, run_local
 from pipeline.onpolicy.slurm import JobFailed, run_slurm, task_main
 from pipeline.onpolicy.stages import Stopped
 from pipeline.ray.cluster import RayError
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:
         print(f"gkd onpolicy: stopped after {e} (state saved; rerun to continue)", file=sys.stderr)
         return 0
-    except (JobFailed, SlurmError, RayError) as e:
+    except (JobFailed, SlurmError, RayError, RoleDied) as e:
         print(f"gkd onpolicy: {e}", file=sys.stderr)
         return 1
     done = [m for m in lines if m["cycle"] >= 0]

@@ -34,7 +34,7 @@ from pipeline.generate.prompts import load_prompts
 from pipeline.generate.sampler import sample_task
 from pipeline.onpolicy.config import STAGES, OnPolicyConfig
 from pipeline.onpolicy.engines import Engines
-from pipeline.onpolicy.state import State, build_view, cycle_on_policy, rollout_keys
+from pipeline.onpolicy.state import State, build_view, cycle_on_policy, policy_cycle, rollout_keys
 from pipeline.score.scorer import score
 from pipeline.score.teacher import resolve_teacher
 from pipeline.store import TeacherCache
@@ -209,6 +209,21 @@ def build_cycle_view(ws: Workspace, cycle: int) -> dict:
     return {"view_shards": shards, "view_rows": len(keys) - missing, "view_missing": missing}
 
 
+def view_staleness(ws: Workspace, cycle: int) -> dict:
+    """How many policy versions (cycles) behind the trained weights the cycle's rows were sampled: min / mean /
+    max over the view's rows, read from the policy_version each row carries (not from the plan)."""
+    import pyarrow.parquet as pq
+
+    spg = ws.cfg.steps_per_generation
+    shards = sorted((ws.view_dir(cycle) / "shards").glob("*.parquet"))
+    versions = [v for p in shards for v in pq.read_table(p, columns=["policy_version"]).column(0).to_pylist()
+                if v is not None]
+    if not versions:
+        return {}
+    lag = [(cycle * spg - v) / spg for v in versions]
+    return {"min": min(lag), "mean": round(sum(lag) / len(lag), 3), "max": max(lag)}
+
+
 # -- metrics and state ----------------------------------------------------------------------------------------------
 
 
@@ -229,21 +244,25 @@ def read_metrics(out: Path) -> list[dict]:
 def log_cycle(cfg: OnPolicyConfig, cycle: int, info: dict) -> None:
     spg = cfg.steps_per_generation
     keys = ("on_policy", "weights", "samples", "generate_tok_s", "sync_s", "score_tok_s", "scored",
-            "already_cached", "view_rows", "train_tok_s", "loss", "loss_last", "heldout_kl")
+            "already_cached", "view_rows", "staleness", "train_tok_s", "loss", "loss_last", "heldout_kl")
     append_metrics(Path(cfg.out), {"cycle": cycle, "step": (cycle + 1) * spg,
-                                   "policy_version": cycle * spg if info["on_policy"] else None,
+                                   "policy_version": policy_cycle(cfg, cycle) * spg if info["on_policy"] else None,
                                    **{k: info[k] for k in keys if k in info}, "seconds": info["seconds"]})
 
 
 def record_stage(cfg: OnPolicyConfig, state: State, cycle: int, stage: str, info: dict) -> None:
     """`stage` of `cycle` is done (or skipped, off-policy): into the cycle's info, the cycle's metrics line after
-    eval, state.json moved to the next stage; raises Stopped at `stop_after`."""
+    eval, state.json's pointer moved to the first task not done in the strict order (cycle.py; with overlapping
+    cycles later tasks may be done already); raises Stopped at `stop_after`."""
     if stage not in info["done"]:
         info["done"].append(stage)
     if stage == "eval":
         log_cycle(cfg, cycle, info)
-    nxt = STAGES.index(stage) + 1
-    state.cycle, state.stage = (cycle, STAGES[nxt]) if nxt < len(STAGES) else (cycle + 1, STAGES[0])
+    c = state.cycle
+    while c < cfg.num_cycles and set(STAGES) <= set(state.cycles.get(str(c), {}).get("done", [])):
+        c += 1
+    done = state.cycles.get(str(c), {}).get("done", [])
+    state.cycle, state.stage = c, next((s for s in STAGES if s not in done), STAGES[0])
     state.save(Path(cfg.out))
     if cfg.stop_after == f"{cycle}:{stage}":
         raise Stopped(cfg.stop_after)
@@ -317,12 +336,13 @@ def setup_stage(ws: Workspace, engines: Engines, state: State, save: Callable[[]
 
 
 def export_stage(ws: Workspace, cycle: int) -> dict:
-    return {"weights": str(ws.weights(cycle * ws.cfg.steps_per_generation))}
+    """The weights that sample cycle `cycle` (those of its policy cycle, state.policy_cycle) as an HF folder."""
+    return {"weights": str(ws.weights(policy_cycle(ws.cfg, cycle) * ws.cfg.steps_per_generation))}
 
 
 def generate_stage(ws: Workspace, engines: Engines, cycle: int, shard: int = 0, num_shards: int = 1) -> dict:
     """Generate task `shard` of `num_shards` of the cycle; its stats ({} when its shard was complete before)."""
-    step = cycle * ws.cfg.steps_per_generation
+    step = policy_cycle(ws.cfg, cycle) * ws.cfg.steps_per_generation
     if not ws.exported(step):  # never export here: N tasks would write the same folder at once
         raise RuntimeError(f"{ws.export_dir(step)}: the student weights of step {step} are missing (the export stage "
                            "writes them)")
@@ -343,6 +363,7 @@ def train_stage(ws: Workspace, state: State, cycle: int, info: dict) -> None:
     cfg, spg = ws.cfg, ws.cfg.steps_per_generation
     if info["on_policy"]:
         info.update(build_cycle_view(ws, cycle))
+        info["staleness"] = view_staleness(ws, cycle)
     start, end = cycle * spg, (cycle + 1) * spg
     step = ws.latest_step()
     if step < end:  # else: trained before a kill that came before the state write
@@ -366,15 +387,17 @@ def train_stage(ws: Workspace, state: State, cycle: int, info: dict) -> None:
 
 
 def eval_stage(ws: Workspace, cycle: int) -> dict:
-    """Export the new weights (when a sampler, the held-out KL or the run's end needs them), held-out KL; the
-    cycle's own start weights are removed (the sampler has moved on; only the newest export is kept)."""
+    """Export the new weights (when a sampler, the held-out KL or the run's end needs them: the sampler of cycle
+    c + 1 + max_staleness), held-out KL; the weights that sampled this cycle are removed (no later cycle samples
+    with them; only the newest exports are kept)."""
     cfg, spg = ws.cfg, ws.cfg.steps_per_generation
     end = (cycle + 1) * spg
     out: dict = {}
-    if cfg.heldout_prompts or cycle + 1 == cfg.num_cycles or cycle_on_policy(cfg, cycle + 1):
+    if cfg.heldout_prompts or cycle + 1 == cfg.num_cycles or cycle_on_policy(cfg, cycle + 1 + cfg.max_staleness):
         out["export"] = str(ws.weights(end))
     out.update(heldout(ws))
-    old = ws.export_dir(cycle * spg)
-    if cycle > 0 and old.exists():
+    used = policy_cycle(cfg, cycle)
+    old = ws.export_dir(used * spg)
+    if used > 0 and old.exists():
         shutil.rmtree(old)
     return out

@@ -47,6 +47,12 @@ def cycle_on_policy(cfg, cycle: int) -> bool:
     return is_on_policy(cfg.seed, cycle * cfg.steps_per_generation, cfg.lmbda)
 
 
+def policy_cycle(cfg, cycle: int) -> int:
+    """The cycle whose start weights sample cycle `cycle`: exactly `max_staleness` cycles behind, fewer at the start
+    (cycle.py: a fixed lag, so overlapped runs are deterministic)."""
+    return max(0, cycle - cfg.max_staleness)
+
+
 @dataclass
 class State:
     cycle: int = 0

@@ -108,6 +108,24 @@ def test_ray_executor_equals_local(models, local_run, ray_cluster, tmp_path, mon
     assert _wait_dead(started)  # ended with the run
 
 
+def test_overlapped_ray_run_equals_the_local_one(models, ray_cluster, tmp_path, monkeypatch):
+    """max_staleness=1 on the three actors: the same plan (cycle.py) as the local executor's role processes, so the
+    same samples and, within the tolerance of their thread counts, the same weights; cycle 1 sampled while cycle 0
+    trained (the driver's record) and trained on one-version-old rows."""
+    monkeypatch.chdir(tmp_path)
+    local, out = tmp_path / "local", tmp_path / "ray"
+    run(_cfg(models, local, max_staleness=1))
+    lines = run(_cfg(models, out, max_staleness=1, **_ray(ray_cluster)))
+    local_lines = [json.loads(x) for x in (local / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("staleness", {}).get("max") for m in lines] == [None, 0.0, 1.0]
+    for got, want in zip(lines[1:], local_lines[1:], strict=True):
+        assert got["samples"] == want["samples"] and got["staleness"] == want["staleness"]
+        assert abs(got["loss"] - want["loss"]) <= 1e-3 * abs(want["loss"]), (got, want)
+    assert_layout_close(_trained(out, models), _trained(local, models), "trained weights")
+    tasks = State.load(out).cycles
+    assert tasks["1"]["tasks"]["generate"]["dispatched"] < tasks["0"]["tasks"]["train"]["received"]
+
+
 def _wait_dead(actors: list[dict], timeout: float = 600) -> bool:
     """Whether the actors' processes are all gone within `timeout` (a deadline for a hang only: Ray ends the actors
     of a dead driver, which on 2 busy cores takes a while)."""

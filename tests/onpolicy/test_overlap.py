@@ -1,0 +1,122 @@
+"""Overlapped on-policy cycles on the local executor (max_staleness=1): the sampler, the teacher and the trainer in
+processes of their own, with real engines on tiny models. The staleness each cycle trained on is read from its rows,
+the overlap from the driver's record, and a driver or a role killed mid-overlap resumes to the same weights.
+(max_staleness=0 is the strict order: tests/onpolicy/test_onpolicy_run.py and the executor equality tests.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import killing
+import pytest
+import torch
+from onpolicy_helpers import overrides, start_and_kill
+from safetensors.torch import load_file
+
+from pipeline.config import load_config
+from pipeline.lifetime import descendants, survivors
+from pipeline.onpolicy.config import STAGES, OnPolicyConfig
+from pipeline.onpolicy.run import run
+from pipeline.onpolicy.state import State
+from pipeline.store.rollouts import iter_rollouts, rollout_shards
+
+REPO = Path(__file__).resolve().parents[2]
+STALE = {"max_staleness": 1}
+
+
+def _cfg(models: dict, out: Path, **kw) -> OnPolicyConfig:
+    return load_config(OnPolicyConfig, None, overrides(models, out, **{**STALE, **kw}))
+
+
+def _args(models: dict, out: Path) -> list[str]:
+    values = overrides(models, out, **STALE)
+    return [sys.executable, "-m", "pipeline.cli", "onpolicy",
+            *(f"{k}={'null' if v is None else v}" for k, v in values.items())]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "exports" / "step-0000004" / "model.safetensors"))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _train_steps(out: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def overlapped(models, tmp_path_factory) -> Path:
+    """The uninterrupted 2-cycle run at max_staleness=1 that the killed runs are compared with."""
+    out = tmp_path_factory.mktemp("overlapped")
+    run(_cfg(models, out))
+    return out
+
+
+def test_staleness_1_trains_on_one_version_old_samples_and_overlaps(overlapped):
+    lines = [json.loads(x) for x in (overlapped / "metrics.jsonl").read_text().splitlines()]
+    assert [m["cycle"] for m in lines] == [-1, 0, 1]
+    # cycle 1 was sampled with the weights cycle 0 started from (step 0), while cycle 0 trained
+    assert [m["policy_version"] for m in lines[1:]] == [0, 0]
+    rows = list(iter_rollouts(rollout_shards(overlapped / "rollouts" / "cycle-0001")))
+    assert rows and {r["policy_version"] for r in rows} == {0}
+    # the staleness each cycle trained on, read from its view's rows: 0 then 1 version (never more than N = 1)
+    assert lines[1]["staleness"] == {"min": 0.0, "mean": 0.0, "max": 0.0}
+    assert lines[2]["staleness"] == {"min": 1.0, "mean": 1.0, "max": 1.0}
+    assert all(m["loss"] > 0 for m in lines[1:]) and lines[-1]["heldout_kl"] < lines[0]["heldout_kl"]
+    state = State.load(overlapped)
+    assert (state.cycle, state.stage) == (2, "export")
+    assert all(state.cycles[c]["done"] and set(state.cycles[c]["done"]) == set(STAGES) for c in ("0", "1"))
+    tasks = {c: state.cycles[c]["tasks"] for c in ("0", "1")}
+    # the driver handed cycle 1's generate to the sampler before cycle 0's train came back: both were in flight
+    assert tasks["1"]["generate"]["dispatched"] < tasks["0"]["train"]["received"]
+    roles = {t["role"] for c in tasks.values() for t in c.values()}
+    assert roles == {"sampler", "teacher", "trainer"}
+    assert _train_steps(overlapped) == [1, 2, 3, 4]
+
+
+def test_driver_killed_mid_overlap_resumes_to_the_same_weights(models, overlapped, tmp_path):
+    # the driver's 5th state write: the setup and 4 tasks recorded (cycle 0's export, cycle 1's export, and two
+    # of the tasks racing after them), with the sampler or the teacher busy: the kill lands mid-overlap
+    start_and_kill(_args(models, tmp_path), REPO, tmp_path / "killed.log", "onpolicy-state:5")
+    killed = State.load(tmp_path)
+    recorded = {(c, s) for c, info in killed.cycles.items() for s in info["done"]}
+    assert len(recorded) == 4, recorded
+    run(_cfg(models, tmp_path))
+    assert _same(_weights(tmp_path), _weights(overlapped))
+    assert _train_steps(tmp_path) == [1, 2, 3, 4]  # nothing trained twice
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["cycle"] for m in lines] == [-1, 0, 1]
+
+
+def test_trainer_role_killed_mid_train_resumes_to_the_same_weights(models, overlapped, tmp_path):
+    """kill -9 of one role (the trainer process, stopped at its 3rd optimizer step: cycle 1, mid-train): the driver
+    ends with a message naming the role, nothing it started survives, and a rerun gives the same weights."""
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out:
+        proc = killing.start(_args(models, tmp_path), "train-step:3", cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            role = killing.wait_stopped(proc, deadline_s=2 * killing.DEADLINE_S)
+            assert role != proc.pid  # the trainer process stopped itself, not the driver
+            below = descendants(proc.pid)
+            os.kill(role, 9)
+            rc = proc.wait(timeout=1800)  # a hang bound only
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    assert rc == 1 and "the trainer process died during cycle 1 train" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    left = survivors(below, wait_s=600)  # a hang bound: engines die slowly on 2 busy cores
+    assert not left, f"processes of the failed command survived it: {left}"
+    assert _train_steps(tmp_path) == [1, 2, 3]  # step 3 in no checkpoint: redone
+    run(_cfg(models, tmp_path))
+    assert _same(_weights(tmp_path), _weights(overlapped))
+    assert _train_steps(tmp_path) == [1, 2, 3, 4]  # the lost step's line replaced, nothing trained twice
