@@ -670,3 +670,18 @@ def test_a_served_vlm_teacher_without_the_token_endpoint_or_with_another_process
                 r"sample \w+: the teacher's server expanded its images to \[[0-5], [0-5]\] placeholder tokens .*, "
                 r"the rollout holds \[6, 6\]", "processors differ", "nothing of this part was written")
     assert not list((tmp_path / "cache" / "shards").glob("*.parquet"))
+
+
+# -- gkd onpolicy: overlapped cycles ------------------------------------------------------------------------------
+
+
+def test_max_staleness_negative_or_with_a_loss_that_refuses_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["onpolicy", f"out={out}", f"cache={out / 'cache'}", "lmbda=1.0", "offpolicy_dataset=null",
+            "offpolicy_cache=null"]
+    refused(tmp_path, [*base, "max_staleness=-1"], capsys, r"max_staleness must be an integer >= 0 .*got -1")
+    refused(tmp_path, [*base, "max_staleness=1", "train.loss=opd"], capsys,
+            r"max_staleness=1 with train.loss=opd", r"use max_staleness=0 with opd, or .*train.loss=gkd")
+    refused(tmp_path, [*base, "max_staleness=1", "executor=slurm"], capsys,
+            r"the Slurm executor runs the strict order only \(set max_staleness=0, or executor=ray\)")
+    assert not out.exists()  # refused before the run's folder is made

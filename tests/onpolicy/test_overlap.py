@@ -25,7 +25,9 @@ from pipeline.onpolicy.state import State
 from pipeline.store.rollouts import iter_rollouts, rollout_shards
 
 REPO = Path(__file__).resolve().parents[2]
-STALE = {"max_staleness": 1}
+# fresh sampling seeds per cycle (seed + cycle): cycle 1, sampled with the same weights as cycle 0 at staleness 1,
+# would otherwise repeat cycle 0's samples exactly, and the teacher would have nothing new to score
+STALE = {"max_staleness": 1, "generate_seed": None}
 
 
 def _cfg(models: dict, out: Path, **kw) -> OnPolicyConfig:
@@ -94,29 +96,35 @@ def test_driver_killed_mid_overlap_resumes_to_the_same_weights(models, overlappe
     assert [m["cycle"] for m in lines] == [-1, 0, 1]
 
 
-def test_trainer_role_killed_mid_train_resumes_to_the_same_weights(models, overlapped, tmp_path):
-    """kill -9 of one role (the trainer process, stopped at its 3rd optimizer step: cycle 1, mid-train): the driver
-    ends with a message naming the role, nothing it started survives, and a rerun gives the same weights."""
+@pytest.mark.parametrize("role,pause_at", [
+    ("trainer", "train-step:3"),  # cycle 1's first optimizer step: mid-train
+    ("sampler", "rollout-shard:3"),  # the held-out samples, cycle 0's, then cycle 1's rollout shard written
+    ("teacher", "cache-commit:3"),  # the held-out part, cycle 0's, then cycle 1's part committed
+])
+def test_a_role_killed_mid_overlap_resumes_to_the_same_weights(models, overlapped, tmp_path, role, pause_at):
+    """kill -9 of one role process, stopped at a point of its own work: the driver ends with a message naming the
+    role, nothing it started survives, and a rerun gives the same weights with nothing trained twice."""
     log = tmp_path / "killed.log"
     with open(log, "w") as out:
-        proc = killing.start(_args(models, tmp_path), "train-step:3", cwd=REPO,
+        proc = killing.start(_args(models, tmp_path), pause_at, cwd=REPO,
                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out, stderr=subprocess.STDOUT)
         try:
-            role = killing.wait_stopped(proc, deadline_s=2 * killing.DEADLINE_S)
-            assert role != proc.pid  # the trainer process stopped itself, not the driver
+            stopped = killing.wait_stopped(proc, deadline_s=2 * killing.DEADLINE_S)
+            assert stopped != proc.pid  # the role process stopped itself, not the driver
             below = descendants(proc.pid)
-            os.kill(role, 9)
+            os.kill(stopped, 9)
             rc = proc.wait(timeout=1800)  # a hang bound only
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     text = log.read_text()
-    assert rc == 1 and "the trainer process died during cycle 1 train" in text, text[-3000:]
+    assert rc == 1 and f"the {role} process died during" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     left = survivors(below, wait_s=600)  # a hang bound: engines die slowly on 2 busy cores
     assert not left, f"processes of the failed command survived it: {left}"
-    assert _train_steps(tmp_path) == [1, 2, 3]  # step 3 in no checkpoint: redone
+    if role == "trainer":
+        assert _train_steps(tmp_path) == [1, 2, 3]  # step 3 is in no checkpoint: redone
     run(_cfg(models, tmp_path))
     assert _same(_weights(tmp_path), _weights(overlapped))
     assert _train_steps(tmp_path) == [1, 2, 3, 4]  # the lost step's line replaced, nothing trained twice
