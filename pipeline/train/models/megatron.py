@@ -172,9 +172,11 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 
 def hf_to_megatron_state_dict(
-    hf: dict[str, Tensor], arch: HFArch, tp_rank: int = 0, tp_size: int = 1, padded_vocab_size: int | None = None
+    hf: dict[str, Tensor], arch: HFArch, tp_rank: int = 0, tp_size: int = 1, padded_vocab_size: int | None = None,
+    layers: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
-    """HF tensors -> the Megatron state dict of one TP rank, all layers, keyed by global layer index."""
+    """HF tensors -> the Megatron state dict of one TP rank, keyed by global layer index: the layers `layers` (None:
+    all), and the embedding, final norm and output layer where `hf` holds them (a pipeline stage reads only its own)."""
     heads_per_group, groups, d = arch.num_heads // arch.num_kv_heads, arch.num_kv_heads, arch.head_dim
     if groups % tp_size or arch.ffn_hidden_size % tp_size:
         raise ValueError(f"tp={tp_size} must divide num_key_value_heads={groups} and intermediate_size")
@@ -191,8 +193,10 @@ def hf_to_megatron_state_dict(
         )  # [G, (hpg + 2) * d, in]: Megatron's per-query-group order
         return shard(fused, 0).reshape(-1, *rest)
 
-    out = {"embedding.word_embeddings.weight": shard(_pad_rows(hf["model.embed_tokens.weight"], rows), 0)}
-    for i in range(arch.num_layers):
+    out = {}
+    if "model.embed_tokens.weight" in hf:
+        out["embedding.word_embeddings.weight"] = shard(_pad_rows(hf["model.embed_tokens.weight"], rows), 0)
+    for i in range(arch.num_layers) if layers is None else layers:
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
         out[m + "self_attention.linear_qkv.weight"] = qkv(p, "weight")
@@ -206,8 +210,9 @@ def hf_to_megatron_state_dict(
         gate, up = shard(hf[p + "mlp.gate_proj.weight"], 0), shard(hf[p + "mlp.up_proj.weight"], 0)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         out[m + "mlp.linear_fc2.weight"] = shard(hf[p + "mlp.down_proj.weight"], 1)
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-    if not arch.tied_embeddings:
+    if "model.norm.weight" in hf:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+    if not arch.tied_embeddings and "lm_head.weight" in hf:
         out["output_layer.weight"] = shard(_pad_rows(hf["lm_head.weight"], rows), 0)
     return out
 
@@ -252,15 +257,16 @@ def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], arch: HFArch)
 # ---------------------------------------------------------------- model-level load / export
 
 
-def read_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
-    """All tensors of a (possibly sharded) safetensors HF checkpoint, on CPU."""
+def read_hf_state_dict(hf_dir: str | Path, keep=None) -> dict[str, Tensor]:
+    """All tensors of a (possibly sharded) safetensors HF checkpoint, on CPU; only the names `keep(name)` accepts
+    when given (the others are not read)."""
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
         raise MissingInputError(f"no *.safetensors in {hf_dir}")
     tensors: dict[str, Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as reader:
-            tensors.update({k: reader.get_tensor(k) for k in reader.keys()})
+            tensors.update({k: reader.get_tensor(k) for k in reader.keys() if keep is None or keep(k)})
     return tensors
 
 
@@ -273,16 +279,23 @@ def _layer_key(key: str, shift: int) -> str:
 def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     """Copy the HF checkpoint into this rank's slice of `model` (TP shard, PP stage); every parameter must match."""
     arch, tp = model.hf_arch, parallel_state.get_tensor_model_parallel_world_size()
-    full = hf_to_megatron_state_dict(
-        read_hf_state_dict(hf_dir),
-        arch,
-        parallel_state.get_tensor_model_parallel_rank(),
-        tp,
-        padded_vocab_size=model.vocab_size,
-    )
     offset = _offset(model)
     own = model.state_dict()
-    if arch.tied_embeddings:
+    # Only this stage's tensors are read (a pipeline stage never holds the whole model): its layers, the embedding
+    # where it embeds or holds the tied copy, the final norm and output layer on the last stage.
+    layers = sorted({offset + int(m[1]) for k in own if (m := re.match(r"decoder\.layers\.(\d+)\.", k))})
+    embedding = "embedding.word_embeddings.weight" in own or (arch.tied_embeddings and "output_layer.weight" in own)
+    wanted_hf = {"model.embed_tokens.weight": embedding, "model.norm.weight": "decoder.final_layernorm.weight" in own,
+                 "lm_head.weight": "output_layer.weight" in own}
+
+    def keep(name: str) -> bool:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return int(m[1]) in layers if m else wanted_hf.get(name, False)
+
+    full = hf_to_megatron_state_dict(read_hf_state_dict(hf_dir, keep), arch,
+                                     parallel_state.get_tensor_model_parallel_rank(), tp,
+                                     padded_vocab_size=model.vocab_size, layers=layers)
+    if arch.tied_embeddings and "output_layer.weight" in own:
         # Tied and pipelined: the last stage holds its own copy of the embedding as output_layer.weight, which
         # Megatron keeps in sync through the embedding group; it starts as the same vocab shard.
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
