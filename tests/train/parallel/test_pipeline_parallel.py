@@ -215,7 +215,8 @@ def test_vpp2_pp2_matches_pp1(tiny, four, tmp_path):
     """Interleaved 1F1B (virtual_pipeline_model_parallel_size=2 x pipeline_model_parallel_size=2: two one-layer model
     chunks per rank, 4 micro-batches a step in groups of 2), the 4-layer tied student, through the CLI: 3 SGD steps
     (stopped after step 2, resumed from its chunked checkpoint) against 3 at PP=1: per-step losses and grad norms,
-    and the trained change of the weights `gkd export` writes from each run's checkpoint (loaded at PP=1)."""
+    and the trained change of the weights `gkd export` writes from each run's checkpoint (loaded at PP=1); the
+    interleaved run's step-2 checkpoint resumed at PP=1 continues the same trajectory."""
     from safetensors.torch import load_file
 
     from pipeline.cli import main as cli
@@ -225,14 +226,19 @@ def test_vpp2_pp2_matches_pp1(tiny, four, tmp_path):
     for stop in (("exit_after=2",), ()):
         _torchrun_train(*_train_args(tiny, four, vpp, "pipeline_model_parallel_size=2",
                                      "virtual_pipeline_model_parallel_size=2", *stop))
-    a, b = _metrics(one), _metrics(vpp)
-    assert [m["step"] for m in b] == [1, 2, 3]
-    for x, y in zip(a, b, strict=True):
-        for key in ("active_tokens", "samples", "real_tokens", "data_position"):
-            assert x[key] == y[key], key
-        assert y["jsd"] > 0 and y["sft"] > 0
-        assert_layout_close(torch.tensor([y["loss"], y["jsd"], y["sft"], y["grad_norm"]]),
-                            torch.tensor([x["loss"], x["jsd"], x["sft"], x["grad_norm"]]), f"vpp step {x['step']}")
+    to_one = _from_step_2(vpp, tmp_path / "vpp2-to-pp1")  # the chunked checkpoint (and SGD momentum) at PP=1
+    assert cli(["train", *_train_args(tiny, four, to_one)]) == 0
+    a = _metrics(one)
+    for save in (vpp, to_one):
+        b = _metrics(save)
+        assert [m["step"] for m in b] == [1, 2, 3]
+        for x, y in zip(a, b, strict=True):
+            for key in ("active_tokens", "samples", "real_tokens", "data_position"):
+                assert x[key] == y[key], key
+            assert y["jsd"] > 0 and y["sft"] > 0
+            assert_layout_close(torch.tensor([y["loss"], y["jsd"], y["sft"], y["grad_norm"]]),
+                                torch.tensor([x["loss"], x["jsd"], x["sft"], x["grad_norm"]]),
+                                f"{save.name} step {x['step']}")
     start = load_file(four / "model.safetensors")
     change = {}
     for save in (one, vpp):
