@@ -291,6 +291,8 @@ PIPELINE_CUDA_SPOTS = [
      "device=torch.cuda.current_device()"),  # the receive buffers
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
      'torch.zeros([], dtype=torch.int, device="cuda")'),  # total_num_tokens
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving",
+     'torch.zeros([], dtype=torch.int, device="cuda")'),  # total_num_tokens, interleaved 1F1B
     ("megatron.core.models.common.language_module.language_module",
      "LanguageModule.setup_embeddings_and_output_layer", "weight.data.cuda()"),  # tied embeddings across stages
 ]
