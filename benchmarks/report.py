@@ -50,6 +50,7 @@ SECTIONS = {  # name -> heading, in file order
     "distopt": "Distributed optimizer: state per rank at DP=2 (issue #33: scale)",
     "index": "Cache index: start-up, memory and commit cost at 10^3-10^5 shards (issue #33: scale)",
     "cp": "Context parallelism: peak memory per rank and step time, CP=2 vs CP=1 at 16k tokens (issue #33: scale)",
+    "pp": "Pipeline parallelism: peak memory per rank PP=2 vs PP=1, interleaved 1F1B step time (issue 48)",
     "xtok": "Cross-tokenizer distillation from the cache: GOLD vs SFT, bytes, step time (issue #37)",
 }
 @dataclass(frozen=True)

@@ -488,6 +488,22 @@ def test_pipeline_parallel_settings(tmp_path, capsys, monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", "2")
         refused(tmp_path, ["train", "pipeline_model_parallel_size=2", key, *extra, f"save_dir={tmp_path / 'run'}"],
                 capsys, f"pipeline_model_parallel_size=2 with {why}", "or pipeline_model_parallel_size=1")
+    # virtual_pipeline_model_parallel_size (interleaved 1F1B): without pipeline stages, a chunk count that does not
+    # divide a stage's layers (6 layers / 2 stages = 3), micro-batches fewer than, or not a multiple of, the stages
+    refused(tmp_path, ["train", "virtual_pipeline_model_parallel_size=2", f"save_dir={tmp_path / 'run'}"], capsys,
+            r"virtual_pipeline_model_parallel_size=2 interleaves model chunks over pipeline stages, but "
+            r"pipeline_model_parallel_size=1", r"or virtual_pipeline_model_parallel_size=1")
+    refused(tmp_path, ["train", "pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2",
+                       f"save_dir={tmp_path / 'run'}"], capsys,
+            r"virtual_pipeline_model_parallel_size=2 does not divide the 3 layers per stage \(the student's 6 layers / "
+            r"pipeline_model_parallel_size=2\)", r"use a divisor of 3 \(3\)")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for batch, what, fit in ((4, "fewer than", 6), (8, "not a multiple of", 12)):
+        refused(tmp_path, ["train", "pipeline_model_parallel_size=3", "virtual_pipeline_model_parallel_size=2",
+                           "micro_batch_size=2", f"global_batch_size={batch}", f"save_dir={tmp_path / 'run'}"], capsys,
+                rf"virtual_pipeline_model_parallel_size=2: {batch // 2} micro-batches a step \(global_batch_size "
+                rf"{batch} / micro_batch_size 2 / 1 data-parallel ranks\) is {what} pipeline_model_parallel_size=3",
+                rf"set global_batch_size={fit}, or virtual_pipeline_model_parallel_size=1")
     assert not (tmp_path / "run").exists()
 
 

@@ -175,7 +175,12 @@ def _restore_distributed_steps(optimizer) -> None:
 
 def _sharded(model, optimizer, *, is_loading: bool) -> dict:
     # A LoRA run saves the adapter only: the frozen base comes from the student folder (recorded in trainer.json).
-    model_sd = lora_sharded_state_dict(model) if is_lora(model) else model.sharded_state_dict()
+    # Interleaved pipelining (a list of model chunks): one entry per chunk; dist_checkpointing keys each tensor by its
+    # global name (layers by global index), so the checkpoint loads at another pipeline or virtual-pipeline size.
+    if isinstance(model, list):
+        model_sd = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+    else:
+        model_sd = lora_sharded_state_dict(model) if is_lora(model) else model.sharded_state_dict()
     out = {"model": model_sd}
     if optimizer is not None:
         metadata = None
@@ -275,6 +280,9 @@ def load(ckpt: str | Path, model, optimizer=None) -> dict:
     state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(ckpt))
     if own_lora is not None:
         load_lora_state(model, state["model"])
+    elif isinstance(model, list):
+        for i, chunk in enumerate(model):
+            chunk.load_state_dict(state["model"][f"chunk{i}"], strict=True)
     else:
         model.load_state_dict(state["model"], strict=True)
     if optimizer is not None:

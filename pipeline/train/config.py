@@ -99,6 +99,11 @@ class TrainConfig:
     # pipeline x data-parallel; it must divide num_hidden_layers. Combinations not supported yet are refused by name
     # (`pipeline_problems`).
     pipeline_model_parallel_size: int = 1
+    # Interleaved 1F1B (Megatron-Core's own schedule): each pipeline rank holds this many model chunks of
+    # num_hidden_layers / (P x V) layers (virtual stages), which shrinks the pipeline bubble from (P-1)/M to
+    # (P-1)/(V·M) of a step for M micro-batches. Needs P > 1, V dividing the layers per stage, and M (global batch /
+    # micro batch / data-parallel size) a multiple of P.
+    virtual_pipeline_model_parallel_size: int = 1
     # sdpa: torch's fused attention kernels (flash / memory-efficient on GPU, flash on CPU); local: Megatron's unfused
     # DotProductAttention (materialises [heads, seq, seq] scores). See pipeline/train/models/attention.py.
     attention: str = "sdpa"
@@ -137,7 +142,7 @@ class TrainConfig:
         p = []
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps", "save_interval",
                      "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
-                     "window_rows"):
+                     "virtual_pipeline_model_parallel_size", "window_rows"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1, got {getattr(self, name)}")
         world = world_size
@@ -160,6 +165,15 @@ class TrainConfig:
                f"{f' / pipeline_model_parallel_size {pp}' if pp > 1 else ''})")
         if problem := batch_split_problem(self.global_batch_size, max(1, self.micro_batch_size), dp, why):
             p.append(problem)
+        elif (vpp := self.virtual_pipeline_model_parallel_size) > 1 and pp > 1:
+            m = self.global_batch_size // (max(1, self.micro_batch_size) * dp)
+            if m < pp or m % pp:
+                fit = pp * max(1, -(-m // pp)) * max(1, self.micro_batch_size) * dp
+                p.append(f"virtual_pipeline_model_parallel_size={vpp}: {m} micro-batches a step (global_batch_size "
+                         f"{self.global_batch_size} / micro_batch_size {self.micro_batch_size} / {dp} data-parallel "
+                         f"ranks) is {'fewer than' if m < pp else 'not a multiple of'} pipeline_model_parallel_size={pp}: the interleaved schedule "
+                         f"runs micro-batches in groups of {pp} per model chunk; set global_batch_size={fit}, or "
+                         "virtual_pipeline_model_parallel_size=1")
         if cp > 1 and self.seq_length % (2 * cp):
             up = -(-self.seq_length // (2 * cp)) * 2 * cp
             p.append(f"seq_length {self.seq_length} is not a multiple of 2 x context_parallel_size = {2 * cp} (each "
@@ -245,7 +259,11 @@ class TrainConfig:
         """What pipeline_model_parallel_size > 1 does not run with yet, each by name with the reason (issue 48's first
         cut: packed or padded rows, the fused or unfused GKD or OPD loss with SFT, routed teachers, recompute, tied
         embeddings, bf16, TP, CP and DP)."""
-        pp = self.pipeline_model_parallel_size
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        if vpp > 1 and pp <= 1:
+            return [f"virtual_pipeline_model_parallel_size={vpp} interleaves model chunks over pipeline stages, but "
+                    f"pipeline_model_parallel_size={pp}; set pipeline_model_parallel_size > 1 (e.g. 2), or "
+                    "virtual_pipeline_model_parallel_size=1"]
         if pp <= 1:
             return []
         head = f"pipeline_model_parallel_size={pp}"

@@ -64,7 +64,7 @@ def train(cfg: TrainConfig) -> dict:
         checkpoint.check_optimizer_layout(resume, checkpoint.read_meta(resume), cfg.use_distributed_optimizer,
                                           cfg.tensor_model_parallel_size)
     init_distributed(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size, seed=cfg.seed,
-                     cp=cfg.context_parallel_size)
+                     cp=cfg.context_parallel_size, vpp=cfg.virtual_pipeline_model_parallel_size)
     try:
         return _train(cfg, backend, why, packing, packing_why)
     finally:
@@ -126,7 +126,7 @@ def _train(cfg: TrainConfig, backend: str, why: str, packing: bool | str = True,
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(f"[train] {hf_dir} ({n_train:,} trainable parameters on this rank"
               f"{', LoRA ' + str(model.lora_spec.to_json()) if cfg.lora_rank else ''}) on {loader.num_samples} samples ({loader.duplicates} duplicate keys skipped), "
-              f"dp={dp} tp={cfg.tensor_model_parallel_size} cp={cfg.context_parallel_size} pp={cfg.pipeline_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
+              f"dp={dp} tp={cfg.tensor_model_parallel_size} cp={cfg.context_parallel_size} pp={cfg.pipeline_model_parallel_size} vpp={cfg.virtual_pipeline_model_parallel_size} accum={accum}, from step {step}", file=sys.stderr)
 
     batches = loader.iter_from(position, prefetch=cfg.prefetch)
     # The loss sums: each context-parallel rank's over its own chunks (context_parallel.py), so over DP x CP.

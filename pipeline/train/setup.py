@@ -71,7 +71,9 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     """(model, its data-parallel wrapper, optimizer, LR scheduler) of the student on `backend` (None: resolved from
     cfg.backend). megatron: GPTModel (HF weights) in Megatron DDP, Megatron's fp32 AdamW and its warmup + cosine LR
     scheduler; hf: the transformers model (hf_model.HFStudent) in torch DDP, the same update rule and schedule.
-    `packing` (None: cfg.packing): "auto" lets the hf backend's build decide (`HFStudent.packing`)."""
+    `packing` (None: cfg.packing): "auto" lets the hf backend's build decide (`HFStudent.packing`).
+    virtual_pipeline_model_parallel_size=V > 1: the model is this rank's V chunks (`megatron.ModelChunks`), the
+    wrapper a list of V DDPs, one optimizer over all of them."""
     backend = backend or resolve_backend(hf_dir, cfg.backend, cfg.seq_length)[0]
     packing = cfg.packing if packing is None else packing
     if backend == "hf":
@@ -84,33 +86,50 @@ def setup_model_and_optimizer(cfg: TrainConfig, hf_dir: Path, backend: str | Non
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from pipeline.train.models.megatron import build_model, load_hf_weights
+    from pipeline.train.models.megatron import build_chunks, build_model, load_hf_weights
 
     bf16 = cfg.precision() == "bf16"
-    model = build_model(hf_dir, params_dtype=torch.bfloat16 if bf16 else torch.float32, attention=cfg.attention,
-                        recompute=cfg.recompute)
-    load_hf_weights(model, hf_dir)
-    if cfg.fused_loss and model.post_process:  # only the last pipeline stage has the output layer
-        output_hidden_states(model)  # the loss applies the output layer (its weight stays in the model)
+    kw = dict(params_dtype=torch.bfloat16 if bf16 else torch.float32, attention=cfg.attention,
+              recompute=cfg.recompute)
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    if vpp > 1:  # interleaved 1F1B: this rank's V chunks (models/megatron.py ModelChunks), one DDP each
+        model = build_chunks(hf_dir, vpp, **kw)
+        chunks = list(model)
+    else:
+        model = build_model(hf_dir, **kw)
+        load_hf_weights(model, hf_dir)
+        chunks = [model]
+    if cfg.fused_loss and chunks[-1].post_process:  # only the last pipeline stage has the output layer
+        output_hidden_states(chunks[-1])  # the loss applies the output layer (its weight stays in the model)
     spec = cfg.lora_spec()
     if spec is not None:
         apply_lora(model, spec, seed=cfg.seed)  # freezes the base: DDP and the optimizer see only the adapters
-    config = model.config
-    config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
-    # Pipeline stages exchange [row width, rows, hidden] activations; padded rows are as wide as their micro-batch's
-    # longest sample, so the schedule sends each tensor's shape first rather than assume seq_length.
-    config.variable_seq_lengths = cfg.pipeline_model_parallel_size > 1
-    # DDP sums grads over DP ranks (per-token loss); num_tokens=None: no second normalisation.
-    config.finalize_model_grads_func = lambda models, num_tokens, **kw: finalize_model_grads(models, None, **kw)
-    wrapped = model
-    if bf16:
-        from megatron.core.transformer.module import Float16Module
+    ddps = []
+    for chunk in chunks:
+        config = chunk.config
+        config.calculate_per_token_loss = True  # we normalise by the global count ourselves (module docstring)
+        # Pipeline stages exchange [row width, rows, hidden] activations; padded rows are as wide as their
+        # micro-batch's longest sample, so the schedule sends each tensor's shape first rather than assume seq_length.
+        config.variable_seq_lengths = cfg.pipeline_model_parallel_size > 1
+        if vpp > 1:
+            # Interleaved: one p2p call can send to the next stage and to the previous one, which at P=2 are the same
+            # rank. Megatron's batched p2p posts them as send_prev, send_next / recv_prev, recv_next on one group, so
+            # the peer's receives pair with the wrong sends (activations taken for gradients); its unbatched p2p
+            # sends each direction on its own group (what Megatron-LM runs interleaved with).
+            config.batch_p2p_comm = False
+        # DDP sums grads over DP ranks (per-token loss); num_tokens=None: no second normalisation.
+        config.finalize_model_grads_func = lambda models, num_tokens, **kw: finalize_model_grads(models, None, **kw)
+        wrapped = chunk
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
 
-        wrapped = Float16Module(config, model)  # bf16 inputs in, fp32 outputs out (last stage)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer), wrapped)
-    config.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, bf16), [ddp])
+            wrapped = Float16Module(config, chunk)  # bf16 inputs in, fp32 outputs out (last stage)
+        ddps.append(DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer), wrapped))
+    for chunk in chunks:  # the interleaved schedule enters every chunk's no_sync
+        chunk.config.no_sync_func = ddps[0].no_sync if vpp == 1 else [d.no_sync for d in ddps]
+    ddp = ddps[0] if vpp == 1 else ddps
+    optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, bf16), ddps)
     if cfg.optimizer == "sgd":
         # Megatron gives SGD no init_state_fn, which loading a checkpoint calls to create the state it fills in.
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -169,6 +188,14 @@ def check_backend(cfg: TrainConfig, backend: str, why: str, hf_dir: Path | None 
                               f"(num_hidden_layers in {hf_dir / 'config.json'}): every stage holds the same number "
                               f"of layers; use a divisor of {layers}"
                               + (f" ({', '.join(map(str, fits))})" if fits else " (only 1: no pipeline split)"))
+        vpp, per_stage = cfg.virtual_pipeline_model_parallel_size, layers // pp
+        if per_stage % vpp:
+            fits = [d for d in range(2, per_stage + 1) if per_stage % d == 0]
+            raise ConfigError(f"virtual_pipeline_model_parallel_size={vpp} does not divide the {per_stage} layers per "
+                              f"stage (the student's {layers} layers / pipeline_model_parallel_size={pp}): every "
+                              f"model chunk holds the same number of layers; use a divisor of {per_stage}"
+                              + (f" ({', '.join(map(str, fits))})" if fits else " (only 1: no interleaving)")
+                              + ", or another pipeline_model_parallel_size")
     if backend == "megatron" and cfg.fsdp:
         raise ConfigError(f"fsdp=true shards a transformers student; this one trains on Megatron-Core ({why}): use "
                           "use_distributed_optimizer=true there, or backend=hf")

@@ -237,11 +237,13 @@ def train_step(cfg: TrainConfig, ddp, optimizer, scheduler, micro: list, vocab_s
     dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
     if getattr(_unwrap(ddp), "gkd_backend", None) == "hf":
         return (counts, *_hf_step(cfg, ddp, optimizer, scheduler, micro, counts, vocab_size, teacher))
-    ddp.zero_grad_buffer()
+    for chunk in ddp if isinstance(ddp, list) else [ddp]:  # interleaved pipelining: one DDP per model chunk
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     reports = get_forward_backward_func()(
         forward_step_func=partial(forward_step, (counts[0].item(), counts[1].item()), cfg, vocab_size, teacher=teacher),
-        data_iterator=iter(micro), model=ddp, num_microbatches=len(micro), seq_length=cfg.seq_length,
+        # interleaved (a list of model chunks): every chunk reads each micro-batch (positions, spans, the loss's rows)
+        data_iterator=[iter(micro) for _ in ddp] if isinstance(ddp, list) else iter(micro), model=ddp, num_microbatches=len(micro), seq_length=cfg.seq_length,
         micro_batch_size=cfg.micro_batch_size, forward_only=False,
     )
     lr = optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after the step)

@@ -48,7 +48,7 @@ from pipeline.train.models.families import HFArch, check_trainable, llama3_inv_f
 from pipeline.train.models.lora import merge_into, to_peft, write_peft_folder
 from pipeline.train.models.recompute import keep_inputs_differentiable, recompute_options
 
-__all__ = ["HFArch", "build_model", "check_trainable", "export_adapter", "export_hf", "gather_shards",
+__all__ = ["HFArch", "ModelChunks", "build_chunks", "build_model", "check_trainable", "export_adapter", "export_hf", "gather_shards",
            "hf_to_megatron_state_dict", "load_hf_weights", "megatron_to_hf_state_dict", "padded_vocab", "read_hf_arch",
            "read_hf_state_dict"]
 
@@ -62,19 +62,22 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
 
 
 def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None, *,
-                params_dtype: torch.dtype = torch.float32, attention: str = "sdpa", recompute: str = "none") -> GPTModel:
+                params_dtype: torch.dtype = torch.float32, attention: str = "sdpa", recompute: str = "none",
+                vp_stage: int | None = None) -> GPTModel:
     """Build an (uninitialised-weights) GPTModel matching the HF config, for this rank's TP/PP slice.
 
     `params_dtype=torch.bfloat16` builds it for bf16 mixed precision (the trainer wraps it in Megatron's
     Float16Module and keeps fp32 main weights in the optimizer). `attention`: "sdpa" (torch's fused kernels) or
     "local" (Megatron's unfused DotProductAttention), see attention.py; `recompute`: "none", "selective" or "full"
-    activation recompute, see recompute.py. Needs `init_distributed` first. Sets `model.hf_arch` and
+    activation recompute, see recompute.py. `vp_stage`: under interleaved pipelining (Megatron's virtual pipeline
+    size set by `init_distributed(vpp=V)`), which of this rank's V model chunks to build (`build_chunks`). Needs `init_distributed` first. Sets `model.hf_arch` and
     `model.hf_vocab_size` for the loader/exporter/loss.
     """
     layer_spec(attention)  # bad names fail before any work
     recompute_kw = recompute_options(recompute)
     arch = read_hf_arch(hf_dir)
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     config = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -99,6 +102,7 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
+        virtual_pipeline_model_parallel_size=vpp,
         pipeline_dtype=params_dtype,  # required by TransformerConfig when pp > 1 (p2p buffer dtype)
         use_cpu_initialization=not torch.cuda.is_available(),
         **recompute_kw,
@@ -108,13 +112,14 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
         transformer_layer_spec=layer_spec(attention, qk_layernorm=arch.qk_norm),
         vocab_size=padded_vocab(arch.vocab_size, pad_vocab_to_multiple_of or tp),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
         rotary_percent=1.0,  # partial_rotary_factor != 1 is refused by read_hf_arch
         rope_scaling=False,  # llama3 scaling is applied below with the config's own parameters
+        vp_stage=vp_stage,
     )
     if arch.rope_scaling is not None:
         rope = model.rotary_pos_emb
@@ -130,6 +135,35 @@ def build_model(hf_dir: str | Path, pad_vocab_to_multiple_of: int | None = None,
     return model
 
 
+class ModelChunks(list):
+    """This pipeline rank's V model chunks under interleaved 1F1B (virtual_pipeline_model_parallel_size=V), in
+    virtual-stage order: chunk v holds global layers [(v·P + rank)·L, (v·P + rank + 1)·L), L = layers / (P·V); the
+    embedding is chunk 0's of rank 0, the output layer chunk V-1's of the last rank. Megatron-Core's interleaved
+    schedule, finalize_model_grads and optimizer take the list; the trainer reads the student's facts off it as off
+    one model."""
+
+    hf_arch = property(lambda self: self[0].hf_arch)
+    hf_vocab_size = property(lambda self: self[0].hf_vocab_size)
+    config = property(lambda self: self[0].config)
+    post_process = property(lambda self: self[-1].post_process)
+
+    def parameters(self):
+        return (p for chunk in self for p in chunk.parameters())
+
+
+def build_chunks(hf_dir: str | Path, vpp: int, **kw) -> ModelChunks:
+    """`vpp` chunks of `build_model(hf_dir, vp_stage=v, **kw)`, each with its HF weights loaded."""
+    chunks = ModelChunks(build_model(hf_dir, vp_stage=v, **kw) for v in range(vpp))
+    for chunk in chunks:
+        load_hf_weights(chunk, hf_dir)
+    return chunks
+
+
+def _offset(model: GPTModel) -> int:
+    """The global index of `model`'s first layer (its pipeline stage and virtual stage)."""
+    return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))
+
+
 # ---------------------------------------------------------------- pure state-dict mappings (global layer ids)
 
 
@@ -138,9 +172,11 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 
 def hf_to_megatron_state_dict(
-    hf: dict[str, Tensor], arch: HFArch, tp_rank: int = 0, tp_size: int = 1, padded_vocab_size: int | None = None
+    hf: dict[str, Tensor], arch: HFArch, tp_rank: int = 0, tp_size: int = 1, padded_vocab_size: int | None = None,
+    layers: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
-    """HF tensors -> the Megatron state dict of one TP rank, all layers, keyed by global layer index."""
+    """HF tensors -> the Megatron state dict of one TP rank, keyed by global layer index: the layers `layers` (None:
+    all), and the embedding, final norm and output layer where `hf` holds them (a pipeline stage reads only its own)."""
     heads_per_group, groups, d = arch.num_heads // arch.num_kv_heads, arch.num_kv_heads, arch.head_dim
     if groups % tp_size or arch.ffn_hidden_size % tp_size:
         raise ValueError(f"tp={tp_size} must divide num_key_value_heads={groups} and intermediate_size")
@@ -157,8 +193,10 @@ def hf_to_megatron_state_dict(
         )  # [G, (hpg + 2) * d, in]: Megatron's per-query-group order
         return shard(fused, 0).reshape(-1, *rest)
 
-    out = {"embedding.word_embeddings.weight": shard(_pad_rows(hf["model.embed_tokens.weight"], rows), 0)}
-    for i in range(arch.num_layers):
+    out = {}
+    if "model.embed_tokens.weight" in hf:
+        out["embedding.word_embeddings.weight"] = shard(_pad_rows(hf["model.embed_tokens.weight"], rows), 0)
+    for i in range(arch.num_layers) if layers is None else layers:
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"].clone()
         out[m + "self_attention.linear_qkv.weight"] = qkv(p, "weight")
@@ -172,8 +210,9 @@ def hf_to_megatron_state_dict(
         gate, up = shard(hf[p + "mlp.gate_proj.weight"], 0), shard(hf[p + "mlp.up_proj.weight"], 0)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         out[m + "mlp.linear_fc2.weight"] = shard(hf[p + "mlp.down_proj.weight"], 1)
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-    if not arch.tied_embeddings:
+    if "model.norm.weight" in hf:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+    if not arch.tied_embeddings and "lm_head.weight" in hf:
         out["output_layer.weight"] = shard(_pad_rows(hf["lm_head.weight"], rows), 0)
     return out
 
@@ -218,15 +257,16 @@ def megatron_to_hf_state_dict(shards: Sequence[dict[str, Tensor]], arch: HFArch)
 # ---------------------------------------------------------------- model-level load / export
 
 
-def read_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
-    """All tensors of a (possibly sharded) safetensors HF checkpoint, on CPU."""
+def read_hf_state_dict(hf_dir: str | Path, keep=None) -> dict[str, Tensor]:
+    """All tensors of a (possibly sharded) safetensors HF checkpoint, on CPU; only the names `keep(name)` accepts
+    when given (the others are not read)."""
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
         raise MissingInputError(f"no *.safetensors in {hf_dir}")
     tensors: dict[str, Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as reader:
-            tensors.update({k: reader.get_tensor(k) for k in reader.keys()})
+            tensors.update({k: reader.get_tensor(k) for k in reader.keys() if keep is None or keep(k)})
     return tensors
 
 
@@ -239,16 +279,23 @@ def _layer_key(key: str, shift: int) -> str:
 def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     """Copy the HF checkpoint into this rank's slice of `model` (TP shard, PP stage); every parameter must match."""
     arch, tp = model.hf_arch, parallel_state.get_tensor_model_parallel_world_size()
-    full = hf_to_megatron_state_dict(
-        read_hf_state_dict(hf_dir),
-        arch,
-        parallel_state.get_tensor_model_parallel_rank(),
-        tp,
-        padded_vocab_size=model.vocab_size,
-    )
-    offset = get_transformer_layer_offset(model.config)
+    offset = _offset(model)
     own = model.state_dict()
-    if arch.tied_embeddings:
+    # Only this stage's tensors are read (a pipeline stage never holds the whole model): its layers, the embedding
+    # where it embeds or holds the tied copy, the final norm and output layer on the last stage.
+    layers = sorted({offset + int(m[1]) for k in own if (m := re.match(r"decoder\.layers\.(\d+)\.", k))})
+    embedding = "embedding.word_embeddings.weight" in own or (arch.tied_embeddings and "output_layer.weight" in own)
+    wanted_hf = {"model.embed_tokens.weight": embedding, "model.norm.weight": "decoder.final_layernorm.weight" in own,
+                 "lm_head.weight": "output_layer.weight" in own}
+
+    def keep(name: str) -> bool:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return int(m[1]) in layers if m else wanted_hf.get(name, False)
+
+    full = hf_to_megatron_state_dict(read_hf_state_dict(hf_dir, keep), arch,
+                                     parallel_state.get_tensor_model_parallel_rank(), tp,
+                                     padded_vocab_size=model.vocab_size, layers=layers)
+    if arch.tied_embeddings and "output_layer.weight" in own:
         # Tied and pipelined: the last stage holds its own copy of the embedding as output_layer.weight, which
         # Megatron keeps in sync through the embedding group; it starts as the same vocab shard.
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
@@ -257,7 +304,9 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
 
 
 def _global_megatron_state_dict(model: GPTModel, adapter_only: bool = False) -> dict[str, Tensor]:
-    offset = get_transformer_layer_offset(model.config)
+    if isinstance(model, list):  # ModelChunks: each chunk's layers under their global indices
+        return {k: v for chunk in model for k, v in _global_megatron_state_dict(chunk, adapter_only).items()}
+    offset = _offset(model)
     return {
         _layer_key(k, offset): v.detach().to("cpu", copy=True)
         for k, v in model.state_dict().items()

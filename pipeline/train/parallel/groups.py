@@ -29,13 +29,13 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None or value == "" else int(value)
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> None:
+def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1, vpp: int = 1) -> None:
     """Initialise torch.distributed and Megatron's TP/CP/PP/DP groups, then seed Megatron's RNG tracker.
 
     The data-parallel size is whatever is left: world_size / (tp * cp * pp); `cp` context-parallel ranks share one
     data-parallel replica's micro-batches, each holding its chunks of every sequence (context_parallel.py). Idempotent for the process group
     (an existing one is reused, e.g. one a test harness created), but the Megatron groups are rebuilt so
-    tp/pp take effect. Why the seed goes through Megatron: its tracker gives TP ranks different dropout / init
+    tp/pp take effect; `vpp` > 1 makes get_forward_backward_func pick the interleaved schedule. Why the seed goes through Megatron: its tracker gives TP ranks different dropout / init
     streams and DP ranks identical ones, which is what makes TP=2 reproduce TP=1.
     On CPU (see compat.py) that seeding also reseeds torch's global generator with `seed`.
     """
@@ -61,7 +61,8 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 0, cp: int = 1) -> No
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp)
+                                             context_parallel_size=cp,
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     mpu_random.model_parallel_cuda_manual_seed(seed)
 
 

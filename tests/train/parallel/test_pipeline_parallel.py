@@ -12,6 +12,11 @@
   PP=1: per-step losses and grad norms of metrics.jsonl (written by rank 0, a first-stage rank), the same fields, and
   what training changed in the weights `gkd export` writes from the PP=2 checkpoint, with the tied student; and each
   run's step-2 checkpoint resumed at the other pipeline size (P=2 -> P=1 and back) continues the same trajectory.
+  The stopped and resumed PP=2 run, and one killed (SIGKILL, its process group) after step 3 before that step's
+  checkpoint and rerun, equal an uninterrupted PP=2 run bit for bit (metrics and the step-3 checkpoint).
+- Interleaved 1F1B (virtual_pipeline_model_parallel_size=2 x PP=2, a 4-layer tied student, one layer per model
+  chunk): 3 CLI steps, stopped after step 2 and resumed from the chunked checkpoint, match PP=1 (losses, grad norms,
+  and the trained change of the exported weights).
 
 Run: ``python -m pytest tests/train/parallel/test_pipeline_parallel.py`` (the torchrun tests are marked distributed). The
 refusals of keys PP does not run with yet are in tests/test_bad_inputs.py (`test_pipeline_parallel_settings`).
@@ -25,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import killing
 import pytest
 import torch
 from tolerance import assert_layout_close
@@ -42,6 +48,19 @@ def tied(tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tied") / "tied"
     tok = build_tokenizer(out)
     return build_llama(out, vocab_size=len(tok), layers=2, hidden=64, heads=2, kv_heads=2, seed=2, tie=True,
+                       scale=25.0)
+
+
+@pytest.fixture(scope="module")
+def four(tiny, tmp_path_factory) -> Path:
+    """A 4-layer student with tied embeddings and the cache's tokenizer: P=2 x V=2 gives each model chunk one layer
+    (stage 0: layers 0 and 2, stage 1: layers 1 and 3; the embedding in chunk 0 of stage 0, its copy in chunk 1 of
+    stage 1)."""
+    from tiny_models import build_llama, build_tokenizer
+
+    out = tmp_path_factory.mktemp("four") / "four"
+    tok = build_tokenizer(out)
+    return build_llama(out, vocab_size=len(tok), layers=4, hidden=64, heads=2, kv_heads=2, seed=2, tie=True,
                        scale=25.0)
 
 
@@ -110,6 +129,10 @@ def _from_step_2(run: Path, to: Path) -> Path:
     return to
 
 
+def _metrics(save: Path) -> list[dict]:
+    return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+
+
 def _torchrun_train(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "pipeline.train.run", *args], check=True, env=_env(), cwd=REPO, timeout=1800)
@@ -158,16 +181,72 @@ def test_pp2_training_run_resumes_and_matches_pp1(tiny, tied, tmp_path):
     whole = tmp_path / "pp2-whole"
     _torchrun_train(*_train_args(tiny, tied, whole, pp2))
     keys = ("step", "loss", "jsd", "sft", "lr", "grad_norm", "active_tokens", "data_position", "samples")
-    assert [[m[k] for k in keys] for m in metrics[two]] == [[json.loads(x)[k] for k in keys]
-                                                             for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    # kill -9 of the PP=2 run after step 3, before its checkpoint (both ranks stop themselves there: killing.py, no
+    # race with a loaded machine), rerun: it redoes step 3 from the step-2 checkpoint, bit for bit the whole run's
+    killed = tmp_path / "pp2-killed"
+    proc = killing.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                          "pipeline.train.run", *_train_args(tiny, tied, killed, pp2)], "train-step:3", env=_env(),
+                         cwd=REPO)
+    try:
+        killing.wait_stopped(proc, deadline_s=1800)
+    finally:
+        killing.kill(proc, group=True)
+    assert (killed / "latest").read_text() == "step_0000002" and not (killed / "step_0000003").exists()
+    assert [json.loads(x)["step"] for x in (killed / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    _torchrun_train(*_train_args(tiny, tied, killed, pp2))
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    for name, save in (("a.pt", two), ("b.pt", whole)):
-        dcp_to_torch_save(save / "step_0000003", tmp_path / name)
-    wa, wb = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
-    assert wa.keys() == wb.keys() and len(wa) > 10
-    assert all(torch.equal(wa[k], wb[k]) for k in wa if torch.is_tensor(wa[k]))
+    for save in (two, killed):
+        assert [[m[k] for k in keys] for m in _metrics(save)] == [[m[k] for k in keys] for m in _metrics(whole)]
+    weights = {}
+    for save in (two, killed, whole):
+        dcp_to_torch_save(save / "step_0000003", tmp_path / f"{save.name}.pt")
+        weights[save] = torch.load(tmp_path / f"{save.name}.pt")
+    assert len(weights[whole]) > 10
+    for save in (two, killed):
+        assert weights[save].keys() == weights[whole].keys()
+        assert all(torch.equal(weights[save][k], weights[whole][k]) for k in weights[whole]
+                   if torch.is_tensor(weights[whole][k])), save.name
 
+
+
+@pytest.mark.distributed
+def test_vpp2_pp2_matches_pp1(tiny, four, tmp_path):
+    """Interleaved 1F1B (virtual_pipeline_model_parallel_size=2 x pipeline_model_parallel_size=2: two one-layer model
+    chunks per rank, 4 micro-batches a step in groups of 2), the 4-layer tied student, through the CLI: 3 SGD steps
+    (stopped after step 2, resumed from its chunked checkpoint) against 3 at PP=1: per-step losses and grad norms,
+    and the trained change of the weights `gkd export` writes from each run's checkpoint (loaded at PP=1); the
+    interleaved run's step-2 checkpoint resumed at PP=1 continues the same trajectory."""
+    from safetensors.torch import load_file
+
+    from pipeline.cli import main as cli
+
+    one, vpp = tmp_path / "pp1", tmp_path / "vpp2"
+    assert cli(["train", *_train_args(tiny, four, one)]) == 0
+    for stop in (("exit_after=2",), ()):
+        _torchrun_train(*_train_args(tiny, four, vpp, "pipeline_model_parallel_size=2",
+                                     "virtual_pipeline_model_parallel_size=2", *stop))
+    to_one = _from_step_2(vpp, tmp_path / "vpp2-to-pp1")  # the chunked checkpoint (and SGD momentum) at PP=1
+    assert cli(["train", *_train_args(tiny, four, to_one)]) == 0
+    a = _metrics(one)
+    for save in (vpp, to_one):
+        b = _metrics(save)
+        assert [m["step"] for m in b] == [1, 2, 3]
+        for x, y in zip(a, b, strict=True):
+            for key in ("active_tokens", "samples", "real_tokens", "data_position"):
+                assert x[key] == y[key], key
+            assert y["jsd"] > 0 and y["sft"] > 0
+            assert_layout_close(torch.tensor([y["loss"], y["jsd"], y["sft"], y["grad_norm"]]),
+                                torch.tensor([x["loss"], x["jsd"], x["sft"], x["grad_norm"]]),
+                                f"{save.name} step {x['step']}")
+    start = load_file(four / "model.safetensors")
+    change = {}
+    for save in (one, vpp):
+        assert cli(["export", "--checkpoint", str(save), "--out", str(save / "hf")]) == 0
+        weights = load_file(save / "hf" / "model.safetensors")
+        change[save] = {k: weights[k] - start[k] for k in start}
+    assert all(bool(change[one][k].abs().max() > 0) for k in start if "layers.3." in k)  # the last chunk trained
+    assert_layout_close(change[vpp], change[one], "vpp: trained change")
 
 
 @pytest.mark.distributed
@@ -212,6 +291,8 @@ PIPELINE_CUDA_SPOTS = [
      "device=torch.cuda.current_device()"),  # the receive buffers
     ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving",
      'torch.zeros([], dtype=torch.int, device="cuda")'),  # total_num_tokens
+    ("megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_with_interleaving",
+     'torch.zeros([], dtype=torch.int, device="cuda")'),  # total_num_tokens, interleaved 1F1B
     ("megatron.core.models.common.language_module.language_module",
      "LanguageModule.setup_embeddings_and_output_layer", "weight.data.cuda()"),  # tied embeddings across stages
 ]
