@@ -26,6 +26,9 @@ from pipeline.train.losses.xtok import XTOK_LOSSES
 STAGES = ("export", "generate", "score", "train", "eval")  # one cycle, in order; state.json names the next one
 EXECUTORS = ("local", "slurm", "ray")
 WEIGHT_SYNCS = ("reload", "restart")
+# Trainer keys that split the model across processes: the on-policy trainer is one process
+ONE_PROCESS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "context_parallel_size")
 STAGE_CLASSES = {"generate": GenerateConfig, "score": ScoreConfig, "train": TrainConfig}
 # Where an on-policy run starts from other values than the stage's own defaults, and why: short samples
 # (max_tokens 64, sequences of 512 tokens), both vLLM engines beside the trainer in one process (small KV caches,
@@ -235,6 +238,12 @@ class OnPolicyConfig:
                 p += [f"{stage}.{k} is set by the on-policy driver (from {source}); remove it"
                       for k, source in sorted(owned.items())]
                 continue
+            if stage == "train":  # the trainer runs in its stage's one process (or actor, or job), never torchrun
+                split = {k: v for k in ONE_PROCESS if str(v := self.train.get(k, 1)) not in ("1", "None")}
+                if split:
+                    p += [f"train.{k}={v}: the on-policy trainer runs in one process (no torchrun), so it cannot be "
+                          f"split across processes; remove train.{k} (or set it to 1)" for k, v in split.items()]
+                    continue
             try:
                 getattr(self, f"{stage}_settings")
             except ConfigError as e:

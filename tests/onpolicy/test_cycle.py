@@ -117,3 +117,10 @@ def test_opd_with_stale_samples_is_refused_with_the_reason():
 def test_slurm_executor_refuses_overlap_by_name():
     with pytest.raises(ConfigError, match="the Slurm executor runs the strict order"):
         load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 1, "executor": "slurm"})
+
+
+@pytest.mark.parametrize("key", ["pipeline_model_parallel_size", "tensor_model_parallel_size"])
+def test_a_trainer_split_across_processes_is_refused_by_name(key):
+    with pytest.raises(ConfigError, match=rf"train.{key}=2: the on-policy trainer runs in one process"):
+        load_config(OnPolicyConfig, None, {"lmbda": 1.0, f"train.{key}": 2})
+    load_config(OnPolicyConfig, None, {"lmbda": 1.0, f"train.{key}": 1})
