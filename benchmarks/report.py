@@ -41,6 +41,7 @@ SECTIONS = {  # name -> heading, in file order
     "lora": "LoRA students: adapter export vs full export (issue: LoRA)",
     "baselines": "Cache vs live teacher: step time and break-even (issue: honest baselines)",
     "onpolicy": "On-policy vs off-policy GKD (issue: on-policy)",
+    "overlap": "Overlapped on-policy cycles: max_staleness=1 vs the strict order, replayed and real engines (issue 47)",
     "opd": "On-policy OPD (k=0 rows) vs GKD's tail loss (k=64 rows) (issue: top-p and k=0)",
     "topp": "Top-p caches: distillation quality against fixed k (issue: top-p and k=0)",
     "faults": "Faults: kill -9, full disk, two writers, bad inputs (issue: faults)",

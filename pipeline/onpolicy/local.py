@@ -8,7 +8,9 @@
 Both run cycle.run_cycles, which records every finished task in state.json, so a killed run reruns only the tasks
 not recorded. A role process that dies (kill -9, out of memory) ends the run with a message naming the role; the
 rerun starts fresh role processes. Role processes are multiprocessing spawn children: they import the package, so
-they die with their command (pipeline/lifetime.py).
+they die with their command (pipeline/lifetime.py). Each role process builds its engines with `role_engines()`
+(default `Engines`; a benchmark passes stand-ins, e.g. replayed engines): it must be picklable (a module-level class,
+or a functools.partial of one), as it travels to the spawned processes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.onpolicy.config import OnPolicyConfig
@@ -55,11 +58,11 @@ class InlineRunner:
 _HOST: dict[str, Any] = {}  # inside a role process: its Workspace and Engines
 
 
-def _role_init(cfg: OnPolicyConfig, role: str, threads: int) -> None:
+def _role_init(cfg: OnPolicyConfig, role: str, threads: int, engines: Callable[[], Engines]) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    _HOST.update(role=role, ws=Workspace.open(cfg), engines=Engines())
+    _HOST.update(role=role, ws=Workspace.open(cfg), engines=engines())
 
 
 def _role_task(task: Task, state: State, info: dict) -> dict:
@@ -78,12 +81,12 @@ def _role_close() -> None:
 class RoleProcesses:
     """Sampler, teacher and trainer in a process each (a one-worker pool per role, spawned)."""
 
-    def __init__(self, cfg: OnPolicyConfig, ws: Workspace) -> None:
+    def __init__(self, cfg: OnPolicyConfig, ws: Workspace, engines: Callable[[], Engines] = Engines) -> None:
         self.ws = ws
         ctx = multiprocessing.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // len(ROLES))
         self.pools = {role: cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_role_init,
-                                                   initargs=(cfg, role, threads)) for role in ROLES}
+                                                   initargs=(cfg, role, threads, engines)) for role in ROLES}
         self.futures: dict[cf.Future, tuple[Task, str]] = {}
 
     def _result(self, fut: cf.Future, what: str, role: str) -> Any:
@@ -128,12 +131,12 @@ class RoleProcesses:
         self.futures.clear()
 
 
-def run_local(cfg: OnPolicyConfig, engines: Engines) -> list[dict]:
+def run_local(cfg: OnPolicyConfig, engines: Engines, role_engines: Callable[[], Engines] = Engines) -> list[dict]:
     """Run (or resume) the on-policy loop on this machine; returns the metrics lines. `engines` serve the strict
-    order (max_staleness=0); with overlap each role process opens its own."""
+    order (max_staleness=0); with overlap each role process opens its own, `role_engines()` (module doc)."""
     ws = Workspace.open(cfg)
     state = State.load(ws.out)
-    runner = InlineRunner(ws, engines) if cfg.max_staleness == 0 else RoleProcesses(cfg, ws)
+    runner = InlineRunner(ws, engines) if cfg.max_staleness == 0 else RoleProcesses(cfg, ws, role_engines)
     try:
         run_setup(cfg, state, runner, lambda: state.save(ws.out))
     except BaseException:

@@ -128,3 +128,29 @@ def test_a_role_killed_mid_overlap_resumes_to_the_same_weights(models, overlappe
     run(_cfg(models, tmp_path))
     assert _same(_weights(tmp_path), _weights(overlapped))
     assert _train_steps(tmp_path) == [1, 2, 3, 4]  # the lost step's line replaced, nothing trained twice
+
+
+class _StandIn:
+    """A module-level (picklable) engines stand-in, as a benchmark's replayed engines are."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+
+def test_role_processes_build_their_engines_with_the_factory_given(models, tmp_path):
+    """run_local's `role_engines` reaches each role process's initializer (benchmarks/overlap_bench.py replays
+    engines through it); checked on the initializer itself, without starting processes."""
+    import functools
+    import pickle
+
+    from pipeline.onpolicy import local
+
+    factory = functools.partial(_StandIn, "replayed")
+    pickle.dumps(factory)  # it travels to spawned processes
+    threads = torch.get_num_threads()
+    try:
+        local._role_init(_cfg(models, tmp_path / "out"), "sampler", threads, factory)
+        assert isinstance(local._HOST["engines"], _StandIn) and local._HOST["engines"].tag == "replayed"
+    finally:
+        local._HOST.clear()
+        torch.set_num_threads(threads)
