@@ -214,6 +214,10 @@ def run(work: Path, cycles: int = CYCLES) -> dict:
     return out
 
 
+def _busy(run: dict) -> str:
+    return " / ".join(f"{run['busy_s'][r]:.1f}" for r in ("sampler", "teacher", "trainer")) + " s"
+
+
 def markdown(r: dict) -> str:
     runs = r["runs"]
     r0, r1, k0, k1 = runs["replay-0"], runs["replay-1"], runs["real-0"], runs["real-1"]
@@ -242,7 +246,7 @@ def markdown(r: dict) -> str:
         f"{r1['run_wall_s']} s; {r['run_wall_ratio']:.2f}×) | ≤ 0.60× (limit max/sum = {r['limit_ratio']:.2f}×; with {r['cycles']} cycles the pipeline's fill alone bounds it at "
         f"(C+1)/2C = {r['fill_bound']:.2f}×) |",
         f"| role idle fraction, strict vs overlapped | sampler / teacher / trainer: {idle(r0)} → {idle(r1)} | "
-        f"busy s {r0['busy_s']} | busy s {r1['busy_s']} | report |",
+        f"busy {_busy(r0)} | busy {_busy(r1)} | report |",
         f"| held-out KL at staleness 1 vs 0, real engines | **{r['kl_ratio']:.3f}×** | {k0['final_heldout_kl']:.4f} | "
         f"{k1['final_heldout_kl']:.4f} (staleness max per cycle {stale}) | ≤ 1.05× |",
         "",
