@@ -269,9 +269,9 @@ def check_hidden_cache(cfg: TrainConfig, sources: list) -> bool:
         if value > 1:
             raise ConfigError(f"{where}: a hidden-state cache trains at {key}=1 only (the exact-teacher loss is not "
                               f"split yet); set {key}=1, or train from a top-k cache")
-    if not cfg.fused_loss:
+    if not cfg.fused_loss and not cfg.topk_from_hidden:
         raise ConfigError(f"{where}: a hidden-state cache trains through the fused output layer; drop "
-                          "fused_loss=false")
+                          "fused_loss=false (or read it as a top-k cache: topk_from_hidden=K)")
     if cfg.loss not in ("gkd", "opd") or cfg.teachers:
         raise ConfigError(f"{where}: a hidden-state cache trains loss=gkd or loss=opd from one cache (got loss="
                           f"{cfg.loss}{', teachers: ...' if cfg.teachers else ''}); cross-tokenizer losses and "

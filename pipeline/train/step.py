@@ -219,6 +219,19 @@ def score_live(teacher, batch, attn: dict, cfg: TrainConfig, student_vocab: int)
     return dataclasses.replace(batch, teacher_ids=ids, teacher_logprobs=lps, teacher_tail=tail, teacher_valid=valid)
 
 
+def topk_view(batch, k: int, student_vocab: int):
+    """A hidden-state cache's micro-batch as a top-k one (`topk_from_hidden`): the teacher's top-k and tail at the
+    loss positions computed from its states and output layer, as the live teacher's are (teacher/live.py), the
+    exact part dropped; every top-k loss then reads it."""
+    import dataclasses
+
+    with torch.no_grad():
+        ids, lps, tail, valid = teacher_topk(batch.exact.hidden, batch.exact.weight, batch.loss_mask, k,
+                                             vocab_size=batch.exact.weight.shape[0], student_vocab=student_vocab)
+    return dataclasses.replace(batch, teacher_ids=ids, teacher_logprobs=lps, teacher_tail=tail, teacher_valid=valid,
+                               exact=None)
+
+
 def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model, teacher=None):
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
     `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
@@ -226,6 +239,8 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
     batch, attn = rank_inputs(next(data_iterator).to(device()), cfg, model)
     if teacher is not None:
         batch = score_live(teacher, batch, attn, cfg, vocab_size)
+    elif batch.exact is not None and cfg.topk_from_hidden:
+        batch = topk_view(batch, cfg.topk_from_hidden, vocab_size)
     # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
     out = model(batch.input_ids, **attn)
     return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))

@@ -73,6 +73,34 @@ def test_scoring_model_as_student_gives_zero_exact_divergence(hidden):
         destroy_distributed()
 
 
+def test_topk_view_of_a_hidden_state_cache(hidden):
+    """topk_from_hidden=K: the micro-batch's top-k and tail from the cached states; the scoring model as the student
+    gives ~0 for the top-k losses on it (bf16 states), and its ids are the teacher's top-k of transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.train.data.loader import ScoredLoader
+    from pipeline.train.losses.reference import gkd_loss
+    from pipeline.train.step import topk_view
+
+    loader = ScoredLoader([hidden["cache"]], micro_batch_size=4, seq_length=64, seed=0)
+    mb = loader.micro_batch(0)
+    view = topk_view(mb, 8, hidden["vocab"])
+    assert view.exact is None and view.teacher_ids.shape[-1] == 8
+    model = AutoModelForCausalLM.from_pretrained(hidden["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(mb.input_ids, position_ids=mb.position_ids).logits if not mb.packed else None
+    assert logits is not None  # padded micro-batches: one sample per row
+    lp = torch.log_softmax(logits, -1)
+    m = mb.loss_mask
+    same = (lp[m].topk(8).indices.sort(-1).values == view.teacher_ids[m].long().sort(-1).values).all(-1)
+    assert same.float().mean() > 0.95  # near-ties may swap under bf16 states
+    torch.testing.assert_close(view.teacher_logprobs[m], lp[m].gather(1, view.teacher_ids[m].long()), atol=0.05, rtol=0)
+    for beta in (0.0, 0.5, 1.0):
+        s, n = gkd_loss(logits, view.teacher_ids, view.teacher_logprobs, m, beta=beta, mode="tail",
+                        teacher_tail=view.teacher_tail, teacher_valid=view.teacher_valid)
+        assert n > 20 and (s / n).item() < 2e-3, (beta, (s / n).item())
+
+
 def _args(hidden: dict, save: Path, **kw) -> list[str]:
     args = dict(student=str(hidden["student"]), cache=f"[{hidden['cache']}]", micro_batch_size=2, global_batch_size=4,
                 seq_length=64, train_steps=2, save_interval=2, lr=1e-3, warmup_steps=1, save_dir=str(save),
@@ -86,6 +114,12 @@ def test_gkd_train_from_a_hidden_state_cache(hidden, tmp_path):
     assert len(rows) == 2
     # beta=1: the reported divergence ("jsd") is the exact reverse KL per position at temperature 0.7
     assert all(np.isfinite([r["jsd"], r["sft"], r["loss"]]).all() and r["jsd"] > 0.01 for r in rows), rows
+
+
+def test_gkd_train_from_the_topk_view(hidden, tmp_path):
+    assert gkd(["train", *_args(hidden, tmp_path / "run", topk_from_hidden=8, fused_loss="false")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(np.isfinite(r["jsd"]) and r["jsd"] > 0.01 for r in rows), rows
 
 
 @pytest.mark.parametrize("kw, match", [
