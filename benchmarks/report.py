@@ -51,6 +51,7 @@ SECTIONS = {  # name -> heading, in file order
     "index": "Cache index: start-up, memory and commit cost at 10^3-10^5 shards (issue #33: scale)",
     "cp": "Context parallelism: peak memory per rank and step time, CP=2 vs CP=1 at 16k tokens (issue #33: scale)",
     "xtok": "Cross-tokenizer distillation from the cache: GOLD vs SFT, bytes, step time (issue #37)",
+    "exact": "The exact teacher from a cache: hidden-state cache bytes and train step vs top-64 (issue #50)",
 }
 @dataclass(frozen=True)
 class Stamp:

@@ -76,11 +76,15 @@ def hidden_rows(states, row: dict, weight, teacher: Path | str, cfg: ScoreConfig
                 f"{teacher}: the engine returned a non-finite hidden state for sample {row['sample_id']} of "
                 f"{cfg.rollouts} at position {row['first_scored'] + int(bad[0])} ({bad.numel()} position(s)); nothing "
                 f"of this part was written. Check the model folder, or score with dtype=float32")
-        logits = h @ weight.float().t()
         y = torch.as_tensor(ids[first:], dtype=torch.long).unsqueeze(1)
-        z_y = logits.gather(1, y)
-        actual = (z_y.squeeze(1) - torch.logsumexp(logits, 1)).numpy().astype(np.float32)
-        ranks = (1 + (logits > z_y).sum(1)).numpy().astype(np.int64)
-    n = len(ids) - first
+        w = weight.float().t()
+        n = len(ids) - first
+        actual, ranks = np.empty(n, np.float32), np.empty(n, np.int64)
+        step = max(1, (64 << 20) // (4 * w.shape[1]))  # [rows, V] float32 logits of ~64 MiB at a time
+        for s in range(0, n, step):
+            logits = h[s: s + step] @ w
+            z_y = logits.gather(1, y[s: s + step])
+            actual[s: s + step] = (z_y.squeeze(1) - torch.logsumexp(logits, 1)).numpy()
+            ranks[s: s + step] = (1 + (logits > z_y).sum(1)).numpy()
     return {"topk_ids": np.zeros((n, 0), np.int64), "topk_logprobs": np.zeros((n, 0), np.float32),
             "actual_ranks": ranks, "actual_logprobs": actual, "hidden_states": h}

@@ -12,12 +12,13 @@ log-normalisers are exact within the chunk, one pass):
         D = reference.divergence(log p, log s, β) over all V bins: β = 0 forward KL(p‖s), β = 1 reverse KL(s‖p),
             else the generalised JSD(β); SFT rows CE = −log softmax(z)_y; OPD rows the sampled-token estimator
             with the exact teacher's log p(y) at τ = 1
-        ∂loss/∂z of the chunk by autograd on that small graph; ∂h_c = ∂z · W, ∂W += ∂zᵀ · h_c
+        ∂loss/∂z of the chunk in closed form, in place, for β = 0 and β = 1 (`_analytic`), by autograd on the
+            chunk's small graph for other β; ∂h_c = ∂z · W, ∂W += ∂zᵀ · h_c
 
 so, like fused.py, the gradients are made in the forward pass and ``backward`` scales them. The teacher side has no
 gradient. Numerics: both matmuls and everything after them in float32 (float64 inputs stay float64; bf16 cached
-states are exact in float32); ∂W accumulates in float32. Memory: the chunk's autograd graph holds ~8 ``[chunk, V]``
-buffers, so chunks are a quarter of fused.py's ``CHUNK_BYTES``.
+states are exact in float32); ∂W accumulates in float32. Memory: the closed form holds ~3 ``[chunk, V]`` buffers
+(chunks of half fused.py's ``CHUNK_BYTES``), the autograd graph ~8 (a quarter).
 
 Not done yet: tensor parallelism (the teacher's output layer would be split by vocabulary like the student's, with the
 log-normalisers all-reduced: `vocab_parallel.global_lse`); the trainer refuses TP, CP and PP > 1 with a hidden-state
@@ -38,6 +39,53 @@ from pipeline.train.losses.reference import TEACHER_EPS, divergence, loss_arg_pr
 from pipeline.train.losses.vocab_parallel import tp_rank_world
 
 
+def _analytic(z: Tensor, t: Tensor, kd_on, sft_on, opd_on, y, beta: float, tau: float, n: int, weights):
+    """One chunk's sums and ∂loss/∂z for β = 0 (forward KL, ∂D/∂z = (s − p)/τ) or β = 1 (reverse KL,
+    ∂D/∂z = s ⊙ (log s − log p − D)/τ), with CE and OPD (∂ log s₁(y)/∂z = onehot(y) − softmax(z)), in place on the
+    two logit buffers: about three ``[chunk, V]`` buffers instead of the autograd graph's ~8. `z` [c, V(+pad)] and
+    `t` [c, V] are consumed. Returns (∂loss/∂z [c, V(+pad)], d, ce, term, adv)."""
+    kd_w, sft_w, opd_w = weights
+    zv = z[:, :n]
+    yy = y.unsqueeze(-1)
+    any_ce = bool((sft_on | opd_on).any())
+    if any_ce:  # what CE and OPD read at τ = 1, before the buffers are scaled
+        log_s1_y = zv.gather(1, yy).squeeze(-1) - torch.logsumexp(zv, -1)
+        log_p1_y = t.gather(1, yy).squeeze(-1) - torch.logsumexp(t, -1)
+        lse1 = torch.logsumexp(zv, -1)
+    if tau != 1.0:
+        t.div_(tau)
+        zv.div_(tau)
+    t.sub_(torch.logsumexp(t, -1, keepdim=True))  # log p at τ
+    lse_s = torch.logsumexp(zv, -1, keepdim=True)
+    zv.sub_(lse_s)  # log s at τ
+    s = zv.exp()
+    if beta == 0.0:
+        p = t.exp()
+        d = torch.bmm(t.sub_(zv).unsqueeze(1), p.unsqueeze(2)).view(-1)  # Σ p (log p − log s)
+        g = s.sub_(p)
+        del p
+    else:
+        t.neg_().add_(zv)  # log s − log p
+        d = torch.bmm(t.unsqueeze(1), s.unsqueeze(2)).view(-1)
+        g = t.sub_(d.unsqueeze(-1)).mul_(s)
+        del s
+    d = torch.where(kd_on, d, 0.0)
+    g.mul_((kd_on.to(g.dtype) * (kd_w / tau)).unsqueeze(-1))
+    zero = torch.zeros_like(d)
+    ce = term = adv = zero
+    if any_ce:
+        adv = torch.where(opd_on, log_s1_y - log_p1_y.clamp_min(math.log(TEACHER_EPS)), 0.0)
+        ce = torch.where(sft_on, -log_s1_y, 0.0)
+        term = adv * torch.where(opd_on, log_s1_y, 0.0)
+        coef = sft_w * sft_on.to(g.dtype) - opd_w * opd_on.to(g.dtype) * adv  # × (softmax₁ − onehot(y))
+        q = zv.mul_(tau).add_(tau * lse_s - lse1.unsqueeze(-1)).exp_() if tau != 1.0 else zv.exp_()
+        g.addcmul_(coef.unsqueeze(-1), q)
+        g.scatter_add_(1, yy, -coef.unsqueeze(-1))
+    if g.shape[1] < z.shape[1]:  # a padded student vocabulary: no gradient on the padding
+        g = torch.nn.functional.pad(g, (0, z.shape[1] - g.shape[1]))
+    return g, d, ce, term, adv
+
+
 class _ExactGKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, t_hidden, t_weight, rows, kd_on, labels, sft_on, opd_on, weights, opts):
@@ -50,10 +98,22 @@ class _ExactGKD(torch.autograd.Function):
         sums = torch.zeros(4, dtype=cdtype, device=hidden.device)  # kd, sft, opd, opd's reverse-KL estimate
         ce_on = sft_on | opd_on
         tw = t_weight.to(cdtype)
+        chunk = chunk if beta not in (0.0, 1.0) else 2 * chunk  # the closed form keeps half the buffers
         for s in range(0, rows.numel(), chunk):
             e = min(s + chunk, rows.numel())
             hc = hidden[rows[s:e]]
             z = (hc.to(weight.dtype) @ weight.t()).to(cdtype)
+            if beta in (0.0, 1.0):  # closed-form gradients, in place (`_analytic`)
+                t = t_hidden[rows[s:e]].to(cdtype) @ tw.t()
+                gz, d, ce, term, adv = _analytic(z, t, kd_on[s:e], sft_on[s:e], opd_on[s:e], labels[s:e], beta, tau,
+                                                 n, weights)
+                del z, t
+                sums += torch.stack([d.sum(), ce.sum(), term.sum(), adv.sum()])
+                if want_h:
+                    grad_h[rows[s:e]] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+                if want_w:
+                    grad_w.add_(gz.t().to(cdtype) @ hc.to(cdtype))
+                continue
             with torch.no_grad():
                 log_p = torch.log_softmax((t_hidden[rows[s:e]].to(cdtype) @ tw.t()).div_(tau), -1)
                 log_p1 = (torch.log_softmax((t_hidden[rows[s:e]].to(cdtype) @ tw.t()), -1)

@@ -81,12 +81,21 @@ def test_student_equal_to_teacher_gives_zero_loss(beta):
     assert h1.grad.abs().max() < 1e-12 and w1.grad.abs().max() < 1e-12
 
 
-def test_opd_uses_the_exact_teachers_logprob_of_the_label():
+@pytest.mark.parametrize("beta", [0.5, 1.0])  # the autograd chunk and the closed form
+def test_opd_uses_the_exact_teachers_logprob_of_the_label(beta):
     h, w, th, tw, mask, labels, sft = _inputs(3)
     opd = mask & ~sft
     kd = mask & sft
-    out = exact_gkd_loss(h, w, th, tw, kd, beta=0.5, labels=labels, opd_mask=opd, opd_weight=1.0, kd_weight=0.0,
-                         vocab_size=V)
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = exact_gkd_loss(h1, w1, th, tw, kd, beta=beta, temperature=1.5, labels=labels, opd_mask=opd, opd_weight=0.7,
+                         kd_weight=0.0, vocab_size=V, chunk_size=6)
+    out.loss.backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ls = torch.log_softmax((h2 @ w2.t())[..., :V], -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    lp = torch.log_softmax(th @ tw.t(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    (0.7 * ((ls.detach() - lp) * ls)[opd].sum()).backward()  # the sampled-token estimator, at τ = 1
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-10, atol=1e-12)
     log_s = torch.log_softmax((h @ w.t())[..., :V], -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     log_p = torch.log_softmax(th @ tw.t(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     adv = (log_s - log_p.clamp_min(math.log(1e-12)))[opd]
