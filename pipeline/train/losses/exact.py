@@ -48,15 +48,18 @@ def _analytic(z: Tensor, t: Tensor, kd_on, sft_on, opd_on, y, beta: float, tau: 
     zv = z[:, :n]
     yy = y.unsqueeze(-1)
     any_ce = bool((sft_on | opd_on).any())
+    lse_t = lse_s = None
     if any_ce:  # what CE and OPD read at τ = 1, before the buffers are scaled
-        log_s1_y = zv.gather(1, yy).squeeze(-1) - torch.logsumexp(zv, -1)
-        log_p1_y = t.gather(1, yy).squeeze(-1) - torch.logsumexp(t, -1)
-        lse1 = torch.logsumexp(zv, -1)
+        lse1, lse_t1 = torch.logsumexp(zv, -1), torch.logsumexp(t, -1)
+        log_s1_y = zv.gather(1, yy).squeeze(-1) - lse1
+        log_p1_y = t.gather(1, yy).squeeze(-1) - lse_t1
+        if tau == 1.0:
+            lse_t, lse_s = lse_t1.unsqueeze(-1), lse1.unsqueeze(-1)
     if tau != 1.0:
         t.div_(tau)
         zv.div_(tau)
-    t.sub_(torch.logsumexp(t, -1, keepdim=True))  # log p at τ
-    lse_s = torch.logsumexp(zv, -1, keepdim=True)
+    t.sub_(torch.logsumexp(t, -1, keepdim=True) if lse_t is None else lse_t)  # log p at τ
+    lse_s = torch.logsumexp(zv, -1, keepdim=True) if lse_s is None else lse_s
     zv.sub_(lse_s)  # log s at τ
     s = zv.exp()
     if beta == 0.0:
@@ -112,7 +115,10 @@ class _ExactGKD(torch.autograd.Function):
                 if want_h:
                     grad_h[rows[s:e]] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
                 if want_w:
-                    grad_w.add_(gz.t().to(cdtype) @ hc.to(cdtype))
+                    if gz.dtype == grad_w.dtype == hc.dtype:
+                        grad_w.addmm_(gz.t(), hc)  # no [V, H] temporary
+                    else:
+                        grad_w.add_(gz.t().to(cdtype) @ hc.to(cdtype))
                 continue
             with torch.no_grad():
                 log_p = torch.log_softmax((t_hidden[rows[s:e]].to(cdtype) @ tw.t()).div_(tau), -1)
