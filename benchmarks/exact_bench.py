@@ -70,6 +70,7 @@ def run(work: Path) -> dict:
         stats = TeacherCache.open(work / name).stats()
         res[name] = {"bytes_per_position": stats["bytes_per_position"], "scored_tokens": stats["scored_tokens"],
                      "score_seconds": summary.get("score_seconds"), "wall_seconds": round(time.time() - t0, 1)}
+    res["vocab"] = TeacherCache.open(work / "hidden").descriptor.vocab_size
     layer = work / "hidden" / "output_layer.safetensors"
     res["hidden"]["output_layer_bytes"] = layer.stat().st_size
     res["bytes_ratio"] = res["hidden"]["bytes_per_position"] / res["top64"]["bytes_per_position"]
@@ -88,11 +89,13 @@ def run(work: Path) -> dict:
 
 def markdown(res: dict) -> str:
     h, t = res["hidden"], res["top64"]
+    full = res.get("vocab", 49152) * 4  # the full-vocabulary fp32 logits of one position, raw
     return "\n".join([
         "| measure | value | goal |", "|---|---|---|",
         f"| hidden-state cache bytes per position vs top-64 | {res['bytes_ratio']:.1f}x ({h['bytes_per_position']:.0f} vs "
         f"{t['bytes_per_position']:.1f} B per scored position; SmolLM2-135M, hidden 576 in bf16 = 1,152 B raw; plus the "
-        f"output layer once, {h['output_layer_bytes'] / 2**20:.1f} MiB) | report |",
+        f"output layer once, {h['output_layer_bytes'] / 2**20:.1f} MiB; full fp32 logits would be {full:,} B raw, "
+        f"{full / h['bytes_per_position']:.0f}x the hidden rows) | report |",
         f"| exact-teacher train step vs top-64 train step | {res['step_ratio']:.2f}x ({res['step_seconds']['hidden']:.2f} vs "
         f"{res['step_seconds']['top64']:.2f} s, demo student, 4 x 128 tokens, reverse KL, fused, 1 thread) | <= 1.3x |",
         f"| hidden vs top-64 scoring wall time, {h['scored_tokens']} positions | {h['wall_seconds']:.0f} vs "
