@@ -154,7 +154,8 @@ def stats(descriptor, scored_tokens: int, nbytes: int) -> dict:
     return {"teacher_rows": KIND, "hidden_size": int(h.get("size", 0)), "hidden_dtype": h.get("dtype"),
             "raw_hidden_bytes_per_position": raw,
             "trains": "exact full-vocabulary loss=gkd (forward KL beta=0, reverse KL beta=1, JSD(beta)) at any "
-                      "temperature, loss=opd, sft_alpha; same-vocabulary students only (fused_loss=true, TP/CP/PP 1)"}
+                      "temperature, loss=opd, sft_alpha; every top-k loss through topk_from_hidden=K; "
+                      "same-vocabulary students only, TP/CP/PP 1"}
 
 
 TOPK_TRAINS = ("loss=gkd (topk_mode tail|renorm, at the temperature's treatment of the stored top-k), loss=opd, "
