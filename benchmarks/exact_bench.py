@@ -47,13 +47,62 @@ def rollouts(work: Path, teacher: Path) -> Path:
     return out
 
 
-def _train(cache: Path, save: Path) -> list[dict]:
+def _train(cache: Path, save: Path, steps: int = STEPS, **kw) -> list[dict]:
     args = dict(student=str(student_dir()), cache=f"[{cache}]", micro_batch_size=4, global_batch_size=4,
-                seq_length=128, train_steps=STEPS, lr=1e-4, warmup_steps=1, save_interval=STEPS * 10,
+                seq_length=128, train_steps=steps, lr=1e-4, warmup_steps=1, save_interval=steps * 10,
                 save_dir=str(save), progress=False, seed=1, beta=1.0, packing=False)
+    args.update(kw)
     subprocess.run([sys.executable, "-m", "pipeline", "train", *[f"{k}={v}" for k, v in args.items()]], check=True,
                    stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+HELD_OUT = 8  # documents after the trained ones
+QUALITY_STEPS = 36
+
+
+def held_out_kl(teacher: Path, student: Path, rows: list[list[int]], prompt: list[int]) -> dict:
+    """Mean per-position reverse KL(s‖p) and forward KL(p‖s) over the held-out completions, full vocabulary, fp32
+    transformers forwards of the teacher and the exported student."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models = [AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32).eval() for m in (teacher, student)]
+    rev, fwd = [], []
+    with torch.no_grad():
+        for comp in rows:
+            ids = torch.tensor([prompt + comp])
+            pos = slice(len(prompt) - 1, ids.shape[1] - 1)
+            lp, ls = (torch.log_softmax(m(ids).logits[0, pos], -1) for m in models)
+            rev.append((ls.exp() * (ls - lp)).sum(-1))
+            fwd.append((lp.exp() * (lp - ls)).sum(-1))
+    return {"reverse_kl": float(torch.cat(rev).mean()), "forward_kl": float(torch.cat(fwd).mean())}
+
+
+def quality(work: Path) -> dict:
+    """The demo student trained QUALITY_STEPS steps at beta=1 from each cache (same seed, samples, lr), exported,
+    judged on held-out documents by the exact reverse and forward KL to the teacher."""
+    from transformers import AutoTokenizer
+
+    from pipeline.train.checkpoint import step_dir
+
+    teacher = teacher_dir()
+    tok = AutoTokenizer.from_pretrained(teacher)
+    text = "\n".join((ROOT / "docs" / n).read_text() for n in ("architecture.md", "dependencies.md", "tuning.md"))
+    ids = tok(text)["input_ids"]
+    prompt = tok("Continue the design notes:\n")["input_ids"]
+    held = [ids[i * COMPLETION:(i + 1) * COMPLETION] for i in range(SAMPLES, SAMPLES + HELD_OUT)]
+    out = {"steps": QUALITY_STEPS, "held_out_positions": HELD_OUT * COMPLETION}
+    for name in ("hidden", "top64"):
+        save = work / f"quality-{name}"
+        _train(work / name, save, QUALITY_STEPS, lr=5e-4, warmup_steps=2)
+        export = work / f"quality-{name}-hf"
+        subprocess.run([sys.executable, "-m", "pipeline", "export", "--checkpoint", str(step_dir(save, QUALITY_STEPS)),
+                        "--out", str(export)], check=True, stdout=subprocess.DEVNULL)
+        out[name] = held_out_kl(teacher, export, held, prompt)
+    out["untrained"] = held_out_kl(teacher, student_dir(), held, prompt)
+    out["reverse_ratio"] = out["hidden"]["reverse_kl"] / out["top64"]["reverse_kl"]
+    return out
 
 
 def run(work: Path) -> dict:
