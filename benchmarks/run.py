@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,overlap,faults,lifetime,images,distopt,index,cp,pp,xtok] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,overlap,faults,lifetime,images,distopt,index,cp,pp,xtok,exact] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -20,6 +20,7 @@ from benchmarks import (
     baseline_bench,
     cp_bench,
     distopt_bench,
+    exact_bench,
     faults,
     hf_bench,
     image_bench,
@@ -43,7 +44,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, stored_raw
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap four (~20 min), faults
+DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap four (~20 min), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -110,6 +111,7 @@ SIMPLE = {
     "pp": (pp_bench.run, pp_bench.markdown),
     "xtok": (xtok_bench.run, xtok_bench.markdown),
     "overlap": (overlap_bench.run, overlap_bench.markdown),  # four 4-cycle on-policy runs, two of them replayed
+    "exact": (exact_bench.run, exact_bench.markdown),
 }
 
 

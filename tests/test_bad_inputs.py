@@ -701,3 +701,61 @@ def test_max_staleness_negative_or_with_a_loss_that_refuses_it(tmp_path, capsys)
     refused(tmp_path, [*base, "max_staleness=1", "executor=slurm"], capsys,
             r"the Slurm executor runs the strict order only \(set max_staleness=0, or executor=ray\)")
     assert not out.exists()  # refused before the run's folder is made
+
+
+# -- the exact teacher: hidden-state caches (gkd score teacher_rows=hidden, store/hidden.py) -------------------
+
+
+def test_hidden_rows_of_a_teacher_whose_logits_are_not_linear(tmp_path, teacher, capsys):
+    import shutil
+
+    _rollouts(tmp_path, teacher, [_row(0)])
+    capped = tmp_path / "capped-teacher"
+    shutil.copytree(teacher, capped)
+    config = json.loads((capped / "config.json").read_text())
+    (capped / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 30.0}))
+    refused(tmp_path, _score(tmp_path, capped, None, "teacher_rows=hidden"), capsys,
+            r"capped-teacher/config\.json: final_logit_softcapping=30\.0: this teacher's logits are not a linear map",
+            r"score it with teacher_rows=topk")
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory, teacher) -> dict:
+    """A hidden-state cache and a top-k cache of the same teacher (HF forward), and a student of a wider vocabulary."""
+    from tiny_cache import hidden_cache_from_hf, random_samples, score_into_cache
+    from tiny_models import build_llama, build_tokenizer
+
+    root = tmp_path_factory.mktemp("exact")
+    vocab = json.loads((teacher / "config.json").read_text())["vocab_size"]
+    samples = random_samples(4, vocab)
+    hidden_cache_from_hf(teacher, root / "hidden", samples)
+    score_into_cache(teacher, root / "topk", samples)
+    wide = root / "wide"
+    tok = build_tokenizer(wide)
+    build_llama(wide, vocab_size=len(tok) + 16, layers=1, hidden=32, heads=1, kv_heads=1)
+    return {"hidden": root / "hidden", "topk": root / "topk", "wide": wide, "vocab": vocab}
+
+
+def _train_exact(tmp: Path, student: Path, cache: str, *extra: str) -> list[str]:
+    return ["train", f"student={student}", f"cache={cache}", "micro_batch_size=1", "global_batch_size=1",
+            "seq_length=64", "train_steps=2", "warmup_steps=1", f"save_dir={tmp / 'run'}", "progress=false", *extra]
+
+
+def test_hidden_cache_mixed_with_a_topk_cache(tmp_path, teacher, exact, capsys):
+    refused(exact["hidden"].parent, _train_exact(tmp_path, teacher, f"[{exact['hidden']},{exact['topk']}]"), capsys,
+            rf"{exact['hidden']}/cache\.json: teacher_rows=hidden, but {exact['topk']}/cache\.json is a top-k cache",
+            r"train the hidden-state caches alone")
+    assert not (tmp_path / "run").exists()
+
+
+def test_hidden_cache_with_a_student_of_another_vocabulary(tmp_path, exact, capsys):
+    refused(exact["hidden"].parent, _train_exact(tmp_path, exact["wide"], f"[{exact['hidden']}]"), capsys,
+            rf"wide/config\.json: vocab_size={exact['vocab'] + 16}, the teacher's is {exact['vocab']}",
+            r"score a top-k cache \(teacher_rows=topk\)")
+
+
+def test_temperature_at_or_below_zero(tmp_path, teacher, exact, capsys):
+    for tau in ("0", "-0.5"):
+        refused(exact["hidden"].parent, _train_exact(tmp_path, teacher, f"[{exact['hidden']}]", f"temperature={tau}"),
+                capsys, rf"temperature must be > 0, got {float(tau)}")

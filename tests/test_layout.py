@@ -188,6 +188,7 @@ SCORE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("pipeline.score.config", "pipeline.score.served.logprobs"),
     ("pipeline.score.numerics", "pipeline.score.tokenizers", "pipeline.score.extract", "pipeline.score.served.client",
      "pipeline.score.teacher"),
+    ("pipeline.score.hidden",),
     ("pipeline.score.rows", "pipeline.score.parts"),
     ("pipeline.score.scorer",),
     ("pipeline.score.run",),

@@ -153,3 +153,43 @@ def score_cross_into_cache(teacher_dir: Path, student_dir: Path, cache_dir: Path
                      "actual_logprobs": actual_lp.numpy().astype(np.float32)})
     cache.write_shard("scored-xtok-00000", rows)
     return cache
+
+
+def hidden_cache_from_hf(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]]) -> TeacherCache:
+    """A hidden-state cache (store/hidden.py) of (input_ids, first_scored, source) samples from an HF forward (no
+    engine: for the refusals, which read only its descriptor; `gkd score teacher_rows=hidden` is tested with vLLM)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.store import hidden as hidden_store
+    from pipeline.store.schema import load_schema
+    from pipeline.store.shards import atomic_write_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    weight = hidden_store.output_layer(model_dir)
+    layer = hidden_store.output_layer_bytes(weight)
+    mode = hidden_store.key_mode("raw_logprobs", "bfloat16")
+    desc = Descriptor(
+        teacher_fingerprint=teacher_fingerprint(model_dir), tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
+        k=0, logprob_mode="raw_logprobs", vocab_size=model.config.vocab_size, teacher_rows=hidden_store.KIND,
+        hidden={"dtype": "bfloat16", "size": str(weight.shape[1]), "output_layer": hidden_store.OUTPUT_LAYER,
+                "output_layer_sha256": hidden_store.sha256(layer), "route": "transformers forward (tests)"},
+        schema_version=load_schema("scored").written({hidden_store.COLUMN}).version,
+    )
+    cache = TeacherCache.create_or_open(cache_dir, desc)
+    atomic_write_bytes(cache.root / hidden_store.OUTPUT_LAYER, layer)
+    rows = []
+    for ids, p, source in samples:
+        with torch.no_grad():
+            out = model(torch.as_tensor(ids[None], dtype=torch.long), output_hidden_states=True)
+        h = out.hidden_states[-1][0, p - 1: len(ids) - 1]
+        lp = torch.log_softmax(out.logits[0, p - 1: len(ids) - 1], -1)
+        actual = lp.gather(1, torch.as_tensor(ids[p:], dtype=torch.long)[:, None])[:, 0]
+        n = len(ids) - p
+        rows.append({"key": content_key(desc.teacher_fingerprint, ids, p, 0, mode),
+                     "sample_id": sample_id("p", ids[:p], ids[p:]), "source": source,
+                     "policy_version": None if source == "dataset" else 0, "input_ids": ids, "first_scored": p,
+                     "topk_ids": np.zeros((n, 0), np.int32), "topk_logprobs": np.zeros((n, 0), np.float32),
+                     "actual_ranks": ((lp > actual[:, None]).sum(1) + 1).numpy().astype(np.int32),
+                     "actual_logprobs": actual.numpy().astype(np.float32), "hidden_states": h})
+    cache.write_shard("scored-00000", rows)
+    return cache

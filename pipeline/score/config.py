@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from pipeline.score.served.access import url_problems
 from pipeline.store.codec import CodecError, check_top_p
 from pipeline.store.codec import params as codec_params
+from pipeline.store.hidden import DTYPES as HIDDEN_DTYPES
+from pipeline.store.hidden import key_mode
+
+TEACHER_ROWS = ("topk", "hidden")  # what a scored position stores: sparse top-k logprobs, or the final hidden state
 
 LOGPROB_MODES = ("raw_logprobs", "processed_logprobs")
 # vLLM's spellings of the scoring dtypes -> one name each ("auto" is refused: it resolves per machine and model).
@@ -50,6 +54,11 @@ class ScoreConfig:
     num_shards: int = 1  # explicit: a resubmitted single array index sees SLURM_ARRAY_TASK_COUNT=1
     on_overlong: str = "error"  # error | skip
     logprob_mode: str = "raw_logprobs"
+    # topk: the teacher's top-k logprobs per position (the default). hidden: its final hidden state per position
+    # and its output layer once (pipeline/store/hidden.py): the exact teacher, any temperature and divergence at
+    # train time; `topk` is then not read (the rows keep the actual token's rank and logprob: k = 0).
+    teacher_rows: str = "topk"
+    hidden_dtype: str = "bfloat16"  # teacher_rows=hidden: how the hidden states are stored (bfloat16 | float32)
     codec: str = "rank-grid-esc"  # rank-grid-esc: compact, logprobs within 1/64 nat | exact-f32: lossless, larger
     # vLLM engine pass-through
     tensor_parallel_size: int = 1
@@ -76,6 +85,20 @@ class ScoreConfig:
     on_mismatch: str = "skip"  # a sample whose text does not round-trip: skip (reported, counted) | error
 
     @property
+    def hidden(self) -> bool:
+        return self.teacher_rows == "hidden"
+
+    @property
+    def stored_k(self) -> int:
+        """The k of the stored rows (and of the content key): 0 in a hidden-state cache."""
+        return 0 if self.hidden else self.topk
+
+    @property
+    def key_mode(self) -> str:
+        """The logprob-mode part of the content key (a hidden row's names its kind and dtype too)."""
+        return key_mode(self.logprob_mode, self.hidden_dtype) if self.hidden else self.logprob_mode
+
+    @property
     def resolved_min_k(self) -> int | None:
         return (1 if self.min_k is None else self.min_k) if self.topp is not None else self.min_k
 
@@ -88,6 +111,16 @@ class ScoreConfig:
             codec_params(self.codec, self.topp)
         except CodecError as e:
             p.append(str(e))
+        if self.teacher_rows not in TEACHER_ROWS:
+            p.append(f"teacher_rows must be one of {TEACHER_ROWS}, got {self.teacher_rows!r}")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            p.append(f"hidden_dtype must be one of {tuple(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
+        if self.hidden:
+            for key, bad in (("teacher_url", self.teacher_url), ("teacher_adapter", self.teacher_adapter),
+                             ("cross_tokenizer", self.cross_tokenizer), ("topp", self.topp is not None)):
+                if bad:
+                    p.append(f"teacher_rows=hidden scores with an in-process vLLM engine on one HF folder, same "
+                             f"tokenizer, fixed rows: drop {key} (or score with teacher_rows=topk)")
         if self.num_shards < 1:
             p.append(f"num_shards must be >= 1, got {self.num_shards}")
         if self.shard is not None and not 0 <= self.shard < self.num_shards:

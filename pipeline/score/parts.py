@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline.score.config import ScoreConfig
 from pipeline.score.extract import check_finite, extract
+from pipeline.score.hidden import hidden_rows
 from pipeline.score.writer import BatchWriter
 from pipeline.store import TeacherCache
 from pipeline.store import images as image_store
@@ -17,8 +18,9 @@ class Parts:
     (the task's part names, prior ones first) and `counts` are the caller's, updated in place."""
 
     def __init__(self, cache: TeacherCache, name: str, parts: list[str], counts: dict, cfg: ScoreConfig,
-                 teacher: Path | str) -> None:
+                 teacher: Path | str, output_weight=None) -> None:
         self.cache, self.name, self.parts, self.counts, self.cfg, self.teacher = cache, name, parts, counts, cfg, teacher
+        self.output_weight = output_weight  # teacher_rows=hidden: the teacher's output layer (score/hidden.py)
         self.pending: list[dict] = []
         # A part's encoding and commit lasts as long as ~50 batches' extraction: in a thread of its own (behind a
         # queue of one part, as arrays), so the batch queue keeps draining meanwhile instead of filling and holding
@@ -29,8 +31,11 @@ class Parts:
         batch, flats = item
         for r, flat in zip(batch, flats, strict=True):
             # engine positions engine_first.. = the stored rows first_scored.. (the same completion tokens)
-            got = extract(flat, r["engine_ids"], r["engine_first"], self.cfg.topk)
-            check_finite(got, r, self.teacher, self.cfg)
+            if self.output_weight is not None:  # per-token hidden states (score/hidden.py)
+                got = hidden_rows(flat, r, self.output_weight, self.teacher, self.cfg)
+            else:
+                got = extract(flat, r["engine_ids"], r["engine_first"], self.cfg.topk)
+                check_finite(got, r, self.teacher, self.cfg)
             self.pending.append({**r, **got})
         while len(self.pending) >= self.cfg.part_rows:
             self.part_writer.put(self.pending[: self.cfg.part_rows])

@@ -54,7 +54,7 @@ def select_rows(
             privileged.append(r["sample_id"])
             continue
         # the store's rule (rollouts.rollout_key): which rows are scored, under which content key
-        key = rollout_key(r, teacher_fp, cfg.topk, cfg.logprob_mode, score_prompt=cfg.score_prompt,
+        key = rollout_key(r, teacher_fp, cfg.stored_k, cfg.key_mode, score_prompt=cfg.score_prompt,
                           cross=None if cross is None else cross.key)
         if key is None:
             counts["empty"] = counts.get("empty", 0) + 1

@@ -25,6 +25,7 @@ The stage, one idea a module (each imports only those above it; this one, the re
     extract.py     the teacher's flat prompt logprobs -> the stored arrays, checked finite
     teacher.py     the in-process teacher: its folder, its vLLM engine, the score loop's engine around it
     served/        a served teacher (a vLLM OpenAI-compatible server): client, probe (identity), access, logprobs
+    hidden.py      teacher_rows=hidden: the pooling engine's per-token hidden states -> stored rows
     writer.py      the writer threads (the engine scores while outputs are extracted and parts written)
     parts.py       extracted rows -> parts published into the cache
     scorer.py      `score` / `status`: a task opened, its rows selected, scored, written, its marker last
@@ -45,6 +46,8 @@ from pipeline.config import ConfigError
 from pipeline.engine import engine_version
 from pipeline.score.config import ScoreConfig
 from pipeline.score.errors import ScoreInputError
+from pipeline.score.hidden import ROUTE as HIDDEN_ROUTE
+from pipeline.score.hidden import hidden_teacher
 from pipeline.score.numerics import check_engine_numerics, scoring_numerics
 from pipeline.score.parts import Parts
 from pipeline.score.rows import check_image_alignment, select_rows, token_batches
@@ -55,8 +58,9 @@ from pipeline.score.tokenizers import CrossTokenizer, check_rollout_tokenizer, c
 from pipeline.score.writer import BatchWriter
 from pipeline.slurm.arrays import array_spec, shard_index
 from pipeline.store import Descriptor, TeacherCache
+from pipeline.store import hidden as hidden_store
 from pipeline.store import images as image_store
-from pipeline.store.cache import DESCRIPTOR
+from pipeline.store.cache import CROSS_COLUMNS, DESCRIPTOR
 from pipeline.store.codec import params as codec_params
 from pipeline.store.fingerprint import (
     FINGERPRINT_SCHEME,
@@ -67,7 +71,7 @@ from pipeline.store.fingerprint import (
 from pipeline.store.model_config import vocab_size as model_vocab_size
 from pipeline.store.rollouts import rollout_shards
 from pipeline.store.schema import load_schema
-from pipeline.store.shards import read_marker
+from pipeline.store.shards import atomic_write_bytes, read_marker
 from pipeline.store.tasks import (
     missing_score_tasks,
     rollouts_tag,
@@ -114,6 +118,7 @@ class _Task:
     teacher_fp: str
     cache: TeacherCache
     t0: float  # when the task's work began (the summary's seconds)
+    output_weight: Any = None  # teacher_rows=hidden: the teacher's output layer [V, H] (store/hidden.py)
 
 
 def _open_task(cfg: ScoreConfig, llm) -> _Task:
@@ -123,6 +128,11 @@ def _open_task(cfg: ScoreConfig, llm) -> _Task:
     if problems:
         raise ConfigError("; ".join(problems))
     teacher = resolve_teacher(cfg.teacher)
+    if cfg.hidden:  # before any work: a teacher whose logits are not hidden · Wᵀ, or an engine handed in
+        hidden_store.check_teacher(teacher)
+        if llm is not None:
+            raise ConfigError("teacher_rows=hidden scores through its own pooling engine (score/hidden.py), not an "
+                              "engine passed to score(): pass llm=None, or score with teacher_rows=topk")
     t0 = time.time()
     from transformers import AutoConfig, AutoTokenizer
 
@@ -145,7 +155,7 @@ def _open_task(cfg: ScoreConfig, llm) -> _Task:
             raise ConfigError(f"teacher_adapter: {cfg.teacher_adapter} is not a peft LoRA folder (no adapter_config.json)")
     teacher_config = AutoConfig.from_pretrained(teacher)
     vocab_size = model_vocab_size(teacher_config)
-    if cfg.topk > vocab_size:  # before cache.json is written (it would record the k) and before any engine starts
+    if cfg.stored_k > vocab_size:  # before cache.json is written (it would record the k) and before any engine starts
         raise ConfigError(f"topk={cfg.topk} is above the teacher's vocabulary ({teacher}/config.json: vocab_size="
                           f"{vocab_size}); choose --topk <= {vocab_size} (a top-k beyond it holds no more tokens)")
     image_token = image_store.image_token_id(json.loads((teacher / "config.json").read_text()))
@@ -165,10 +175,16 @@ def _open_task(cfg: ScoreConfig, llm) -> _Task:
         teacher_name = str(teacher) + (f" + adapter {cfg.teacher_adapter}" if cfg.teacher_adapter else "")
         engine_name = engine_version()
 
+    weight = layer = hidden = None
+    if cfg.hidden:  # the output layer, stored once in the cache; its sha256 is part of the cache's identity
+        weight = hidden_store.output_layer(teacher)
+        layer = hidden_store.output_layer_bytes(weight)
+        hidden = {"dtype": cfg.hidden_dtype, "size": str(weight.shape[1]), "output_layer": hidden_store.OUTPUT_LAYER,
+                  "output_layer_sha256": hidden_store.sha256(layer), "route": HIDDEN_ROUTE}
     descriptor = Descriptor(
         teacher_fingerprint=teacher_fp,
         tokenizer_fingerprint=tok_fp,
-        k=cfg.topk,
+        k=cfg.stored_k,
         logprob_mode=cfg.logprob_mode,
         teacher=teacher_name,
         vocab_size=vocab_size,
@@ -180,12 +196,16 @@ def _open_task(cfg: ScoreConfig, llm) -> _Task:
         teacher_probe=probe,
         fingerprint_scheme=scheme,
         **({} if cross is None else {"student_tokenizer_fingerprint": cross.student_fp,
-                                     "schema_version": load_schema("scored").version}),
+                                     "schema_version": load_schema("scored").written(CROSS_COLUMNS).version}),
+        **({} if hidden is None else {"teacher_rows": hidden_store.KIND, "hidden": hidden, "schema_version":
+                                      load_schema("scored").written({hidden_store.COLUMN}).version}),
     )
     cache = TeacherCache.create_or_open(cfg.cache, descriptor)  # refuses another teacher/tokenizer/k/numerics first
     if cross is not None:
         store_teacher_tokenizer(cache.root, tokenizer)
-    return _Task(teacher, paths, cross, vocab_size, image_token, engine_len, served, teacher_fp, cache, t0)
+    if layer is not None and not (cache.root / hidden_store.OUTPUT_LAYER).is_file():
+        atomic_write_bytes(cache.root / hidden_store.OUTPUT_LAYER, layer)  # its bytes are cache.json's sha256
+    return _Task(teacher, paths, cross, vocab_size, image_token, engine_len, served, teacher_fp, cache, t0, weight)
 
 
 def _served_teacher(cfg: ScoreConfig, teacher: Path, tokenizer, vocab_size: int, engine_len: int,
@@ -262,12 +282,15 @@ def _score_rows(cfg: ScoreConfig, llm, task: _Task, todo: list[dict], name: str,
     stack = contextlib.ExitStack()
     if task.served is not None:
         engine = task.served
+    elif cfg.hidden:
+        engine = stack.enter_context(hidden_teacher(cfg, task.teacher, task.engine_len))
     else:
         engine = stack.enter_context(in_process_teacher(
             cfg, task.teacher, llm, task.engine_len, image_token=task.image_token,
             max_images=max((len(r.get("images") or ()) for r in todo), default=0)))
     total_tokens = sum(len(r["engine_ids"]) for r in todo)
-    out = Parts(task.cache, name, parts, counts, cfg, task.teacher if task.served is None else cfg.teacher_url)
+    out = Parts(task.cache, name, parts, counts, cfg, task.teacher if task.served is None else cfg.teacher_url,
+                task.output_weight)
     writer = BatchWriter(out.add, cfg.write_queue)
     with stack:
         bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"score {shard}/{cfg.num_shards}", file=sys.stderr)

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from pipeline import pause
 from pipeline.errors import MissingInputError, UserError
 from pipeline.store import align, codec, images, reader
+from pipeline.store import hidden as hidden_store
 from pipeline.store import index as shard_index
 from pipeline.store.fingerprint import FINGERPRINT_SCHEME
 from pipeline.store.locks import FileLock
@@ -92,16 +93,25 @@ class Descriptor:
     # A cross-tokenizer cache (pipeline/store/align.py): the rollouts' (student's) tokenizer; tokenizer_fingerprint
     # is then the teacher's. None: one tokenizer for both (and cache.json is written without the field).
     student_tokenizer_fingerprint: str | None = None
+    # A hidden-state cache (store/hidden.py): teacher_rows "hidden" and its `hidden` map (dtype, size, the output
+    # layer's file and sha256, the route). None: a top-k cache (cache.json is written without the fields).
+    teacher_rows: str | None = None
+    hidden: dict | None = None
 
     # What must agree for two producers to share one cache (the rest is informational).
     IDENTITY = ("teacher_fingerprint", "tokenizer_fingerprint", "k", "topp", "min_k", "logprob_mode", "numerics",
-                "student_tokenizer_fingerprint")
+                "student_tokenizer_fingerprint", "teacher_rows", "hidden")
 
     @property
     def teacher_fingerprint_scheme(self) -> int:
         """How teacher_fingerprint was computed: the recorded scheme, 1 where none is recorded (a cache before
         descriptor 1.5)."""
         return self.fingerprint_scheme or 1
+
+    @property
+    def hidden_rows(self) -> bool:
+        """A hidden-state cache (store/hidden.py), not a top-k one."""
+        return self.teacher_rows == hidden_store.KIND
 
     @property
     def cross_tokenizer(self) -> bool:
@@ -325,6 +335,10 @@ class TeacherCache:
                 "images": pa.array([r.get("images") or None for r in rows], pa.list_(pa.string())),
             }
         )
+        if d.hidden_rows:  # scored 1.4's hidden_states: only a hidden-state cache has them
+            dtype = d.hidden["dtype"]
+            table = table.append_column(hidden_store.COLUMN, pa.array(
+                [hidden_store.encode(r["hidden_states"], dtype) for r in rows], pa.binary()))
         if d.cross_tokenizer:  # scored 1.3's sparse columns: only a cross-tokenizer cache has (and needs) them
             for column in CROSS_COLUMNS:
                 values = [r[column] for r in rows]
@@ -387,6 +401,9 @@ class TeacherCache:
             "engine": d.engine,
             "numerics": d.numerics,
             "codec": d.codec.get("name"),
+            "bytes_per_position": round(nbytes / tokens, 2) if tokens else None,
+            **(hidden_store.stats(d, tokens, nbytes) if d.hidden_rows
+               else {"teacher_rows": "topk", "trains": hidden_store.TOPK_TRAINS}),
             **({"student_tokenizer_fingerprint": d.student_tokenizer_fingerprint,
                 "alignment": self.alignment_stats()} if d.cross_tokenizer else {}),
         }
@@ -423,6 +440,8 @@ class TeacherCache:
         for orphan in sorted(self.shard_dir.glob("*.parquet")):
             if read_marker(orphan) is None:
                 problems.append(f"{orphan}: no completion marker (an interrupted write); delete it or rerun its task")
+        if d.hidden_rows:
+            problems += hidden_store.verify_problems(self.root, d)
         seen: dict[str, Path] = {}
         for p in self.shard_paths():
             shard_problems = verify_shard(p, "scored")
@@ -447,6 +466,8 @@ class TeacherCache:
                         pass
                 except (ShardError, codec.CodecError) as e:
                     problems.append(str(e))
+                if d.hidden_rows:
+                    problems += hidden_store.shard_problems(p, d)
         return problems
 
 

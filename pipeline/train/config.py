@@ -34,6 +34,10 @@ class TrainConfig:
     teacher_live: str | None = None
     rollouts: list[str] = field(default_factory=list)
     teacher_live_topk: int = 64  # k of the live teacher's rows (a cache's k is the one it was scored with)
+    # A hidden-state cache (gkd score teacher_rows=hidden) read as a top-k cache of this k: each micro-batch's teacher
+    # top-k and tail are computed from its states (as the live teacher's are), so the top-k losses (topk_mode
+    # tail|renorm) train from it. 0: the exact full-vocabulary loss (pipeline/train/losses/exact.py).
+    topk_from_hidden: int = 0
     # Several teachers routed by tag (then cache must be []): {TAG: CACHE_DIR, default: CACHE_DIR}; each sample is
     # taken from the cache of its rollout tag `teacher_tag_key` (or `default`), with an optional KD loss weight
     # per teacher (default 1); on_unrouted: error (name the tag) | skip (count the samples in the metrics)
@@ -223,6 +227,8 @@ class TrainConfig:
         if self.teacher_live is None and not self.cache and not self.teachers:
             p.append("cache: give at least one cache directory or shard (or teacher_live=DIR with rollouts, or "
                      "teachers={TAG: CACHE})")
+        if self.topk_from_hidden < 0:
+            p.append(f"topk_from_hidden must be >= 0 (0: the exact loss), got {self.topk_from_hidden}")
         if self.teacher_live_topk < 1:
             p.append("teacher_live_topk must be >= 1")
         if self.optimizer not in ("adam", "sgd"):

@@ -30,11 +30,13 @@ from pipeline.store.shards import atomic_write_bytes
 from pipeline.train import metrics
 from pipeline.train.config import TrainConfig
 from pipeline.train.data.loader import LiveRows, Routing, ScoredLoader, batch_split_problem
+from pipeline.train.data.sources import resolve_sources
 from pipeline.train.losses.xtok import XTOK_LOSSES
 from pipeline.train.models.families import resolve_backend
 from pipeline.train.setup import (
     check_backend,
     check_cache_holds_loss,
+    check_hidden_cache,
     check_images,
     image_rows,
     live_xtok_setup,
@@ -59,6 +61,8 @@ def train(cfg: TrainConfig) -> dict:
     images_at = image_rows(cfg)  # one listing per cache without images; before the model is built
     check_images(hf_dir, images_at)
     packing, packing_why = plan_packing(cfg, backend, images_at, hf_dir)
+    if cfg.teacher_live is None:  # a hidden-state cache's refusals (parallel sizes among them) before any group
+        check_hidden_cache(cfg, resolve_sources(cfg.cache, indexed=True))
     resume = checkpoint.latest(cfg.save_dir)
     if resume is not None and backend == "megatron":  # before any process group: a layout it cannot load into
         checkpoint.check_optimizer_layout(resume, checkpoint.read_meta(resume), cfg.use_distributed_optimizer,

@@ -20,9 +20,10 @@ from pipeline.assets import resolve_student
 from pipeline.config import ConfigError
 from pipeline.store import align
 from pipeline.store.fingerprint import tokenizer_fingerprint
+from pipeline.store.model_config import vocab_size
 from pipeline.train.config import TrainConfig
 from pipeline.train.data import xtok_rows
-from pipeline.train.data.sources import TokenizerMismatchError, resolve_rollouts, resolve_sources
+from pipeline.train.data.sources import TokenizerMismatchError, hidden_agreement, resolve_rollouts, resolve_sources
 from pipeline.train.data.sources import image_rows as source_images
 from pipeline.train.losses.fused import output_hidden_states
 from pipeline.train.losses.xtok import XTOK_LOSSES
@@ -265,6 +266,8 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
     # model (xtok_map, image_rows and the loader read it again)
     sources = resolve_sources(cfg.cache, indexed=True)
     check_cross_tokenizer(cfg, sources)
+    if check_hidden_cache(cfg, sources):
+        return
     for src in sources:
         if src.descriptor.k > 0:
             continue
@@ -278,6 +281,37 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
                 raise ConfigError(f"{path}: {dataset} dataset-sourced row(s); loss=opd trains them with the GKD "
                                   f"loss (topk_mode={cfg.topk_mode}), which needs top-k entries, and this cache has "
                                   "k = 0. Score them into a top-k cache, or leave them out")
+
+def check_hidden_cache(cfg: TrainConfig, sources: list) -> bool:
+    """Before any work, for hidden-state caches (store/hidden.py; False: none): one kind per run, the keys the exact
+    loss (losses/exact.py) does not run under yet, and a student whose vocabulary is the teacher's."""
+    first = hidden_agreement(sources)  # a hidden-state cache mixed with a top-k cache: refused, by file
+    if first is None:
+        return False
+    where = first.root / "cache.json"
+    keys = {"tensor_model_parallel_size": cfg.tensor_model_parallel_size,
+            "context_parallel_size": cfg.context_parallel_size,
+            "pipeline_model_parallel_size": cfg.pipeline_model_parallel_size}
+    for key, value in keys.items():
+        if value > 1:
+            raise ConfigError(f"{where}: a hidden-state cache trains at {key}=1 only (the exact-teacher loss is not "
+                              f"split yet); set {key}=1, or train from a top-k cache")
+    if not cfg.fused_loss and not cfg.topk_from_hidden:
+        raise ConfigError(f"{where}: a hidden-state cache trains through the fused output layer; drop "
+                          "fused_loss=false (or read it as a top-k cache: topk_from_hidden=K)")
+    if cfg.loss not in ("gkd", "opd") or cfg.teachers:
+        raise ConfigError(f"{where}: a hidden-state cache trains loss=gkd or loss=opd from one cache (got loss="
+                          f"{cfg.loss}{', teachers: ...' if cfg.teachers else ''}); cross-tokenizer losses and "
+                          "routed teachers need top-k caches")
+    student_cfg = student_dir(cfg) / "config.json"
+    student_vocab = vocab_size(json.loads(student_cfg.read_text()))
+    teacher_vocab = first.descriptor.vocab_size
+    if student_vocab != teacher_vocab:
+        raise ConfigError(f"{student_cfg}: vocab_size={student_vocab}, the teacher's is {teacher_vocab} ({where}): "
+                          "the exact divergence pairs the two vocabularies token for token; train a student with the "
+                          "teacher's vocabulary, or score a top-k cache (teacher_rows=topk) for this student")
+    return True
+
 
 def check_cross_tokenizer(cfg: TrainConfig, sources: list) -> None:
     """Before any work: loss=uld|gold needs a cross-tokenizer cache (spans, scored schema 1.3) and tokenizers that

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from pipeline.config import ConfigError
 from pipeline.train import metrics
 from pipeline.train.config import TrainConfig
+from pipeline.train.losses.exact import exact_gkd_loss
 from pipeline.train.losses.fused import fused_gkd_loss, output_weight
 from pipeline.train.losses.reference import gkd_loss, opd_loss, vocab_parallel_ce
 from pipeline.train.losses.xtok import XTOK_LOSSES, fused_xtok_loss, gold_weights
@@ -58,7 +59,7 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     four loss terms, the weighted KD sum, and per routed teacher its KD sum and KD count."""
     names = sorted(cfg.teachers)
     # the loss reads route and spans; images and xtok_live were the forward's and the live teacher's (already used)
-    batch.refuse_parts({"route", "images", "xtok_live"} | ({"spans"} if cfg.loss in XTOK_LOSSES else set()),
+    batch.refuse_parts({"route", "images", "xtok_live"} | ({"spans"} if cfg.loss in XTOK_LOSSES else {"exact"}),
                        f"loss={cfg.loss}", fix="cross-tokenizer rows train with loss=gold (or loss=uld)")
     if batch.route is None or not names:
         loss, kd_n, t = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt, output_tensor)
@@ -116,7 +117,18 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
             weights=weights, beta=cfg.kd_beta, sft_mask=batch.sft_mask if cfg.sft_alpha > 0 else None,
             kd_weight=kd_weight, sft_weight=sft_weight, vocab_size=vocab_size, tp_group=tp_group)
         return out.loss, out.kd_count, metrics.terms(out.kd_sum, out.sft_sum, opd_sum, opd_kl)
-    if cfg.fused_loss:
+    if batch.exact is not None:  # a hidden-state cache: the exact teacher, chunk by chunk (losses/exact.py)
+        if not cfg.fused_loss:
+            raise ConfigError("a hidden-state cache trains through the fused output layer: drop fused_loss=false")
+        out = exact_gkd_loss(
+            output_tensor, output_weight(gpt), batch.exact.hidden, batch.exact.weight, kd_mask, beta=cfg.kd_beta,
+            temperature=cfg.temperature, labels=batch.labels, sft_mask=sft_mask, kd_weight=kd_weight,
+            sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size, opd_mask=opd_mask, opd_weight=kd_weight)
+        loss, kd_sum, sft_sum = out.loss, out.kd_sum, out.sft_sum
+        kd_n = out.kd_count + out.opd_count
+        if opd_mask is not None:
+            opd_sum, opd_kl = out.opd_sum, out.opd_kl_sum
+    elif cfg.fused_loss:
         out = fused_gkd_loss(
             output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
             beta=cfg.kd_beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
@@ -207,6 +219,19 @@ def score_live(teacher, batch, attn: dict, cfg: TrainConfig, student_vocab: int)
     return dataclasses.replace(batch, teacher_ids=ids, teacher_logprobs=lps, teacher_tail=tail, teacher_valid=valid)
 
 
+def topk_view(batch, k: int, student_vocab: int):
+    """A hidden-state cache's micro-batch as a top-k one (`topk_from_hidden`): the teacher's top-k and tail at the
+    loss positions computed from its states and output layer, as the live teacher's are (teacher/live.py), the
+    exact part dropped; every top-k loss then reads it."""
+    import dataclasses
+
+    with torch.no_grad():
+        ids, lps, tail, valid = teacher_topk(batch.exact.hidden, batch.exact.weight, batch.loss_mask, k,
+                                             vocab_size=batch.exact.weight.shape[0], student_vocab=student_vocab)
+    return dataclasses.replace(batch, teacher_ids=ids, teacher_logprobs=lps, teacher_tail=tail, teacher_valid=valid,
+                               exact=None)
+
+
 def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model, teacher=None):
     """Megatron's contract: (output tensor, partial(loss_func, ...)); the schedule calls the loss and backward.
     `teacher`: a frozen live teacher that scores the micro-batch first (else the loader brought cached rows)."""
@@ -214,6 +239,8 @@ def forward_step(counts, cfg: TrainConfig, vocab_size: int, data_iterator, model
     batch, attn = rank_inputs(next(data_iterator).to(device()), cfg, model)
     if teacher is not None:
         batch = score_live(teacher, batch, attn, cfg, vocab_size)
+    elif batch.exact is not None and cfg.topk_from_hidden:
+        batch = topk_view(batch, cfg.topk_from_hidden, vocab_size)
     # [B, S, V/tp] logits, or [B, S, H] hidden states with fused_loss
     out = model(batch.input_ids, **attn)
     return out, partial(loss_func, batch, counts, cfg, vocab_size, _unwrap(model))

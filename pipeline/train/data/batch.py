@@ -49,6 +49,9 @@ class MicroBatch:
     # A live teacher with another tokenizer (train/teacher/live_xtok.py): the samples' teacher tokens and their layout
     # here, from which the trainer computes the teacher rows.
     xtok_live: XtokLive | None = None
+    # A hidden-state cache (store/hidden.py): the teacher's final hidden states at the loss positions and its output
+    # layer (train/losses/exact.py computes the exact teacher from them).
+    exact: Exact | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The tensors moved to `device`, those inside its parts too (a no-op on CPU)."""
@@ -96,9 +99,21 @@ class Spans:
     teacher_vocab: int = 0
 
 
-PARTS = ("route", "images", "spans", "xtok_live")
+@dataclass
+class Exact:
+    """A hidden-state cache's teacher (train/losses/exact.py): `hidden` [B, S, H_t] (bf16 or float32, the cache's
+    dtype; zeros where inactive) holds at position t the teacher state that predicts labels[t]; `weight` [V, H_t] is
+    the teacher's output layer, one tensor for the whole run (the loader's)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor | None = None
+
+
+PARTS = ("route", "images", "spans", "xtok_live", "exact")
 _PART_DOC = {"route": "routed teachers' positions", "images": "image rows",
-             "spans": "cross-tokenizer span heads", "xtok_live": "a live teacher with another tokenizer"}
+             "spans": "cross-tokenizer span heads", "xtok_live": "a live teacher with another tokenizer",
+             "exact": "a hidden-state cache's teacher states"}
+_ON_DEVICE: dict = {}  # the teacher's output layer moved once per device, not once per micro-batch
 
 
 def _moved(v: Any, device: torch.device | str) -> Any:
@@ -107,6 +122,15 @@ def _moved(v: Any, device: torch.device | str) -> Any:
         return v.to(device, non_blocking=True)
     if isinstance(v, (Route, Spans)):
         return dataclasses.replace(v, **{f.name: _moved(getattr(v, f.name), device) for f in dataclasses.fields(v)})
+    if isinstance(v, Exact):
+        w = v.weight
+        if w is not None and w.device != torch.device(device):
+            key = (id(w), str(device))
+            if key not in _ON_DEVICE:
+                _ON_DEVICE.clear()
+                _ON_DEVICE[key] = (w, w.to(device))  # holds w too, so its id is not reused meanwhile
+            w = _ON_DEVICE[key][1]
+        return Exact(v.hidden.to(device, non_blocking=True), w)
     return v
 
 
@@ -134,6 +158,8 @@ class Block:
     member_back: np.ndarray | None = None
     span_len: np.ndarray | None = None
     xtok_live: list[LiveRow] | None = None  # per row: its teacher tokens and spans (a live cross-tokenizer teacher)
+    # a hidden-state cache: [positions, H_t] teacher states (bf16 as its int16 bit pattern, or float32)
+    hidden: np.ndarray | None = None
 
 
 @dataclass
@@ -266,6 +292,8 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
     route = np.full((B, width), -1, np.int64) if routed else None
     cross = any(blk.member_back is not None for blk, _ in fetched)
     span_head = np.full((B, width), -1, np.int64) if cross else None
+    states = next((blk.hidden for blk, _ in fetched if blk.hidden is not None), None)
+    t_hidden = None if states is None else np.zeros((B, width, states.shape[1]), states.dtype)
     folded = 0
     for (blk, j), r, o, n in zip(fetched, row_of.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
         a = blk.token_offsets[j]
@@ -286,6 +314,8 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
             t_tail[r, t0:t1] = blk.tail[lo + q0 : lo + q1]
             if blk.actual is not None:
                 t_actual[r, t0:t1] = blk.actual[lo + q0 : lo + q1]
+            if t_hidden is not None:
+                t_hidden[r, t0:t1] = blk.hidden[lo + q0 : lo + q1]
             if route is not None:
                 route[r, t0:t1] = blk.route[j]
             if blk.valid is None:
@@ -332,4 +362,11 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         route=None if route is None else Route(torch.from_numpy(route)),
         spans=None if span_head is None else Spans(torch.from_numpy(span_head)),
         xtok_live=live,
+        exact=None if t_hidden is None else Exact(_states(t_hidden)),
     )
+
+
+def _states(arr: np.ndarray) -> torch.Tensor:
+    """Teacher states as a tensor of the cache's dtype (bf16 from its int16 bit pattern, no copy)."""
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if arr.dtype == np.int16 else t

@@ -20,13 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.store import hidden as hidden_store
 from pipeline.store.cache import cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, file_sha256
 from pipeline.train.data.batch import Block, fold_past_vocab, student_layout
-from pipeline.train.data.xtok_rows import LiveXtok, rollout_block
 from pipeline.train.data.shard_table import ShardTable
+from pipeline.train.data.xtok_rows import LiveXtok, rollout_block
 
 # what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
 COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
@@ -39,10 +40,11 @@ class BlockReader:
     def __init__(self, shards: ShardTable, shard_starts: np.ndarray, block_starts: np.ndarray, *, k: int,
                  window_rows: int, actual: bool = False, cross: bool = False, vocab_size: int | None = None,
                  xtok_map: np.ndarray | None = None, route_of: np.ndarray | None = None, live: bool = False,
-                 live_xtok: LiveXtok | None = None) -> None:
+                 live_xtok: LiveXtok | None = None, hidden: dict | None = None) -> None:
         self.shards, self.shard_starts, self.block_starts = shards, shard_starts, block_starts
         self.k, self.actual, self.cross, self.vocab_size, self.xtok_map = k, actual, cross, vocab_size, xtok_map
         self.route_of, self.live, self.live_xtok = route_of, live, live_xtok
+        self.hidden = hidden  # a hidden-state cache's `hidden` (store/hidden.py): dtype and size of its states
         self.rg_starts = shards.row_group_starts()
         self.files: OrderedDict[int, tuple[pq.ParquetFile, Decoder]] = OrderedDict()
         self.blocks: OrderedDict[int, Block] = OrderedDict()
@@ -104,13 +106,19 @@ class BlockReader:
             offsets = ids.offsets.to_numpy().astype(np.int64)
             first = table.column("first_scored").to_numpy().astype(np.int64)
             is_dataset = pc.equal(table.column("source"), "dataset").to_numpy(zero_copy_only=False)
+            states = None
+            if self.hidden is not None:  # [positions, H_t], the rows' states concatenated like their teacher rows
+                column = pf.read_row_group(rg, columns=[hidden_store.COLUMN], use_threads=False).column(0).to_pylist()
+                size, dtype = int(self.hidden["size"]), self.hidden["dtype"]
+                states = np.concatenate([hidden_store.decode(b, int(n), size, dtype)
+                                         for b, n in zip(column, num_scored.tolist(), strict=True)])
             images = None
             if "images" in pf.schema_arrow.names:
                 images = pf.read_row_group(rg, columns=["images"], use_threads=False).column(0).to_pylist()
                 images = images if any(images) else None
         except (pa.ArrowException, OSError) as e:
             raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
-        except CodecError as e:
+        except (CodecError, ValueError) as e:
             raise ShardError(f"{path}: {e}") from e
         if not np.array_equal(np.diff(offsets), first + num_scored):
             raise ShardError(f"{path}: row group {rg}: len(input_ids) != first_scored + num_scored")
@@ -130,7 +138,7 @@ class BlockReader:
             row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
             actual=topk.actual_logprobs if self.actual else None,
             route=None if self.route_of is None else self.route_of[start: start + table.num_rows],
-            images=images, root=str(cache_root(path)),
+            images=images, root=str(cache_root(path)), hidden=states,
         )
 
     def _student(self, pf: pq.ParquetFile, rg: int, path: Path, table: pa.Table, is_dataset: np.ndarray,

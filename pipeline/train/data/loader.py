@@ -72,16 +72,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError
+from pipeline.store.hidden import load_output_layer
 from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, verify_shard
 from pipeline.train.data.batch import Images, MicroBatch, assemble, matched_ids
 from pipeline.train.data.blocks import BlockReader
-from pipeline.train.data.xtok_rows import LiveXtok
 from pipeline.train.data.order import EpochOrder, StepPlan
 from pipeline.train.data.prefetch import prefetched
 from pipeline.train.data.routing import Router
 from pipeline.train.data.shard_table import ShardTable
 from pipeline.train.data.sources import Source, check_sources, resolve_rollouts, resolve_sources, student_lengths
+from pipeline.train.data.xtok_rows import LiveXtok
 
 
 def batch_split_problem(global_batch_size: int, micro_batch_size: int, dp: int, why: str = "") -> str | None:
@@ -159,6 +160,7 @@ class ScoredLoader:
             sources = self.router.caches()
         # A cross-tokenizer cache (store/align.py) sets these below; rollouts for a live teacher are never one.
         self.cross, self.xtok_map, self.xtok_matched, self.xtok_teacher_vocab = False, None, None, 0
+        self.hidden, self.teacher_weight = None, None  # a hidden-state cache (store/hidden.py) sets these below
         live_xtok = live.xtok if live is not None else None
         self.live_xtok = live_xtok  # a live teacher with another tokenizer (data/xtok_rows.py, teacher/live_xtok.py)
         if live is not None:
@@ -182,13 +184,17 @@ class ScoredLoader:
                 if xtok_map is not None:
                     self.xtok_matched = matched_ids(xtok_map, vocab_size)
             self.k, self.topp, self.min_k = agreed.k, agreed.topp, agreed.min_k
+            if agreed.hidden is not None:  # the teacher's output layer, read once for the run
+                self.hidden = agreed.hidden
+                self.teacher_weight = load_output_layer(agreed.hidden_root,
+                                                        next(r.descriptor for r in resolved if r.root == agreed.hidden_root))
         self._build_index(resolved, verify_checksums)
         self.epochs = EpochOrder(self._block_starts, self.valid, seed, window_rows)
         self.steps = StepPlan(self.epochs, self.lengths, self.G, self.S)
         self.reader = BlockReader(self.shards, self._shard_starts, self._block_starts, k=self.k,
                                   window_rows=window_rows, actual=self.actual, cross=self.cross,
                                   vocab_size=vocab_size, xtok_map=self.xtok_map, route_of=self.route_of,
-                                  live=self.live, live_xtok=self.live_xtok)
+                                  live=self.live, live_xtok=self.live_xtok, hidden=self.hidden)
 
     @property
     def unrouted(self) -> int:
@@ -335,6 +341,8 @@ class ScoredLoader:
             mb.spans = dataclasses.replace(mb.spans, matched=self.xtok_matched, teacher_vocab=self.xtok_teacher_vocab)
         if mb.xtok_live is not None:
             mb.xtok_live.vmap = self.xtok_map
+        if mb.exact is not None:
+            mb.exact.weight = self.teacher_weight
         return mb
 
     def iter_from(self, start: int = 0, *, prefetch: int = 2) -> Iterator[MicroBatch]:

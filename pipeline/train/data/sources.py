@@ -136,6 +136,8 @@ class Agreement:
     k: int
     topp: float | None
     min_k: int | None
+    hidden: dict | None = None  # hidden-state caches (store/hidden.py): their shared `hidden` (dtype, size, layer)
+    hidden_root: Path | None = None  # the first of them (where the output layer is read)
 
 
 def _roots(resolved: list[Source]) -> str:
@@ -147,6 +149,7 @@ def check_sources(resolved: list[Source], tokenizer_fingerprint: str | None, voc
     """Refuse sources that cannot be read together, before any row is read: cross- and same-tokenizer caches, a
     cache of another tokenizer than the student's (`tokenizer_fingerprint`), a larger vocabulary unverified by a
     fingerprint, different k, different top-p settings."""
+    hidden = hidden_agreement(resolved)
     kinds = {r.descriptor.cross_tokenizer for r in resolved}
     if len(kinds) != 1:
         raise InputError(f"cross-tokenizer and same-tokenizer caches cannot be read together ({_roots(resolved)}): "
@@ -183,4 +186,27 @@ def check_sources(resolved: list[Source], tokenizer_fingerprint: str | None, voc
         raise InputError(f"caches with different top-p settings (topp, min_k) {sorted(tops, key=str)} cannot be "
                          f"read together ({_roots(resolved)}); train from one of them")
     ((topp, min_k),) = tops
-    return Agreement(cross=kinds.pop(), k=ks.pop(), topp=topp, min_k=min_k)
+    return Agreement(cross=kinds.pop(), k=ks.pop(), topp=topp, min_k=min_k,
+                     hidden=None if hidden is None else hidden.descriptor.hidden,
+                     hidden_root=None if hidden is None else hidden.root)
+
+
+def hidden_agreement(resolved: list[Source]) -> Source | None:
+    """The first hidden-state cache of a run (None: none), after refusing, by file, a hidden-state cache mixed with a
+    top-k cache, and hidden-state caches of other teachers' output layers or other state dtypes."""
+    roots = {r.root: r.descriptor for r in resolved}
+    hidden = [w for w, d in roots.items() if d.hidden_rows]
+    if not hidden:
+        return None
+    topk = [w for w, d in roots.items() if not d.hidden_rows]
+    if topk:
+        raise InputError(
+            f"{hidden[0] / DESCRIPTOR}: teacher_rows=hidden, but {topk[0] / DESCRIPTOR} is a top-k cache (no "
+            "teacher_rows): a run trains from one kind (cache: lists them); train the hidden-state caches alone, or "
+            "score the top-k cache's rollouts with teacher_rows=hidden into the hidden-state cache")
+    first = roots[hidden[0]].hidden
+    for w in hidden[1:]:
+        if roots[w].hidden != first:
+            raise InputError(f"{w / DESCRIPTOR}: hidden {roots[w].hidden} differs from {hidden[0] / DESCRIPTOR}'s "
+                             f"{first} (another teacher's output layer or state dtype); train from caches of one teacher")
+    return next(r for r in resolved if r.root == hidden[0])

@@ -57,6 +57,8 @@ _UNSPLIT = {
     "spans": "span heads are flat indices into the whole rows, and a span may cross a chunk boundary; train "
              "cross-tokenizer rows with context_parallel_size=1",
     "xtok_live": "the live teacher lays its rows out on whole samples; use context_parallel_size=1",
+    "exact": "the exact-teacher loss is not split yet (train/losses/exact.py); train a hidden-state cache with "
+             "context_parallel_size=1",
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
-from pipeline.train.data.batch import PARTS, Images, Route, Spans, XtokLive
+from pipeline.train.data.batch import PARTS, Exact, Images, Route, Spans, XtokLive
 from pipeline.train.data.loader import ScoredLoader
 from pipeline.train.parallel.context_parallel import columns, split
 
@@ -28,25 +28,29 @@ def _live(mb) -> XtokLive:
 
 
 def test_parts_names_the_parts_present_and_refuse_parts_names_part_consumer_and_fix(mb):
-    assert mb.parts() == () and PARTS == ("route", "images", "spans", "xtok_live")
+    assert mb.parts() == () and PARTS == ("route", "images", "spans", "xtok_live", "exact")
     mb.refuse_parts(set(), "anything")  # nothing to refuse
     full = dataclasses.replace(mb, route=Route(torch.zeros_like(mb.input_ids)), images=Images([[], []]),
-                               spans=Spans(torch.full_like(mb.input_ids, -1)), xtok_live=_live(mb))
+                               spans=Spans(torch.full_like(mb.input_ids, -1)), xtok_live=_live(mb),
+                               exact=Exact(torch.zeros(*mb.input_ids.shape, 4)))
     assert full.parts() == PARTS
     full.refuse_parts(set(PARTS), "everything")
     with pytest.raises(ConfigError, match=rf"the micro-batch of {mb.keys[0]} carries spans \(cross-tokenizer span "
                                           r"heads\), which the reader cannot use; drop it$"):
-        full.refuse_parts({"route", "images", "xtok_live"}, "the reader", fix={"spans": "drop it"})
+        full.refuse_parts({"route", "images", "xtok_live", "exact"}, "the reader", fix={"spans": "drop it"})
     with pytest.raises(ConfigError, match=r"carries xtok_live \(a live teacher with another tokenizer\), which x "
                                           r"cannot use; change y$"):
-        full.refuse_parts({"route", "images", "spans"}, "x", fix="change y")
+        full.refuse_parts({"route", "images", "spans", "exact"}, "x", fix="change y")
 
 
 def test_to_moves_the_tensors_inside_the_parts(mb):
     """Was: `.to` moved the micro-batch's own tensor fields only, the parts' tensors stayed behind."""
     part = dataclasses.replace(mb, route=Route(torch.zeros_like(mb.input_ids)),
-                               spans=Spans(torch.full_like(mb.input_ids, -1), torch.ones(7, dtype=torch.bool), 9))
+                               spans=Spans(torch.full_like(mb.input_ids, -1), torch.ones(7, dtype=torch.bool), 9),
+                               exact=Exact(torch.zeros(*mb.input_ids.shape, 4, dtype=torch.bfloat16), torch.ones(9, 4)))
     moved = part.to("meta")
+    assert moved.exact.hidden.is_meta and moved.exact.weight.is_meta
+    assert moved.to("meta").exact.weight is part.to("meta").exact.weight  # the output layer moves once per device
     assert moved.input_ids.is_meta and moved.route.teacher.is_meta and moved.spans.head.is_meta
     assert moved.spans.matched.is_meta and moved.spans.teacher_vocab == 9
     assert not part.route.teacher.is_meta and not part.spans.head.is_meta  # the original is unchanged
@@ -68,12 +72,12 @@ def test_context_parallel_splits_the_route_part_like_the_rows(mb):
     assert torch.equal(whole[:, :w], route) and bool((whole[:, w:] == -1).all())
 
 
-@pytest.mark.parametrize("part", ["images", "spans", "xtok_live"])
+@pytest.mark.parametrize("part", ["images", "spans", "xtok_live", "exact"])
 def test_context_parallel_refuses_the_parts_it_cannot_split_by_name(mb, part):
     """Was: split passed images and a live cross-tokenizer teacher's layout on whole (the rows cut, their parts not)
     and failed on spans with a KeyError or an IndexError."""
     value = {"images": Images([[("root", "h")], []]), "spans": Spans(torch.full_like(mb.input_ids, -1)),
-             "xtok_live": _live(mb)}[part]
+             "xtok_live": _live(mb), "exact": Exact(torch.zeros(*mb.input_ids.shape, 4))}[part]
     with pytest.raises(ConfigError, match=rf"carries {part} .*which context parallelism \(context_parallel_size=2\) "
                                           r"cannot use; .*context_parallel_size=1"):
         split(dataclasses.replace(mb, **{part: value}), 2, 0)
