@@ -35,3 +35,17 @@ def make_row(rng: np.random.Generator, d: Descriptor, length: int, prompt_len: i
         "actual_ranks": ranks.astype(np.int32),
         "actual_logprobs": actual_lp.astype(np.float32),
     }
+
+
+def write_random_rollouts(path, teacher, specs, seed: int = 0) -> list[dict]:
+    """Rollouts of random token ids (prompt, completion lengths from `specs`) written at `path` with the teacher's
+    tokenizer fingerprint: the score tests' rollouts."""
+    from pipeline.store.fingerprint import tokenizer_fingerprint
+    from pipeline.store.rollouts import rollout_row, write_rollouts
+
+    rng = np.random.default_rng(seed)
+    rows = [rollout_row(prompt_id=f"q{seed}-{i}", prompt_ids=rng.integers(3, 384, p).tolist(),
+                        completion_ids=rng.integers(3, 384, c).tolist(), source="dataset")
+            for i, (p, c) in enumerate(specs)]
+    write_rollouts(path, rows, tokenizer_fingerprint=tokenizer_fingerprint(teacher))
+    return rows

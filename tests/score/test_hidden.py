@@ -8,13 +8,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from scored_rows import write_random_rollouts
 
 from pipeline.config import ConfigError
 from pipeline.score.config import ScoreConfig
 from pipeline.score.scorer import score
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
 from pipeline.store import hidden as hidden_store
-from pipeline.store.rollouts import rollout_row, write_rollouts
 
 MAX_LEN = 96
 
@@ -27,14 +27,7 @@ def teacher(tmp_path_factory):
 
 
 def _rollouts(path, teacher, specs=((5, 7), (9, 1), (40, MAX_LEN - 40)), seed=0):
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-
-    rng = np.random.default_rng(seed)
-    rows = [rollout_row(prompt_id=f"q{seed}-{i}", prompt_ids=rng.integers(3, 384, p).tolist(),
-                        completion_ids=rng.integers(3, 384, c).tolist(), source="dataset")
-            for i, (p, c) in enumerate(specs)]
-    write_rollouts(path, rows, tokenizer_fingerprint=tokenizer_fingerprint(teacher))
-    return rows
+    return write_random_rollouts(path, teacher, specs, seed)
 
 
 def _cfg(tmp, teacher, **kw):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scored_rows import write_random_rollouts
 from vllm_server import LocalServer
 
 from pipeline.score.config import ScoreConfig
@@ -25,7 +26,6 @@ from pipeline.score.scorer import score
 from pipeline.score.served.access import ServedTeacherError
 from pipeline.score.served.logprobs import CLAMPED_LOGPROB, flat_from_json
 from pipeline.store import CacheMismatchError, TeacherCache, read_cache
-from pipeline.store.rollouts import rollout_row, write_rollouts
 
 MAX_LEN = 96
 K = 8
@@ -108,14 +108,7 @@ def server(tmp_path_factory, served_env):
 
 
 def _rollouts(path: Path, teacher: Path, specs, seed: int = 0) -> list[dict]:
-    from pipeline.store.fingerprint import tokenizer_fingerprint
-
-    rng = np.random.default_rng(seed)
-    rows = [rollout_row(prompt_id=f"q{seed}-{i}", prompt_ids=rng.integers(3, 384, p).tolist(),
-                        completion_ids=rng.integers(3, 384, c).tolist(), source="dataset")
-            for i, (p, c) in enumerate(specs)]
-    write_rollouts(path, rows, tokenizer_fingerprint=tokenizer_fingerprint(teacher))
-    return rows
+    return write_random_rollouts(path, teacher, specs, seed)
 
 
 def _cfg(tmp: Path, teacher: Path, **kw) -> ScoreConfig:
