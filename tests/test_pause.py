@@ -1,0 +1,66 @@
+"""pipeline/pause.py: the thread that reaches a pause point stops there, whichever thread it is."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import killing
+
+TESTS = Path(__file__).resolve().parent
+
+# A worker thread reaches the point while the main thread sleeps in a futex wait: the layout in which the score
+# stage's part writer commits (the engine's thread is the main one). Past the point the worker writes a file, which
+# must never appear. Both threads on one core, the main one at SCHED_IDLE: as on a loaded machine, the main thread
+# gets the core only once the worker stops, so a stop that waits for the main thread to act on it (the
+# process-directed SIGSTOP this replaced) lets the worker run on every time.
+_CHILD = """
+import os, sys, threading, time
+from pathlib import Path
+from pipeline import pause
+os.sched_setaffinity(0, {0})
+def worker():
+    time.sleep(0.2)  # sets the scene only: the main thread asleep in join() first
+    pause.point("cache-commit")
+    for n in range(int(sys.argv[2])):  # its next pieces of work (the part writer: the next parts), each marked
+        if n % 1000 == 0:
+            Path(sys.argv[1]).write_text("ran past its pause point")
+t = threading.Thread(target=worker)
+t.start()
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the main thread only (0: the calling thread)
+t.join()
+"""
+
+
+def test_a_worker_thread_stops_at_its_point_not_after_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    past = []
+    for i in range(5):
+        out = tmp_path / f"past-{i}"
+        proc = killing.start([sys.executable, "-c", _CHILD, str(out), str(10**9)], "cache-commit:1", env=env)
+        try:
+            assert killing.wait_stopped(proc) == proc.pid
+            # the whole process is stopped (every thread): nothing it does after the point can still happen
+            threads = Path(f"/proc/{proc.pid}/task").iterdir()
+            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in threads]
+            assert len(states) >= 2 and set(states) == {"T"}, states
+        finally:
+            killing.kill(proc)
+        past += [i] if out.exists() else []
+    assert past == [], f"the worker ran past its pause point in runs {past}"
+
+
+def test_a_stopped_command_goes_on_after_sigcont(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    out = tmp_path / "past"
+    proc = killing.start([sys.executable, "-c", _CHILD, str(out), "1"], "cache-commit", env=env)
+    try:
+        killing.wait_stopped(proc)
+        assert not out.exists()
+        killing.resume(proc)
+        assert proc.wait(timeout=killing.DEADLINE_S) == 0  # the worker went on, wrote its file and ended
+        assert out.read_text() == "ran past its pause point"
+    finally:
+        if proc.poll() is None:
+            killing.kill(proc)
