@@ -1,6 +1,6 @@
 """The exact teacher from a cache (issue #50): hidden-state cache bytes and train step time against top-64.
 
-    python -m benchmarks.run --only exact          (~10 min on 2 CPU cores)
+    python -m benchmarks.run --only exact          (~30 min on 2 CPU cores)
 
 The embedded teacher (SmolLM2-135M-Instruct: hidden 576, vocabulary 49,152, tied embeddings) scores the same
 rollouts twice through vLLM: `teacher_rows=hidden` (bf16 final hidden states through the pooling runner, the output
@@ -10,6 +10,9 @@ completions after a short prompt (dataset-sourced), 48 of them. Bytes: each cach
 student (6 of the teacher's 30 layers) trained by `gkd train` from each cache, same seed, samples and steps,
 `loss=gkd beta=1` (reverse KL: exact from the hidden cache, the top-64 tail bins from the other), fused output layer,
 one intra-op thread each; the median step seconds after the first two, two runs of each interleaved.
+The SFT step: the same runs from the top-64 cache with `kd_alpha=0 sft_alpha=1` (plain CE on the same dataset rows,
+same loop and fused output layer). Quality: the demo student trained 36 steps from each cache at beta=1 and at
+beta=0, exported, and judged on 8 held-out documents by the exact reverse and forward KL to the teacher.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ def held_out_kl(teacher: Path, student: Path, rows: list[list[int]], prompt: lis
     return {"reverse_kl": float(torch.cat(rev).mean()), "forward_kl": float(torch.cat(fwd).mean())}
 
 
-def quality(work: Path) -> dict:
-    """The demo student trained QUALITY_STEPS steps at beta=1 from each cache (same seed, samples, lr), exported,
+def quality(work: Path, beta: float = 1.0) -> dict:
+    """The demo student trained QUALITY_STEPS steps at `beta` from each cache (same seed, samples, lr), exported,
     judged on held-out documents by the exact reverse and forward KL to the teacher."""
     from transformers import AutoTokenizer
 
@@ -92,16 +95,17 @@ def quality(work: Path) -> dict:
     ids = tok(text)["input_ids"]
     prompt = tok("Continue the design notes:\n")["input_ids"]
     held = [ids[i * COMPLETION:(i + 1) * COMPLETION] for i in range(SAMPLES, SAMPLES + HELD_OUT)]
-    out = {"steps": QUALITY_STEPS, "held_out_positions": HELD_OUT * COMPLETION}
+    out = {"steps": QUALITY_STEPS, "beta": beta, "held_out_positions": HELD_OUT * COMPLETION}
     for name in ("hidden", "top64"):
-        save = work / f"quality-{name}"
-        _train(work / name, save, QUALITY_STEPS, lr=5e-4, warmup_steps=2)
-        export = work / f"quality-{name}-hf"
+        save = work / f"quality-{name}-beta{beta:g}"
+        _train(work / name, save, QUALITY_STEPS, lr=5e-4, warmup_steps=2, beta=beta)
+        export = work / f"quality-{name}-beta{beta:g}-hf"
         subprocess.run([sys.executable, "-m", "pipeline", "export", "--checkpoint", str(step_dir(save, QUALITY_STEPS)),
                         "--out", str(export)], check=True, stdout=subprocess.DEVNULL)
         out[name] = held_out_kl(teacher, export, held, prompt)
     out["untrained"] = held_out_kl(teacher, student_dir(), held, prompt)
     out["reverse_ratio"] = out["hidden"]["reverse_kl"] / out["top64"]["reverse_kl"]
+    out["forward_ratio"] = out["hidden"]["forward_kl"] / out["top64"]["forward_kl"]
     return out
 
 
@@ -123,16 +127,21 @@ def run(work: Path) -> dict:
     layer = work / "hidden" / "output_layer.safetensors"
     res["hidden"]["output_layer_bytes"] = layer.stat().st_size
     res["bytes_ratio"] = res["hidden"]["bytes_per_position"] / res["top64"]["bytes_per_position"]
-    steps: dict[str, list[float]] = {"hidden": [], "top64": []}
+    # sft: the same student, samples and steps from the top-64 cache with kd_alpha=0 sft_alpha=1 (plain CE on these
+    # dataset rows through the same loop and fused output layer: what a step costs with no teacher at all)
+    runs = {"top64": ("top64", {}), "hidden": ("hidden", {}), "sft": ("top64", {"kd_alpha": 0, "sft_alpha": 1})}
+    steps: dict[str, list[float]] = {k: [] for k in runs}
     last: dict[str, dict] = {}
     for rep in range(2):
-        for name in ("top64", "hidden"):
-            rows = _train(work / name, work / f"run-{name}-{rep}")
+        for name, (cache, kw) in runs.items():
+            rows = _train(work / cache, work / f"run-{name}-{rep}", **kw)
             steps[name] += [r["step_seconds"] for r in rows[2:]]
             last[name] = rows[-1]
     res["step_seconds"] = {k: statistics.median(v) for k, v in steps.items()}
     res["step_ratio"] = res["step_seconds"]["hidden"] / res["step_seconds"]["top64"]
-    res["last_step"] = {k: {m: v.get(m) for m in ("loss", "jsd", "tokens_per_s")} for k, v in last.items()}
+    res["gkd_vs_sft_ratio"] = res["step_seconds"]["top64"] / res["step_seconds"]["sft"]
+    res["quality"] = {f"beta{b:g}": quality(work, b) for b in (1.0, 0.0)}
+    res["last_step"] = {k: {m: v.get(m) for m in ("loss", "jsd", "sft", "tokens_per_s")} for k, v in last.items()}
     return res
 
 
@@ -147,9 +156,27 @@ def markdown(res: dict) -> str:
         f"{full / h['bytes_per_position']:.0f}x the hidden rows) | report |",
         f"| exact-teacher train step vs top-64 train step | {res['step_ratio']:.2f}x ({res['step_seconds']['hidden']:.2f} vs "
         f"{res['step_seconds']['top64']:.2f} s, demo student, 4 x 128 tokens, reverse KL, fused, 1 thread) | <= 1.3x |",
+        f"| top-64 gkd step vs sft step, same student and tokens | {res['gkd_vs_sft_ratio']:.2f}x "
+        f"({res['step_seconds']['top64']:.2f} vs {res['step_seconds']['sft']:.2f} s; sft: kd_alpha=0 sft_alpha=1 on the "
+        f"same dataset rows, fused CE, the teacher rows read but no teacher column in the kernel) | <= 1.10x |",
+        *_quality_rows(res["quality"]),
         f"| hidden vs top-64 scoring wall time, {h['scored_tokens']} positions | {h['wall_seconds']:.0f} vs "
         f"{t['wall_seconds']:.0f} s (engine start included) | report |",
     ])
+
+
+def _quality_rows(q: dict) -> list[str]:
+    b1, b0 = q["beta1"], q["beta0"]
+    setup = (f"demo student, {b1['steps']} steps of 4 x 128 tokens at lr 5e-4 from each cache, seed 1; "
+             f"{b1['held_out_positions']} held-out positions, exact full-vocabulary KL from fp32 forwards")
+    return [
+        f"| exact vs top-64 tail, held-out reverse KL after training at beta=1 | {b1['reverse_ratio']:.2f}x "
+        f"({b1['hidden']['reverse_kl']:.3f} vs {b1['top64']['reverse_kl']:.3f} nats/position; untrained "
+        f"{b1['untrained']['reverse_kl']:.3f}; {setup}) | <= 0.90x |",
+        f"| exact vs top-64 tail, held-out forward KL after training at beta=0 | {b0['forward_ratio']:.2f}x "
+        f"({b0['hidden']['forward_kl']:.3f} vs {b0['top64']['forward_kl']:.3f} nats/position; untrained "
+        f"{b0['untrained']['forward_kl']:.3f}; same setup at beta=0) | report |",
+    ]
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ class TrainConfig:
     # over the data-parallel ranks instead of replicating them (DDP), for students that do not fit one device.
     fsdp: bool = False
     sft_alpha: float = 0.0  # weight of CE on dataset-sourced samples
+    # Weight of the distillation term (loss=gkd). 0 with sft_alpha > 0: a plain cross-entropy step on the dataset
+    # rows through the same loader, loop and fused output layer, the teacher rows read but not used: the SFT
+    # baseline a distillation step is compared with (benchmarks/exact_bench.py).
+    kd_alpha: float = 1.0
     tensor_model_parallel_size: int = 1
     # Context parallelism (pipeline/train/parallel/context_parallel.py; Megatron backend, attention=sdpa): each sequence split
     # over this many ranks in zig-zag chunks, keys and values all-gathered for attention, for sequences whose
@@ -235,6 +239,12 @@ class TrainConfig:
             p.append(f"optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.sft_alpha < 0:
             p.append("sft_alpha must be >= 0")
+        if self.kd_alpha < 0:
+            p.append(f"kd_alpha must be >= 0, got {self.kd_alpha}")
+        elif self.kd_alpha != 1 and self.loss != "gkd":
+            p.append(f"kd_alpha weighs the loss=gkd divergence; loss={self.loss} takes none: drop kd_alpha")
+        elif self.kd_alpha == 0 and self.sft_alpha == 0:
+            p.append("kd_alpha=0 with sft_alpha=0 trains on nothing: set sft_alpha > 0 (SFT on the dataset rows)")
         if not 0 <= self.min_lr <= self.lr:
             p.append("need 0 <= min_lr <= lr")
         if self.warmup_steps < 0 or (self.warmup_steps and self.warmup_steps >= self.train_steps):

@@ -94,7 +94,7 @@ def step_row(cfg: TrainConfig, step: int, sums: dict[str, Tensor], counts: Tenso
     opd_kl = (sums[OPD_KL_SUM] / max(kd_n - sft_n, 1.0)).item()
     kd_loss = (sums[WEIGHTED_KD_SUM] / max(kd_n, 1.0)).item()  # = jsd unless teacher_weights are set
     positions, samples, truncated, folded = (int(c) for c in counts[3:].tolist())
-    row = {"step": step, "loss": kd_loss + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
+    row = {"step": step, "loss": cfg.kd_alpha * kd_loss + opd + cfg.sft_alpha * sft, "jsd": jsd, "sft": sft,
            **({"opd": opd, "opd_kl": opd_kl} if cfg.loss == "opd" else {}),
            "lr": lr, "grad_norm": float(grad_norm or 0.0),
            "tokens_per_s": counts[2].item() / seconds, "step_seconds": seconds, "active_tokens": int(kd_n),

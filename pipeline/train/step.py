@@ -97,8 +97,9 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     sft_mask = batch.sft_mask & mask if cfg.sft_alpha > 0 else None  # dataset-sourced rows' loss positions only
-    kd_weight, sft_weight = kd_scale / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
-    kd_mask, opd_mask = mask, None
+    kd_weight, sft_weight = cfg.kd_alpha * kd_scale / max(counts[0], 1.0), cfg.sft_alpha / max(counts[1], 1.0)
+    # kd_alpha=0: no divergence computed at all (an SFT step's cost), not one computed and weighted by 0
+    kd_mask, opd_mask = (mask if cfg.kd_alpha else torch.zeros_like(mask)), None
     if cfg.loss == "opd":  # student-sourced positions: OPD; dataset-sourced ones (loss_mask & dataset): GKD
         kd_mask, opd_mask = batch.sft_mask & mask, mask & ~batch.sft_mask
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
@@ -129,8 +130,12 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         if opd_mask is not None:
             opd_sum, opd_kl = out.opd_sum, out.opd_kl_sum
     elif cfg.fused_loss:
+        t_ids, t_lps = batch.teacher_ids, batch.teacher_logprobs
+        if not cfg.kd_alpha:  # no teacher column enters the kernel: k = 0 makes no bins and no tail pass
+            t_ids, t_lps = t_ids[..., :0], t_lps[..., :0]
+            teacher = dict(teacher_tail=None, teacher_valid=None)
         out = fused_gkd_loss(
-            output_tensor, output_weight(gpt), batch.teacher_ids, batch.teacher_logprobs, kd_mask,
+            output_tensor, output_weight(gpt), t_ids, t_lps, kd_mask,
             beta=cfg.kd_beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
             sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
             opd_mask=opd_mask, teacher_actual=batch.teacher_actual, opd_weight=kd_weight,
@@ -143,7 +148,7 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         logits = output_tensor.float()
         # Megatron pads the vocab to a multiple of TP; `vocab_size` makes the loss ignore those columns without the
         # extra [T, V] copy a masked_fill would keep alive (the schedule holds on to output_tensor).
-        if batch.teacher_ids.shape[-1] or bool(kd_mask.any()):
+        if cfg.kd_alpha and (batch.teacher_ids.shape[-1] or bool(kd_mask.any())):
             kd_sum, kd_n = gkd_loss(
                 logits, batch.teacher_ids, batch.teacher_logprobs, kd_mask, beta=cfg.kd_beta,
                 temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, tp_group=tp_group, vocab_size=vocab_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +169,35 @@ def test_sft_applies_to_dataset_rows_only(tiny, tmp_path, fused):
     assert runs["student", 1.0] == runs["student", 0.0]  # exact: student rows contribute no CE
     assert all(m[2] > 0 for m in runs["dataset", 1.0])
     assert runs["dataset", 1.0][0][3] != runs["dataset", 0.0][0][3]  # and dataset rows do, in the gradient too
+
+
+def test_kd_alpha_zero_is_an_sft_step(tiny, tmp_path):
+    """kd_alpha=0 sft_alpha=1: plain cross-entropy on the dataset rows through the same loop (the SFT baseline of
+    benchmarks/exact_bench.py): no divergence computed (jsd 0), the same CE as the distillation run's first step
+    (same student, same tokens), another gradient; the fused kernel (teacher columns cut to k = 0) agrees with the
+    unfused logits path (vocab_parallel_ce), an independent computation of the same CE."""
+    from tiny_cache import random_samples, score_into_cache
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny["model"]).vocab_size
+    samples = [(ids, p, "dataset") for ids, p, _ in random_samples(8, vocab, seed=5)]
+    score_into_cache(tiny["model"], tmp_path / "cache", samples)
+    runs = {}
+    for name, kw in (("sft", dict(kd_alpha=0)), ("sft-unfused", dict(kd_alpha=0, fused_loss="false")),
+                     ("gkd+sft", {})):
+        save = tmp_path / name
+        assert train_main(_overrides(tiny, save, cache=f"[{tmp_path / 'cache'}]", sft_alpha=1, train_steps=2, **kw)) == 0
+        runs[name] = _metrics(save)
+    assert all(m["jsd"] == 0 and m["loss"] == m["sft"] > 0 for m in runs["sft"] + runs["sft-unfused"])
+    a, b, kd = runs["sft"][0], runs["sft-unfused"][0], runs["gkd+sft"][0]
+    assert a["sft"] == pytest.approx(b["sft"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["sft"] == pytest.approx(kd["sft"], rel=1e-6) and kd["jsd"] > 0  # same CE; the distillation run adds KD
+    assert a["grad_norm"] != pytest.approx(kd["grad_norm"], rel=1e-3)
+    for bad, msg in ((["kd_alpha=-1"], "kd_alpha must be >= 0, got -1"),
+                     (["kd_alpha=0"], "kd_alpha=0 with sft_alpha=0 trains on nothing: set sft_alpha > 0"),
+                     (["kd_alpha=0.5", "loss=opd"], "kd_alpha weighs the loss=gkd divergence; loss=opd")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            load_config(TrainConfig, DEFAULT_CONFIG, bad)
 
 
 def test_export_loads_in_transformers(tiny, uninterrupted, tmp_path):
