@@ -24,10 +24,12 @@ def build_tiny(out: Path, seed: int = 0) -> Path:
 
 def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]], *, k: int = K,
                      shard_rows: int = 8, codec: str = "rank-grid-esc", topp: float | None = None,
-                     min_k: int | None = None, tags: list[dict] | None = None) -> TeacherCache:
+                     min_k: int | None = None, tags: list[dict] | None = None,
+                     versions: list[int] | None = None) -> TeacherCache:
     """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r.
     `topp`/`min_k`: a variable-k cache with cap k (the codec truncates each position, as in `gkd score`).
-    `tags`: the rollout tags of each sample (what the trainer routes on), stored with its row."""
+    `tags`: the rollout tags of each sample (what the trainer routes on), stored with its row. `versions`: each
+    student sample's policy_version (default 0)."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.store.codec import params as codec_params
@@ -51,7 +53,7 @@ def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.nd
             "key": content_key(desc.teacher_fingerprint, ids, p, k, desc.logprob_mode),
             "sample_id": sample_id("p", ids[:p], ids[p:]),
             "source": source,
-            "policy_version": None if source == "dataset" else 0,
+            "policy_version": None if source == "dataset" else (versions[i] if versions else 0),
             "input_ids": ids,
             "first_scored": p,
             "topk_ids": top.indices.numpy().astype(np.int32),

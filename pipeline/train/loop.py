@@ -145,6 +145,7 @@ def _train(cfg: TrainConfig, backend: str, why: str, packing: bool | str = True,
         while step < cfg.train_steps:
             t0 = time.perf_counter()
             micro = [next(batches) for _ in range(accum)]
+            stale = metrics.staleness(micro, step, parallel_state.get_data_parallel_group(), device())
             counts, reports, lr, grad_norm = train_step(cfg, ddp, optimizer, scheduler, micro, model.hf_vocab_size,
                                                         teacher)
             step += 1
@@ -160,7 +161,7 @@ def _train(cfg: TrainConfig, backend: str, why: str, packing: bool | str = True,
             last = metrics.step_row(cfg, step, sums, counts, lr=lr, grad_norm=grad_norm,
                                     seconds=time.perf_counter() - t0, position=position,
                                     state_bytes=state_bytes if backend == "megatron" else None,
-                                    unrouted=loader.unrouted)
+                                    unrouted=loader.unrouted, stale=stale)
             if rank == 0:
                 metrics.log_row(last, metrics_file, writer, bar, log_dir / "metrics.jsonl")
             pause.point("train-step")

@@ -81,8 +81,26 @@ def pipeline_sums(reports: list[dict[str, Tensor]], names: list[str], group: dis
     return dict(zip(names, total.unbind(), strict=True))
 
 
+def staleness(micro: list, weights_step: int, group: dist.ProcessGroup | None, device: torch.device) -> dict | None:
+    """How far behind the trained weights the step's student rollouts were sampled, over every data-parallel rank:
+    min / mean / max of `weights_step` (the optimizer steps the weights of this update have taken) minus each
+    sample's policy_version (the step of the weights that sampled it). None when no sample records a version
+    (dataset rows, imports). On-policy with max_staleness=N, the first step of cycle c reads N cycles' steps."""
+    versions = [v for b in micro for v in b.policy_versions]
+    most = torch.tensor([-min(versions, default=2**53), max(versions, default=-(2**53))], dtype=torch.float64,
+                        device=device)
+    total = torch.tensor([float(sum(versions)), float(len(versions))], dtype=torch.float64, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(total, group=group)
+    if total[1].item() == 0:
+        return None
+    return {"min": weights_step - int(most[1].item()), "mean": weights_step - total[0].item() / total[1].item(),
+            "max": weights_step + int(most[0].item())}
+
+
 def step_row(cfg: TrainConfig, step: int, sums: dict[str, Tensor], counts: Tensor, *, lr: float, grad_norm,
-             seconds: float, position: int, state_bytes: int | None, unrouted: int) -> dict:
+             seconds: float, position: int, state_bytes: int | None, unrouted: int,
+             stale: dict | None = None) -> dict:
     """The step's metrics.jsonl row from the summed entries and its global counts [KD, SFT, real tokens, positions,
     samples, truncated, folded]: per-token means over the counts the loss was normalised by; with routed teachers,
     each one's mean divergence and its active positions. `state_bytes`: the Megatron optimizer's (None: hf)."""
@@ -101,7 +119,8 @@ def step_row(cfg: TrainConfig, step: int, sums: dict[str, Tensor], counts: Tenso
            "real_tokens": int(counts[2].item()), "padding_fraction": 1.0 - counts[2].item() / positions,
            "samples": samples, "truncated": truncated, "folded_positions": folded,
            "data_position": position,
-           **({"optimizer_state_bytes": state_bytes} if state_bytes is not None else {})}
+           **({"optimizer_state_bytes": state_bytes} if state_bytes is not None else {}),
+           **({"staleness": stale} if stale is not None else {})}
     if cfg.teachers:  # per teacher: its mean divergence and its active positions (a sum over ranks)
         for name in sorted(cfg.teachers):
             n = sums[teacher_kd_count(name)].item()
@@ -142,6 +161,9 @@ def log_row(row: dict, metrics_file, writer, bar, path: Path) -> None:
             writer.add_scalar(f"train/{name}", row[name], step)
     for name in [n for n in row if n.startswith(("jsd/", "active_tokens/")) and row[n] is not None]:
         writer.add_scalar(f"train/{name}", row[name], step)
+    for name, value in (row.get("staleness") or {}).items():
+        writer.add_scalar(f"train/staleness_{name}", value, step)
     bar.update(1)
+    stale = {"stale": f"{row['staleness']['mean']:.1f}"} if "staleness" in row else {}
     bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                    pad=f"{row['padding_fraction']:.0%}", samples=row["samples"])
+                    pad=f"{row['padding_fraction']:.0%}", samples=row["samples"], **stale)

@@ -200,6 +200,46 @@ def test_kd_alpha_zero_is_an_sft_step(tiny, tmp_path):
             load_config(TrainConfig, DEFAULT_CONFIG, bad)
 
 
+def test_each_step_logs_the_staleness_of_its_student_rows(tiny, tmp_path):
+    """metrics.jsonl's `staleness` per step: the weights' step minus the policy_version of each student row it trained
+    on (min / mean / max); dataset rows count for nothing. Student rows of versions 0, 6, 12, ... (every other sample),
+    so each reported bound is i - v of a version v in the cache, and steps differ."""
+    from tiny_cache import random_samples, score_into_cache
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny["model"]).vocab_size
+    samples = random_samples(12, vocab, seed=7)  # every other one a student sample
+    versions = [3 * i for i in range(len(samples))]
+    score_into_cache(tiny["model"], tmp_path / "cache", samples, versions=versions)
+    student = {v for v, (_, _, source) in zip(versions, samples, strict=True) if source == "student"}
+    save = tmp_path / "run"
+    assert train_main(_overrides(tiny, save, cache=f"[{tmp_path / 'cache'}]", train_steps=3, packing="false",
+                                 micro_batch_size=2, global_batch_size=4)) == 0
+    rows = _metrics(save)
+    assert [r["staleness"] is not None for r in rows] == [True] * 3  # 4 random samples a step: student ones among them
+    for i, row in enumerate(rows):  # the weights of step i+1 have taken i steps
+        st = row["staleness"]
+        assert i - st["min"] in student and i - st["max"] in student and st["min"] <= st["mean"] <= st["max"]
+    assert len({tuple(r["staleness"].values()) for r in rows}) > 1
+
+
+def test_staleness_over_micro_batches():
+    """metrics.staleness against the same numbers worked out by hand (one gloo rank)."""
+    from types import SimpleNamespace
+
+    from pipeline.train import metrics
+    from pipeline.train.parallel.groups import destroy_distributed, init_distributed
+
+    init_distributed(tp=1, pp=1, seed=0)
+    try:
+        micro = [SimpleNamespace(policy_versions=(4, 6)), SimpleNamespace(policy_versions=()),
+                 SimpleNamespace(policy_versions=(10,))]
+        assert metrics.staleness(micro, 12, None, torch.device("cpu")) == {"min": 2, "mean": 12 - 20 / 3, "max": 8}
+        assert metrics.staleness(micro[1:2], 12, None, torch.device("cpu")) is None
+    finally:
+        destroy_distributed()
+
+
 def test_export_loads_in_transformers(tiny, uninterrupted, tmp_path):
     """The exported folder, loaded by plain transformers, computes the trained Megatron model's logits (to float32
     rounding: 1e-5 of the logit scale; the mapping itself is exact, test_model.py) — and not the start's."""

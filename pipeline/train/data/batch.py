@@ -42,6 +42,8 @@ class MicroBatch:
     samples: int
     truncated: int  # samples longer than seq_length (cut)
     folded_positions: int  # active positions with teacher entries past the student's vocab (mass folded into the tail)
+    # the policy_version of each sample that records one (student rollouts): the staleness the step logs (metrics.py)
+    policy_versions: tuple[int, ...] = ()
     # The optional parts, one per mode (`PARTS`): None unless the micro-batch is in that mode.
     route: Route | None = None
     images: Images | None = None
@@ -160,6 +162,7 @@ class Block:
     xtok_live: list[LiveRow] | None = None  # per row: its teacher tokens and spans (a live cross-tokenizer teacher)
     # a hidden-state cache: [positions, H_t] teacher states (bf16 as its int16 bit pattern, or float32)
     hidden: np.ndarray | None = None
+    versions: np.ndarray | None = None  # int64 [rows]: each row's policy_version, -1 where none; None: not read
 
 
 @dataclass
@@ -359,6 +362,8 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         samples=len(fetched),
         truncated=int((full > S).sum()),
         folded_positions=folded,
+        policy_versions=tuple(int(blk.versions[j]) for blk, j in fetched
+                              if blk.versions is not None and blk.versions[j] >= 0),
         route=None if route is None else Route(torch.from_numpy(route)),
         spans=None if span_head is None else Spans(torch.from_numpy(span_head)),
         xtok_live=live,

@@ -29,8 +29,9 @@ from pipeline.train.data.batch import Block, fold_past_vocab, student_layout
 from pipeline.train.data.shard_table import ShardTable
 from pipeline.train.data.xtok_rows import LiveXtok, rollout_block
 
-# what a micro-batch needs (not sample_id, policy_version, the actual token's rank and logprob)
-COLUMNS = ["key", "source", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs", "tail_logprobs"]
+# what a micro-batch needs (not sample_id, the actual token's rank and logprob); policy_version: the step's staleness
+COLUMNS = ["key", "source", "policy_version", "input_ids", "first_scored", "num_scored", "topk_ids", "topk_logprobs",
+           "tail_logprobs"]
 
 
 class BlockReader:
@@ -122,8 +123,11 @@ class BlockReader:
             raise ShardError(f"{path}: {e}") from e
         if not np.array_equal(np.diff(offsets), first + num_scored):
             raise ShardError(f"{path}: row group {rg}: len(input_ids) != first_scored + num_scored")
+        versions = _versions(table)
         if self.cross:
-            return self._student(pf, rg, path, table, is_dataset, topk)
+            blk = self._student(pf, rg, path, table, is_dataset, topk)
+            blk.versions = versions
+            return blk
         tids, tlp, tail, valid, folded = topk.topk_ids, topk.topk_logprobs, topk.tail_logprobs, None, None
         if self.shards.fold(s):
             tids, tlp, tail, valid, folded = fold_past_vocab(tids, tlp, tail, self.vocab_size)
@@ -138,7 +142,7 @@ class BlockReader:
             row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
             actual=topk.actual_logprobs if self.actual else None,
             route=None if self.route_of is None else self.route_of[start: start + table.num_rows],
-            images=images, root=str(cache_root(path)), hidden=states,
+            images=images, root=str(cache_root(path)), hidden=states, versions=versions,
         )
 
     def _student(self, pf: pq.ParquetFile, rg: int, path: Path, table: pa.Table, is_dataset: np.ndarray,
@@ -163,7 +167,7 @@ class BlockReader:
         teacher to fill (their shapes are what the layout needs)."""
         path = self.shards.path(s)
         try:
-            t = pq.ParquetFile(path).read_row_group(rg, columns=["sample_id", "source", "prompt_ids", "completion_ids"],
+            t = pq.ParquetFile(path).read_row_group(rg, columns=["sample_id", "source", "policy_version", "prompt_ids", "completion_ids"],
                                                    use_threads=False)
         except (pa.ArrowException, OSError) as e:
             raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
@@ -181,5 +185,10 @@ class BlockReader:
             first_scored=scored_from(np.asarray([len(p) for p in prompts], np.int64)),
             is_dataset=is_dataset, keys=t.column("sample_id").to_pylist(), row_offsets=np.concatenate([[0], np.cumsum(num)]),
             topk_ids=np.zeros((positions, self.k), np.int32), topk_logprobs=np.zeros((positions, self.k), np.float32),
-            tail=np.zeros(positions, np.float32), valid=None, folded=None,
+            tail=np.zeros(positions, np.float32), valid=None, folded=None, versions=_versions(t),
         )
+
+
+def _versions(table: pa.Table) -> np.ndarray:
+    """The rows' policy_version, -1 where none (dataset rows, imports)."""
+    return pc.fill_null(table.column("policy_version"), -1).to_numpy().astype(np.int64)
