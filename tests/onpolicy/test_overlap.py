@@ -80,6 +80,9 @@ def test_staleness_1_trains_on_one_version_old_samples_and_overlaps(overlapped):
     roles = {t["role"] for c in tasks.values() for t in c.values()}
     assert roles == {"sampler", "teacher", "trainer"}
     assert _train_steps(overlapped) == [1, 2, 3, 4]
+    # and each train step, in optimizer steps (2 a cycle): cycle 1's rows come from step 0's weights, 2 steps back
+    train = [json.loads(x) for x in (overlapped / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["staleness"]["min"], m["staleness"]["max"]) for m in train] == [(0, 0), (1, 1), (2, 2), (3, 3)]
 
 
 def test_driver_killed_mid_overlap_resumes_to_the_same_weights(models, overlapped, tmp_path):
