@@ -53,7 +53,8 @@ SECTIONS = {  # name -> heading, in file order
     "cp": "Context parallelism: peak memory per rank and step time, CP=2 vs CP=1 at 16k tokens (issue #33: scale)",
     "pp": "Pipeline parallelism: peak memory per rank PP=2 vs PP=1, interleaved 1F1B step time (issue 48)",
     "xtok": "Cross-tokenizer distillation from the cache: GOLD vs SFT, bytes, step time (issue #37)",
-    "exact": "The exact teacher from a cache: hidden-state cache bytes and train step vs top-64 (issue #50)",
+    "exact": "The exact teacher from a cache: hidden-state cache bytes, train step vs top-64 and vs SFT, held-out quality (issue #50)",
+    "overlapkills": "Overlapped on-policy runs killed -9 at every role and the driver, rerun (issue 47)",
 }
 @dataclass(frozen=True)
 class Stamp:

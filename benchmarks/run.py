@@ -1,6 +1,6 @@
 """`make bench`: every benchmark side by side, written to BENCHMARKS.md (the command is recorded in the file).
 
-    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,overlap,faults,lifetime,images,distopt,index,cp,pp,xtok,exact] [--loss-tokens 4096]
+    python -m benchmarks.run [--only score,scorework,served,interop,loss,train,hf,lora,baselines,onpolicy,overlap,overlapkills,faults,lifetime,images,distopt,index,cp,pp,xtok,exact] [--loss-tokens 4096]
 
 Each number is measured in this run on this machine; ratios compare variants run in the same process, interleaved,
 because the machine is shared and noisy.
@@ -31,6 +31,7 @@ from benchmarks import (
     loss_bench,
     onpolicy_bench,
     overlap_bench,
+    overlap_kills,
     pp_bench,
     ray_bench,
     score_bench,
@@ -44,7 +45,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, stored_raw
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap four (~20 min), faults
+DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap four (~20 min), overlapkills 12 (~25 min), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -112,6 +113,7 @@ SIMPLE = {
     "xtok": (xtok_bench.run, xtok_bench.markdown),
     "overlap": (overlap_bench.run, overlap_bench.markdown),  # four 4-cycle on-policy runs, two of them replayed
     "exact": (exact_bench.run, exact_bench.markdown),
+    "overlapkills": (overlap_kills.run, overlap_kills.markdown),  # 11 kills of 2-cycle overlapped runs, ~25 min
 }
 
 

@@ -703,6 +703,14 @@ def test_max_staleness_negative_or_with_a_loss_that_refuses_it(tmp_path, capsys)
     assert not out.exists()  # refused before the run's folder is made
 
 
+def test_kd_alpha_negative_with_another_loss_or_with_nothing_to_train(tmp_path, capsys):
+    refused(tmp_path, ["train", "kd_alpha=-1"], capsys, r"kd_alpha must be >= 0, got -1")
+    refused(tmp_path, ["train", "kd_alpha=0.5", "loss=opd"], capsys,
+            r"kd_alpha weighs the loss=gkd divergence; loss=opd takes none: drop kd_alpha")
+    refused(tmp_path, ["train", "kd_alpha=0"], capsys,
+            r"kd_alpha=0 with sft_alpha=0 trains on nothing: set sft_alpha > 0 \(SFT on the dataset rows\)")
+
+
 # -- the exact teacher: hidden-state caches (gkd score teacher_rows=hidden, store/hidden.py) -------------------
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -192,12 +191,7 @@ def test_kd_alpha_zero_is_an_sft_step(tiny, tmp_path):
     a, b, kd = runs["sft"][0], runs["sft-unfused"][0], runs["gkd+sft"][0]
     assert a["sft"] == pytest.approx(b["sft"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert a["sft"] == pytest.approx(kd["sft"], rel=1e-6) and kd["jsd"] > 0  # same CE; the distillation run adds KD
-    assert a["grad_norm"] != pytest.approx(kd["grad_norm"], rel=1e-3)
-    for bad, msg in ((["kd_alpha=-1"], "kd_alpha must be >= 0, got -1"),
-                     (["kd_alpha=0"], "kd_alpha=0 with sft_alpha=0 trains on nothing: set sft_alpha > 0"),
-                     (["kd_alpha=0.5", "loss=opd"], "kd_alpha weighs the loss=gkd divergence; loss=opd")):
-        with pytest.raises(ConfigError, match=re.escape(msg)):
-            load_config(TrainConfig, DEFAULT_CONFIG, bad)
+    assert a["grad_norm"] != pytest.approx(kd["grad_norm"], rel=1e-3)  # its refusals: tests/test_bad_inputs.py
 
 
 def test_each_step_logs_the_staleness_of_its_student_rows(tiny, tmp_path):
