@@ -34,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-from pipeline.train.losses.fused import CHUNK_BYTES, FusedOut, chunk_rows
+from pipeline.train.losses.fused import CHUNK_BYTES, FusedOut, chunk_rows, keep_grads, scaled_grads
 from pipeline.train.losses.reference import TEACHER_EPS, divergence, loss_arg_problems
 from pipeline.train.losses.vocab_parallel import tp_rank_world
 
@@ -148,23 +148,13 @@ class _ExactGKD(torch.autograd.Function):
                 grad_h[rows[s:e]] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_w:
                 grad_w.add_(gz.t().to(cdtype) @ hc.to(cdtype))
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
-        ctx.have = (want_h, want_w)
-        ctx.weight_dtype = weight.dtype
+        keep_grads(ctx, grad_h, grad_w, weight.dtype)
         loss = kd_weight * sums[0] + sft_weight * sums[1] + opd_weight * sums[2]
         return loss, sums[0], sums[1], sums[2], sums[3]
 
     @staticmethod
     def backward(ctx, g_loss, _g_kd, _g_sft, _g_opd, _g_kl):
-        saved = list(ctx.saved_tensors)
-        want_h, want_w = ctx.have
-        grad_h = saved.pop(0) if want_h else None
-        grad_w = saved.pop(0) if want_w else None
-        if grad_h is not None:
-            grad_h = grad_h * g_loss.to(grad_h.dtype)
-        if grad_w is not None:
-            grad_w = (grad_w * g_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
-        return (grad_h, grad_w) + (None,) * 9
+        return scaled_grads(ctx, g_loss) + (None,) * 9
 
 
 def exact_problems(student_vocab: int, teacher_weight: Tensor, temperature: float) -> list[str]:

@@ -181,24 +181,38 @@ class _FusedLinearGKD(torch.autograd.Function):
                     grad_w.index_add_(0, idx[s:e].reshape(-1), contrib.reshape(-1, contrib.shape[-1]))
         if want_h:
             all_reduce(grad_h, group)
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
-        ctx.have = (want_h, want_w)
-        ctx.weight_dtype = weight.dtype
+        keep_grads(ctx, grad_h, grad_w, weight.dtype)
         loss = kd_weight * kd_sum + sft_weight * sft_sum + opd_weight * opd_sum
         return loss, kd_sum, sft_sum, opd_sum, opd_kl
 
     @staticmethod
     def backward(ctx, g_loss, _g_kd, _g_sft, _g_opd, _g_kl):
-        saved = list(ctx.saved_tensors)
-        want_h, want_w = ctx.have
-        grad_h = saved.pop(0) if want_h else None
-        grad_w = saved.pop(0) if want_w else None
-        g = g_loss.to(grad_h.dtype if grad_h is not None else torch.float32)
-        if grad_h is not None:
-            grad_h = grad_h if bool(g == 1) else grad_h * g
-        if grad_w is not None:
-            grad_w = (grad_w if bool(g == 1) else grad_w * g.to(grad_w.dtype)).to(ctx.weight_dtype)
-        return (grad_h, grad_w) + (None,) * 11
+        return scaled_grads(ctx, g_loss) + (None,) * 11
+
+
+def keep_grads(ctx, grad_h: Tensor | None, grad_w: Tensor | None, weight_dtype: torch.dtype) -> None:
+    """Forward side of the fused losses (this one, xtok.py, exact.py): their gradients, made in the forward pass for a
+    loss of gradient 1, kept for `scaled_grads`."""
+    ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+    ctx.have = (grad_h is not None, grad_w is not None)
+    ctx.weight_dtype = weight_dtype
+
+
+def scaled_grads(ctx, g_loss: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """Backward side of the fused losses: (∂hidden, ∂weight) scaled by the loss's incoming gradient (Megatron's
+    schedule divides the loss by the micro-batch count), ∂weight cast to the weight's dtype last. The scale is cast
+    to each gradient's own dtype (∂weight accumulates in float32: a bf16 scale would round it first); a scale of
+    exactly 1 (a plain `loss.backward()`) multiplies nothing."""
+    saved = list(ctx.saved_tensors)
+    want_h, want_w = ctx.have
+    grad_h = saved.pop(0) if want_h else None
+    grad_w = saved.pop(0) if want_w else None
+    one = bool(g_loss == 1)
+    if grad_h is not None and not one:
+        grad_h = grad_h * g_loss.to(grad_h.dtype)
+    if grad_w is not None:
+        grad_w = (grad_w if one else grad_w * g_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+    return grad_h, grad_w
 
 
 def fused_gkd_loss(

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.losses.fused import CHUNK_BYTES, FusedOut
+from pipeline.train.losses.fused import CHUNK_BYTES, FusedOut, keep_grads, scaled_grads
 from pipeline.train.losses.vocab_parallel import (
     all_reduce,
     global_lse,
@@ -284,22 +284,12 @@ class _FusedXtok(torch.autograd.Function):
             del z, gz
         if want_h:
             all_reduce(grad_h, group)  # every rank's vocabulary slice adds its part of ∂h
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
-        ctx.have = (want_h, want_w)
-        ctx.weight_dtype = weight.dtype
+        keep_grads(ctx, grad_h, grad_w, weight.dtype)
         return kd_weight * kd_sum + sft_weight * sft_sum, kd_sum, sft_sum
 
     @staticmethod
     def backward(ctx, g_loss, _g_kd, _g_sft):
-        saved = list(ctx.saved_tensors)
-        want_h, want_w = ctx.have
-        grad_h = saved.pop(0) if want_h else None
-        grad_w = saved.pop(0) if want_w else None
-        if grad_h is not None:
-            grad_h = grad_h * g_loss.to(grad_h.dtype)
-        if grad_w is not None:
-            grad_w = (grad_w * g_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
-        return (grad_h, grad_w) + (None,) * 8
+        return scaled_grads(ctx, g_loss) + (None,) * 8
 
 
 def fused_xtok_loss(hidden: Tensor, weight: Tensor, labels: Tensor, mask: Tensor, span_head: Tensor,

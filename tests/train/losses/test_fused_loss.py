@@ -195,3 +195,28 @@ def test_peak_memory_does_not_grow_with_tokens_times_vocab(mode):
 @pytest.mark.distributed
 def test_tp2_matches_tp1():
     run_tp2_worker("_fused_tp_worker.py")
+
+
+def test_scaled_grads_one_rule_for_every_fused_loss():
+    """fused.scaled_grads, the backward of the fused, cross-tokenizer and exact losses: a scale of 1 multiplies
+    nothing; another scale (Megatron's 1 / micro-batches) is cast to each gradient's own dtype, so ∂weight, kept in
+    float32, is scaled by the float32 number, not by its bf16 rounding; ∂weight then takes the weight's dtype."""
+    from types import SimpleNamespace
+
+    from pipeline.train.losses.fused import keep_grads, scaled_grads
+
+    gen = torch.Generator().manual_seed(0)
+    grad_h = torch.randn(5, 8, generator=gen).to(torch.bfloat16)
+    grad_w = torch.randn(11, 8, generator=gen)  # float32, as the losses accumulate it
+    ctx = SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
+    keep_grads(ctx, grad_h, grad_w, torch.bfloat16)
+    h, w = scaled_grads(ctx, torch.tensor(1.0))
+    assert h is grad_h and torch.equal(w, grad_w.to(torch.bfloat16))
+    third = torch.tensor(1 / 3)
+    h, w = scaled_grads(ctx, third)
+    assert torch.equal(h, grad_h * third.to(torch.bfloat16))
+    assert torch.equal(w, (grad_w * third).to(torch.bfloat16))
+    rounded = (grad_w * third.to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert not torch.equal(w, rounded)  # the rule is visible: the bf16-rounded scale gives other weight gradients
+    keep_grads(ctx, None, grad_w, torch.float32)  # a frozen input (LoRA's base weight is the other way round)
+    assert scaled_grads(ctx, third)[0] is None
