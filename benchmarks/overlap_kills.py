@@ -118,7 +118,7 @@ def run(work: Path, points: list[tuple[str, str]] = POINTS) -> dict:
     if done.returncode:
         raise RuntimeError(f"the reference run failed:\n{done.stderr[-3000:]}")
     expected, ref_s = _outcome(ref), time.time() - t0
-    points = []
+    done_points = []
     for i, (role, point) in enumerate(points):
         t = time.time()
         out = work / f"kill-{i:02d}"
@@ -132,10 +132,10 @@ def run(work: Path, points: list[tuple[str, str]] = POINTS) -> dict:
                     if got[name] != expected[name]]
             if got["steps"] != expected["steps"]:
                 bad.append(f"trainer steps {got['steps']} (want {expected['steps']}: each once)")
-        points.append({"role": role, "point": point, "survived": not bad, "problems": bad,
+        done_points.append({"role": role, "point": point, "survived": not bad, "problems": bad,
                        "seconds": round(time.time() - t, 1)})
-    return {"executor": "local", "max_staleness": 1, "reference_s": round(ref_s, 1), "points": points,
-            "killed": len(points), "survived": sum(p["survived"] for p in points),
+    return {"executor": "local", "max_staleness": 1, "reference_s": round(ref_s, 1), "points": done_points,
+            "killed": len(done_points), "survived": sum(p["survived"] for p in done_points),
             "reference": {"last_export": expected["last_export"], "keys": len(expected["keys"]),
                           "rows": len(expected["rows"]), "steps": expected["steps"]}}
 
