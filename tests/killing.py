@@ -32,12 +32,21 @@ def start(cmd: list[str], pause_at: str, *, env: dict | None = None, **popen: ob
     return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
 
 
-def state(pid: int) -> str | None:
-    """The process's state letter from /proc (R, S, D, T stopped, Z zombie, ...), None when it is gone."""
+def _state_of(stat: Path) -> str | None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D, T stopped, Z zombie, ...), None when it is gone."""
+    return _state_of(Path(f"/proc/{pid}/stat"))
+
+
+def thread_states(pid: int) -> list[str | None]:
+    """The state letter of each thread of `pid` (its main thread's is `state(pid)`)."""
+    return [_state_of(t / "stat") for t in Path(f"/proc/{pid}/task").iterdir()]
 
 
 def stopped_in(pid: int) -> int | None:

@@ -38,7 +38,7 @@ def _wait_all_stopped(pid: int, deadline_s: float = killing.DEADLINE_S) -> list[
     """The state letter of each thread of `pid` once all are stopped (T), or at the deadline (a hang bound only)."""
     deadline = time.monotonic() + deadline_s
     while True:
-        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+        states = killing.thread_states(pid)
         if set(states) == {"T"} or time.monotonic() > deadline:
             return states
         time.sleep(0.05)
@@ -52,9 +52,8 @@ def test_a_worker_thread_stops_at_its_point_not_after_it(tmp_path):
         proc = killing.start([sys.executable, "-c", _CHILD, str(out), str(10**9)], "cache-commit:1", env=env)
         try:
             assert killing.wait_stopped(proc) == proc.pid
-            # the whole process is stopped (every thread): nothing it does after the point can still happen
-            # and every thread of it follows (a state, waited on: a thread still runnable when the stop began shows
-            # R until the scheduler gives it the core to stop on, which a loaded machine delays; it runs no code of
+            # every thread of it follows (a state, waited on: a thread still runnable when the stop began shows R
+            # until the scheduler gives it the core to stop on, which a loaded machine delays; it runs no code of
             # its own meanwhile)
             states = _wait_all_stopped(proc.pid)
             assert len(states) >= 2 and set(states) == {"T"}, states

@@ -174,7 +174,8 @@ def test_kd_alpha_zero_is_an_sft_step(tiny, tmp_path):
     """kd_alpha=0 sft_alpha=1: plain cross-entropy on the dataset rows through the same loop (the SFT baseline of
     benchmarks/exact_bench.py): no divergence computed (jsd 0), the same CE as the distillation run's first step
     (same student, same tokens), another gradient; the fused kernel (teacher columns cut to k = 0) agrees with the
-    unfused logits path (vocab_parallel_ce), an independent computation of the same CE."""
+    unfused logits path (vocab_parallel_ce), an independent computation of the same CE. Its refusals:
+    tests/test_bad_inputs.py."""
     from tiny_cache import random_samples, score_into_cache
     from transformers import AutoConfig
 
@@ -191,7 +192,7 @@ def test_kd_alpha_zero_is_an_sft_step(tiny, tmp_path):
     a, b, kd = runs["sft"][0], runs["sft-unfused"][0], runs["gkd+sft"][0]
     assert a["sft"] == pytest.approx(b["sft"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert a["sft"] == pytest.approx(kd["sft"], rel=1e-6) and kd["jsd"] > 0  # same CE; the distillation run adds KD
-    assert a["grad_norm"] != pytest.approx(kd["grad_norm"], rel=1e-3)  # its refusals: tests/test_bad_inputs.py
+    assert a["grad_norm"] != pytest.approx(kd["grad_norm"], rel=1e-3)
 
 
 def test_each_step_logs_the_staleness_of_its_student_rows(tiny, tmp_path):

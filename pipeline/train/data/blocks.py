@@ -167,8 +167,8 @@ class BlockReader:
         teacher to fill (their shapes are what the layout needs)."""
         path = self.shards.path(s)
         try:
-            t = pq.ParquetFile(path).read_row_group(rg, columns=["sample_id", "source", "policy_version", "prompt_ids", "completion_ids"],
-                                                   use_threads=False)
+            t = pq.ParquetFile(path).read_row_group(
+                rg, columns=["sample_id", "source", "policy_version", "prompt_ids", "completion_ids"], use_threads=False)
         except (pa.ArrowException, OSError) as e:
             raise ShardError(f"{path}: row group {rg} unreadable ({e})") from e
         prompts, completions = t.column("prompt_ids").to_pylist(), t.column("completion_ids").to_pylist()
