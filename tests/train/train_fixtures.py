@@ -3,14 +3,12 @@ in conftest.py."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 from tiny_models import SMALL
 
@@ -22,34 +20,24 @@ def random_ids(batch: int = 2, seq: int = 24) -> torch.Tensor:
     return torch.randint(0, SMALL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(7))
 
 
-needs_peak_rss = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
-                                    reason="needs Linux /proc peak-RSS reset")
+def peak_tensor_bytes(run: Callable[[], object]) -> int:
+    """Peak bytes of CPU tensor storage live at once while `run()` runs, above what was live before it: every
+    allocation and free of torch's CPU allocator, as the profiler records them (`profile_memory`), summed in time
+    order. Tensor bytes, not the resident set: RSS also reads the heap's history (freed chunks reused without the RSS
+    growing, blocks glibc keeps), which moved with whatever ran earlier in the process; CI once read 162 MiB where a
+    quiet run read 73 for the same fused loss. Library scratch outside torch's allocator (BLAS workspaces) is not
+    counted, and is not what these tests bound."""
+    from torch._C._autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def _return_free_heap_pages() -> None:
-    """glibc's malloc_trim(0): give the free pages of every arena back to the OS. Without it, a process that ran
-    earlier tests keeps freed-but-resident heap chunks (a whole suite's worth), allocations reuse them without the
-    RSS growing, and a peak measured as RSS growth reads near 0 (CI, after the suite's earlier tests: the masked
-    8k-token row measured 64-128 MiB and the per-document one 0, instead of 256 and 35 alone)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: no trim, the measurement is as good as that allocator allows
-        pass
-
-
-def peak_rss_growth(run: Callable[[], object]) -> int:
-    """Bytes the process's peak resident set grows by while `run()` runs (tests marked `needs_peak_rss`)."""
-    _return_free_heap_pages()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset this process's peak RSS (VmHWM) to the current RSS
-    before = _status_bytes("VmRSS")
-    run()
-    return _status_bytes("VmHWM") - before
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak
 
 
 def run_tp2_worker(worker: str) -> None:
