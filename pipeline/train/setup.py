@@ -284,18 +284,13 @@ def check_cache_holds_loss(cfg: TrainConfig) -> None:
 
 def check_hidden_cache(cfg: TrainConfig, sources: list) -> bool:
     """Before any work, for hidden-state caches (store/hidden.py; False: none): one kind per run, the keys the exact
-    loss (losses/exact.py) does not run under yet, and a student whose vocabulary is the teacher's."""
+    loss (losses/exact.py) does not run under, and a student whose vocabulary is the teacher's. Every parallel layout
+    runs it: TP splits it by vocabulary, CP's ranks take their positions' states, PP's last stage reads the whole
+    micro-batch as every stage does."""
     first = hidden_agreement(sources)  # a hidden-state cache mixed with a top-k cache: refused, by file
     if first is None:
         return False
     where = first.root / "cache.json"
-    keys = {"tensor_model_parallel_size": cfg.tensor_model_parallel_size,
-            "context_parallel_size": cfg.context_parallel_size,
-            "pipeline_model_parallel_size": cfg.pipeline_model_parallel_size}
-    for key, value in keys.items():
-        if value > 1:
-            raise ConfigError(f"{where}: a hidden-state cache trains at {key}=1 only (the exact-teacher loss is not "
-                              f"split yet); set {key}=1, or train from a top-k cache")
     if not cfg.fused_loss and not cfg.topk_from_hidden:
         raise ConfigError(f"{where}: a hidden-state cache trains through the fused output layer; drop "
                           "fused_loss=false (or read it as a top-k cache: topk_from_hidden=K)")

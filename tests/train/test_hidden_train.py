@@ -116,22 +116,57 @@ def test_gkd_train_from_a_hidden_state_cache(hidden, tmp_path):
     assert all(np.isfinite([r["jsd"], r["sft"], r["loss"]]).all() and r["jsd"] > 0.01 for r in rows), rows
 
 
-def test_hf_backend_trains_the_exact_loss_as_megatron_does(hidden, tmp_path):
-    """The exact-teacher loss on the transformers backend (same loss call, step._loss_terms): the same per-step
-    exact reverse KL, CE and grad norm as the Megatron backend, 2 SGD steps, within tests/tolerance.py."""
+_SGD = dict(optimizer="sgd", lr=0.3, min_lr=0.3, warmup_steps=0)
+
+
+def _metrics(save: Path) -> list[dict]:
+    return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process(hidden, tmp_path_factory) -> list[dict]:
+    """2 SGD steps of the exact loss on the Megatron backend, one process: what the other layouts must reproduce."""
+    save = tmp_path_factory.mktemp("exact_one") / "run"
+    assert gkd(["train", *_args(hidden, save, backend="megatron", **_SGD)]) == 0
+    return _metrics(save)
+
+
+def _same_steps(runs: list[dict], expected: list[dict], name: str) -> None:
+    """Per step: the same exact reverse KL, CE and grad norm (tests/tolerance.py), and the first step moved the
+    student (so the second step's equality is not two untrained copies)."""
     from tolerance import assert_layout_close
 
-    runs = {}
-    for backend in ("megatron", "hf"):
-        save = tmp_path / backend
-        assert gkd(["train", *_args(hidden, save, backend=backend, optimizer="sgd", lr=0.3, min_lr=0.3,
-                                    warmup_steps=0)]) == 0
-        runs[backend] = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
-    for a, b in zip(runs["hf"], runs["megatron"], strict=True):
+    for a, b in zip(runs, expected, strict=True):
         assert a["active_tokens"] == b["active_tokens"] and a["jsd"] > 0.01
         assert_layout_close(torch.tensor([a["jsd"], a["sft"], a["grad_norm"]]),
-                            torch.tensor([b["jsd"], b["sft"], b["grad_norm"]]), f"hf vs megatron step {a['step']}")
-    assert runs["hf"][1]["jsd"] != runs["hf"][0]["jsd"]  # the first step moved the student
+                            torch.tensor([b["jsd"], b["sft"], b["grad_norm"]]), f"{name} vs one process, step {a['step']}")
+    assert runs[1]["jsd"] != runs[0]["jsd"]
+
+
+def test_hf_backend_trains_the_exact_loss_as_megatron_does(hidden, one_process, tmp_path):
+    """The exact-teacher loss on the transformers backend (same loss call, step._loss_terms): the same per-step
+    exact reverse KL, CE and grad norm as the Megatron backend, 2 SGD steps, within tests/tolerance.py."""
+    assert gkd(["train", *_args(hidden, tmp_path / "hf", backend="hf", **_SGD)]) == 0
+    _same_steps(_metrics(tmp_path / "hf"), one_process, "hf backend")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size"])
+def test_two_way_model_parallel_trains_the_exact_loss_as_one_process(hidden, one_process, tmp_path, key):
+    """`gkd train` under torchrun, 2 gloo processes, TP=2 (the output layers split by vocabulary, losses/exact.py),
+    CP=2 (the cached states split with their positions, parallel/context_parallel.py) or PP=2 (the last stage runs
+    the loss on the micro-batch it read): the same steps as one process."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    save = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "pipeline.train.run", *_args(hidden, save, backend="megatron", **_SGD, **{key: 2})],
+                   check=True, env=env, cwd=repo, timeout=1800)
+    _same_steps(_metrics(save), one_process, f"{key}=2")
 
 
 def test_gkd_train_from_the_topk_view(hidden, tmp_path):
@@ -150,19 +185,6 @@ def test_refusals_before_any_work(hidden, tmp_path, capsys, kw, match):
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size"])
-def test_model_parallel_sizes_are_refused_by_name(hidden, key):
-    """The exact loss is not split yet: refused in the checks `gkd train` runs before any process group."""
-    from pipeline.config import ConfigError
-    from pipeline.train.config import TrainConfig
-    from pipeline.train.data.sources import resolve_sources
-    from pipeline.train.setup import check_hidden_cache
-
-    cfg = TrainConfig(student=str(hidden["student"]), cache=[str(hidden["cache"])], **{key: 2})
-    with pytest.raises(ConfigError, match=f"cache.json: a hidden-state cache trains at {key}=1 only"):
-        check_hidden_cache(cfg, resolve_sources(cfg.cache, indexed=True))
 
 
 def test_mixed_with_a_top_k_cache_is_refused_by_file(hidden, tmp_path, capsys):

@@ -12,17 +12,20 @@ log-normalisers are exact within the chunk, one pass):
         D = reference.divergence(log p, log s, β) over all V bins: β = 0 forward KL(p‖s), β = 1 reverse KL(s‖p),
             else the generalised JSD(β); SFT rows CE = −log softmax(z)_y; OPD rows the sampled-token estimator
             with the exact teacher's log p(y) at τ = 1
-        ∂loss/∂z of the chunk in closed form, in place, for β = 0 and β = 1 (`_analytic`), by autograd on the
-            chunk's small graph for other β; ∂h_c = ∂z · W, ∂W += ∂zᵀ · h_c
+        ∂loss/∂z of the chunk in closed form, in place, for β = 0 and β = 1 (`_chunk`), by autograd on the
+            chunk's log s for other β; CE and OPD in closed form; ∂h_c = ∂z · W, ∂W += ∂zᵀ · h_c
 
 so, like fused.py, the gradients are made in the forward pass and ``backward`` scales them. The teacher side has no
 gradient. Numerics: both matmuls and everything after them in float32 (float64 inputs stay float64; bf16 cached
 states are exact in float32); ∂W accumulates in float32. Memory: the closed form holds ~3 ``[chunk, V]`` buffers
 (chunks of half fused.py's ``CHUNK_BYTES``), the autograd graph ~8 (a quarter).
 
-Not done yet: tensor parallelism (the teacher's output layer would be split by vocabulary like the student's, with the
-log-normalisers all-reduced: `vocab_parallel.global_lse`); the trainer refuses TP, CP and PP > 1 with a hidden-state
-cache (setup.check_hidden_cache).
+Tensor parallelism: each rank holds its vocabulary slice of the student's output layer (Megatron's, padded to a
+multiple of TP) and takes the same rows of the teacher's; the log-normalisers, the divergence's per-row sum, the
+label reads and ∂hidden are reduced over the TP group, so the loss is replicated on every rank, as fused.py's is.
+Context parallelism needs nothing here: each rank's positions are whole rows of the loss (the trainer splits the
+cached states with the tokens, parallel/context_parallel.py); nor pipeline parallelism (the last stage runs the loss
+on the micro-batch every stage reads).
 
 Test: ``python -m pytest tests/train/losses/test_exact_loss.py`` (against the same divergences on full fp64 logits).
 """
@@ -36,120 +39,114 @@ from torch import Tensor
 
 from pipeline.train.losses.fused import CHUNK_BYTES, FusedOut, chunk_rows, keep_grads, scaled_grads
 from pipeline.train.losses.reference import TEACHER_EPS, divergence, loss_arg_problems
-from pipeline.train.losses.vocab_parallel import tp_rank_world
+from pipeline.train.losses.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
 
 
-def _analytic(z: Tensor, t: Tensor, kd_on, sft_on, opd_on, y, beta: float, tau: float, n: int, weights):
-    """One chunk's sums and ∂loss/∂z for β = 0 (forward KL, ∂D/∂z = (s − p)/τ) or β = 1 (reverse KL,
-    ∂D/∂z = s ⊙ (log s − log p − D)/τ), with CE and OPD (∂ log s₁(y)/∂z = onehot(y) − softmax(z)), in place on the
-    two logit buffers: about three ``[chunk, V]`` buffers instead of the autograd graph's ~8. `z` [c, V(+pad)] and
-    `t` [c, V] are consumed. Returns (∂loss/∂z [c, V(+pad)], d, ce, term, adv)."""
-    kd_w, sft_w, opd_w = weights
+def _lse(x: Tensor, group) -> Tensor:
+    """[c, 1] log-normaliser of each row over the whole vocabulary from this rank's columns `x` [c, v]."""
+    return global_lse(torch.logsumexp(x, -1, keepdim=True), group)
+
+
+def _at_label(x: Tensor, y_idx: Tensor, y_owned: Tensor, group) -> Tensor:
+    """[c] x[row, y] from the rank whose columns hold y (0 elsewhere), summed over the TP group."""
+    v = x.gather(1, y_idx).squeeze(-1) * y_owned if x.shape[1] else y_owned.to(x.dtype)
+    return all_reduce(v, group)
+
+
+def _chunk(z: Tensor, t: Tensor, kd_on, ce_on, y_idx, y_owned, beta: float, tau: float, n: int, kd_w: float, group):
+    """One chunk's per-row divergence D (over the whole vocabulary), log s₁(y), log p₁(y) and ∂(Σ D)/∂z, from this
+    rank's logit columns `z` [c, v_local] (its first `n` real, the rest Megatron's padding) and `t` [c, n], both
+    consumed: log s and log p at τ are made in place, with log-normalisers over every TP rank (`global_lse`). ∂D/∂z
+    per column: β = 0 (forward KL) (s − p)/τ, β = 1 (reverse KL) s ⊙ (log s − log p − D)/τ, in place (about three
+    ``[c, V]`` buffers); other β by autograd on the chunk's log s only, then through the softmax by hand,
+    (g − s Σ g)/τ, Σ over the TP group (about eight buffers). The label reads (CE, OPD) are at τ = 1. Returns
+    (kd_w · ∂D/∂z on kd_on rows [c, n], D, log s₁(y), log p₁(y), log s at τ [c, n], its normaliser lse_s, lse₁)."""
     zv = z[:, :n]
-    yy = y.unsqueeze(-1)
-    any_ce = bool((sft_on | opd_on).any())
-    lse_t = lse_s = None
-    if any_ce:  # what CE and OPD read at τ = 1, before the buffers are scaled
-        lse1, lse_t1 = torch.logsumexp(zv, -1), torch.logsumexp(t, -1)
-        log_s1_y = zv.gather(1, yy).squeeze(-1) - lse1
-        log_p1_y = t.gather(1, yy).squeeze(-1) - lse_t1
-        if tau == 1.0:
-            lse_t, lse_s = lse_t1.unsqueeze(-1), lse1.unsqueeze(-1)
+    lse1 = lse_t1 = log_s1_y = log_p1_y = None
+    if bool(ce_on.any()):  # read before the buffers are scaled
+        lse1, lse_t1 = _lse(zv, group), _lse(t, group)
+        log_s1_y = _at_label(zv, y_idx, y_owned, group) - lse1.squeeze(-1)
+        log_p1_y = _at_label(t, y_idx, y_owned, group) - lse_t1.squeeze(-1)
     if tau != 1.0:
         t.div_(tau)
         zv.div_(tau)
-    t.sub_(torch.logsumexp(t, -1, keepdim=True) if lse_t is None else lse_t)  # log p at τ
-    lse_s = torch.logsumexp(zv, -1, keepdim=True) if lse_s is None else lse_s
+    t.sub_(lse_t1 if tau == 1.0 and lse_t1 is not None else _lse(t, group))  # log p at τ
+    lse_s = lse1 if tau == 1.0 and lse1 is not None else _lse(zv, group)
     zv.sub_(lse_s)  # log s at τ
-    s = zv.exp()
     if beta == 0.0:
-        p = t.exp()
-        d = torch.bmm(t.sub_(zv).unsqueeze(1), p.unsqueeze(2)).view(-1)  # Σ p (log p − log s)
+        s, p = zv.exp(), t.exp()
+        d = all_reduce(torch.bmm(t.sub_(zv).unsqueeze(1), p.unsqueeze(2)).view(-1), group)  # Σ p (log p − log s)
         g = s.sub_(p)
         del p
-    else:
+    elif beta == 1.0:
+        s = zv.exp()
         t.neg_().add_(zv)  # log s − log p
-        d = torch.bmm(t.unsqueeze(1), s.unsqueeze(2)).view(-1)
+        d = all_reduce(torch.bmm(t.unsqueeze(1), s.unsqueeze(2)).view(-1), group)
         g = t.sub_(d.unsqueeze(-1)).mul_(s)
         del s
-    d = torch.where(kd_on, d, 0.0)
-    g.mul_((kd_on.to(g.dtype) * (kd_w / tau)).unsqueeze(-1))
-    zero = torch.zeros_like(d)
-    ce = term = adv = zero
-    if any_ce:
-        adv = torch.where(opd_on, log_s1_y - log_p1_y.clamp_min(math.log(TEACHER_EPS)), 0.0)
-        ce = torch.where(sft_on, -log_s1_y, 0.0)
-        term = adv * torch.where(opd_on, log_s1_y, 0.0)
-        coef = sft_w * sft_on.to(g.dtype) - opd_w * opd_on.to(g.dtype) * adv  # × (softmax₁ − onehot(y))
-        q = zv.mul_(tau).add_(tau * lse_s - lse1.unsqueeze(-1)).exp_() if tau != 1.0 else zv.exp_()
-        g.addcmul_(coef.unsqueeze(-1), q)
-        g.scatter_add_(1, yy, -coef.unsqueeze(-1))
-    if g.shape[1] < z.shape[1]:  # a padded student vocabulary: no gradient on the padding
-        g = torch.nn.functional.pad(g, (0, z.shape[1] - g.shape[1]))
-    return g, d, ce, term, adv
+    else:
+        with torch.enable_grad():
+            ls = zv.detach().requires_grad_()
+            d = divergence(t, ls, beta)  # this rank's bins: the generalised JSD is a sum over bins
+            (g,) = torch.autograd.grad(torch.where(kd_on, d, 0.0).sum(), [ls])
+        d = all_reduce(d.detach(), group)
+        s = zv.exp()
+        g = g.sub_(s.mul_(all_reduce(g.sum(-1, keepdim=True), group)))  # through log s = z/τ − lse(z/τ)
+    g.mul_(kd_on.to(g.dtype).unsqueeze(-1) * (kd_w / tau))
+    return g, torch.where(kd_on, d, 0.0), log_s1_y, log_p1_y, zv, lse_s, lse1
 
 
 class _ExactGKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, t_hidden, t_weight, rows, kd_on, labels, sft_on, opd_on, weights, opts):
-        beta, tau, chunk, n = opts
-        kd_weight, sft_weight, opd_weight = weights
+        beta, tau, chunk, n_vocab, group = opts
+        kd_w, sft_w, opd_w = weights
+        rank, _ = tp_rank_world(group)
+        v_local = weight.shape[0]
+        n = valid_columns(n_vocab, rank, v_local)  # this rank's real columns, from rank * v_local
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         want_h, want_w = hidden.requires_grad, weight.requires_grad
         grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if want_w else None
         sums = torch.zeros(4, dtype=cdtype, device=hidden.device)  # kd, sft, opd, opd's reverse-KL estimate
         ce_on = sft_on | opd_on
-        tw = t_weight.to(cdtype)
+        tw = t_weight[rank * v_local: rank * v_local + n].to(cdtype)  # the teacher's rows for this rank's columns
+        y_local = labels - rank * v_local
+        y_owned = (y_local >= 0) & (y_local < n) & ce_on
+        y_idx = y_local.clamp(0, max(n - 1, 0)).unsqueeze(-1)
         chunk = chunk if beta not in (0.0, 1.0) else 2 * chunk  # the closed form keeps half the buffers
         for s in range(0, rows.numel(), chunk):
             e = min(s + chunk, rows.numel())
             hc = hidden[rows[s:e]]
             z = (hc.to(weight.dtype) @ weight.t()).to(cdtype)
-            if beta in (0.0, 1.0):  # closed-form gradients, in place (`_analytic`)
-                t = t_hidden[rows[s:e]].to(cdtype) @ tw.t()
-                gz, d, ce, term, adv = _analytic(z, t, kd_on[s:e], sft_on[s:e], opd_on[s:e], labels[s:e], beta, tau,
-                                                 n, weights)
-                del z, t
-                sums += torch.stack([d.sum(), ce.sum(), term.sum(), adv.sum()])
-                if want_h:
-                    grad_h[rows[s:e]] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
-                if want_w:
-                    if gz.dtype == grad_w.dtype == hc.dtype:
-                        grad_w.addmm_(gz.t(), hc)  # no [V, H] temporary
-                    else:
-                        grad_w.add_(gz.t().to(cdtype) @ hc.to(cdtype))
-                continue
-            with torch.no_grad():
-                log_p = torch.log_softmax((t_hidden[rows[s:e]].to(cdtype) @ tw.t()).div_(tau), -1)
-                log_p1 = (torch.log_softmax((t_hidden[rows[s:e]].to(cdtype) @ tw.t()), -1)
-                          if tau != 1.0 and bool(opd_on[s:e].any()) else log_p)
-            with torch.enable_grad():
-                zl = z.detach().requires_grad_()
-                zv = zl[:, :n]  # a padded student vocabulary (Megatron): its extra columns are no token
-                log_s = torch.log_softmax(zv / tau if tau != 1.0 else zv, -1)
-                d = torch.where(kd_on[s:e], divergence(log_p, log_s, beta), 0.0)
-                total = kd_weight * d.sum()
-                if bool(ce_on[s:e].any()):
-                    y = labels[s:e].unsqueeze(-1)
-                    log_s1 = torch.log_softmax(zv, -1).gather(1, y).squeeze(-1) if tau != 1.0 else log_s.gather(1, y).squeeze(-1)
-                    ce = torch.where(sft_on[s:e], -log_s1, 0.0)
-                    lp_y = log_p1.gather(1, y).squeeze(-1).clamp_min(math.log(TEACHER_EPS))
-                    adv = torch.where(opd_on[s:e], log_s1.detach() - lp_y, 0.0)
-                    term = adv * torch.where(opd_on[s:e], log_s1, 0.0)
-                    total = total + sft_weight * ce.sum() + opd_weight * term.sum()
-                    sums[1:] += torch.stack([ce.detach().sum(), term.detach().sum(), adv.sum()])
-                sums[0] += d.detach().sum()
-                if not (want_h or want_w):
-                    continue
-                (gz,) = torch.autograd.grad(total, [zl])
-            del log_p, log_p1, log_s, zl, zv, z
+            t = t_hidden[rows[s:e]].to(cdtype) @ tw.t()
+            g, d, log_s1_y, log_p1_y, log_s, lse_s, lse1 = _chunk(
+                z, t, kd_on[s:e], ce_on[s:e], y_idx[s:e], y_owned[s:e], beta, tau, n, kd_w, group)
+            del t
+            if n < v_local:  # a padded student vocabulary: no gradient on the padding
+                g = torch.nn.functional.pad(g, (0, v_local - n))
+            sums[0] += d.sum()
+            if log_s1_y is not None:  # CE and OPD: coef · (softmax₁ − onehot(y)), softmax₁ from log s at τ
+                sft_c, opd_c = sft_on[s:e], opd_on[s:e]
+                adv = torch.where(opd_c, log_s1_y - log_p1_y.clamp_min(math.log(TEACHER_EPS)), 0.0)
+                term = adv * torch.where(opd_c, log_s1_y, 0.0)
+                sums[1:] += torch.stack([torch.where(sft_c, -log_s1_y, 0.0).sum(), term.sum(), adv.sum()])
+                coef = sft_w * sft_c.to(g.dtype) - opd_w * opd_c.to(g.dtype) * adv
+                q = log_s.mul_(tau).add_(tau * lse_s - lse1).exp_() if tau != 1.0 else log_s.exp_()
+                g[:, :n].addcmul_(coef.unsqueeze(-1), q)
+                g.scatter_add_(1, y_idx[s:e], -(coef * y_owned[s:e]).unsqueeze(-1))
+            del z, log_s
             if want_h:
-                grad_h[rows[s:e]] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[rows[s:e]] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_w:
-                grad_w.add_(gz.t().to(cdtype) @ hc.to(cdtype))
+                if g.dtype == grad_w.dtype == hc.dtype:
+                    grad_w.addmm_(g.t(), hc)  # no [V, H] temporary
+                else:
+                    grad_w.add_(g.t().to(cdtype) @ hc.to(cdtype))
+        if want_h:
+            all_reduce(grad_h, group)  # each rank's columns' share of ∂hidden
         keep_grads(ctx, grad_h, grad_w, weight.dtype)
-        loss = kd_weight * sums[0] + sft_weight * sums[1] + opd_weight * sums[2]
+        loss = kd_w * sums[0] + sft_w * sums[1] + opd_w * sums[2]
         return loss, sums[0], sums[1], sums[2], sums[3]
 
     @staticmethod
@@ -196,9 +193,7 @@ def exact_gkd_loss(
     real vocabulary V (columns past it are padding). Returns what fused.py's loss returns."""
     if problems := loss_arg_problems(beta, temperature, "tail"):
         raise ValueError("; ".join(problems))
-    if tp_rank_world(tp_group)[1] > 1:
-        raise ValueError("the exact-teacher loss runs at tensor_model_parallel_size=1 only (not done yet)")
-    n = vocab_size or weight.shape[0]
+    n = vocab_size or weight.shape[0] * tp_rank_world(tp_group)[1]
     if problems := exact_problems(n, teacher_weight, temperature):
         raise ValueError("; ".join(problems))
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -217,7 +212,7 @@ def exact_gkd_loss(
     chunk = chunk_size or chunk_rows(max(weight.shape[0], teacher_weight.shape[0]), CHUNK_BYTES // 4)
     loss, kd_sum, sft_sum, opd_sum, opd_kl = _ExactGKD.apply(
         h, weight, g, teacher_weight, rows, kd_on, y, sft_on, opd_on,
-        (float(kd_weight), float(sft_weight), float(opd_weight)), (beta, float(temperature), chunk, n))
+        (float(kd_weight), float(sft_weight), float(opd_weight)), (beta, float(temperature), chunk, n, tp_group))
     dev = h.device
     return FusedOut(loss, kd_sum.detach(), torch.tensor(int(kd_on.sum()), device=dev), sft_sum.detach(),
                     torch.tensor(int(sft_on.sum()), device=dev), opd_sum.detach(), opd_kl.detach(),

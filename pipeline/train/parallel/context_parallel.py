@@ -33,7 +33,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pipeline.train.data.batch import IGNORE_INDEX, MicroBatch, Route
+from pipeline.train.data.batch import IGNORE_INDEX, Exact, MicroBatch, Route
 
 Tensor = torch.Tensor
 
@@ -49,7 +49,7 @@ def columns(width: int, size: int, rank: int, device: torch.device | str = "cpu"
 # Fill of the columns `split` pads a micro-batch with: what the loader writes at padding (batch.assemble).
 _PAD = {"input_ids": 0, "labels": IGNORE_INDEX, "loss_mask": False, "sft_mask": False, "doc_ids": -1,
         "teacher_ids": 0, "teacher_logprobs": 0.0, "teacher_valid": False, "teacher_tail": 0.0,
-        "teacher_actual": 0.0, "route": -1}
+        "teacher_actual": 0.0, "route": -1, "exact": 0.0}
 # The parts `split` cannot cut into chunks, and why: it refuses them by name instead of passing them on whole.
 _UNSPLIT = {
     "images": "a row's images feed the vision tower of a vision-language student, which is on the hf backend (no "
@@ -57,8 +57,6 @@ _UNSPLIT = {
     "spans": "span heads are flat indices into the whole rows, and a span may cross a chunk boundary; train "
              "cross-tokenizer rows with context_parallel_size=1",
     "xtok_live": "the live teacher lays its rows out on whole samples; use context_parallel_size=1",
-    "exact": "the exact-teacher loss is not split yet (train/losses/exact.py); train a hidden-state cache with "
-             "context_parallel_size=1",
 }
 
 
@@ -67,8 +65,9 @@ def split(batch: MicroBatch, size: int, rank: int) -> tuple[MicroBatch, Tensor]:
     of 2 * size columns (padding: no loss, a document of its own in a packed row, after every real token in a padded
     one), then every [B, W, ...] tensor keeps `columns(W, size, rank)`; position_ids keep their global values. The
     scalar counters (tokens, positions, ...) stay those of the whole micro-batch. Parts: route is split like the
-    rows (padding -1: no teacher); the others (`_UNSPLIT`) are refused by name."""
-    batch.refuse_parts({"route"}, f"context parallelism (context_parallel_size={size})", fix=_UNSPLIT)
+    rows (padding -1: no teacher), exact's cached states too (padding 0, under no loss); the others (`_UNSPLIT`) are
+    refused by name."""
+    batch.refuse_parts({"route", "exact"}, f"context parallelism (context_parallel_size={size})", fix=_UNSPLIT)
     b, w = batch.input_ids.shape
     width = -(-w // (2 * size)) * (2 * size)
     keep = columns(width, size, rank, device=batch.input_ids.device)
@@ -87,6 +86,8 @@ def split(batch: MicroBatch, size: int, rank: int) -> tuple[MicroBatch, Tensor]:
     local = {name: t.index_select(1, keep) for name, t in fields.items()}
     if batch.route is not None:
         local["route"] = Route(cut("route", batch.route.teacher).index_select(1, keep))
+    if batch.exact is not None:  # the cached teacher states travel with their positions; the output layer is whole
+        local["exact"] = Exact(cut("exact", batch.exact.hidden).index_select(1, keep), batch.exact.weight)
     return dataclasses.replace(batch, **local), doc_ids
 
 

@@ -109,3 +109,11 @@ def test_refusals():
         exact_gkd_loss(h, w, th, tw, mask, beta=0.5, temperature=0.0, vocab_size=V)
     with pytest.raises(ValueError, match=r"teacher's vocabulary \(50 output rows\) differs from the student's \(53\)"):
         exact_gkd_loss(h, w, th, tw, mask, beta=0.5)
+
+
+@pytest.mark.distributed
+def test_tp2_matches_tp1():
+    """Tensor parallelism (2 gloo processes under torchrun): tests/train/_exact_tp_worker.py."""
+    from train_fixtures import run_tp2_worker
+
+    run_tp2_worker("_exact_tp_worker.py")
