@@ -480,13 +480,14 @@ def test_pipeline_parallel_settings(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     refused(tmp_path, ["train", "pipeline_model_parallel_size=2", "backend=hf", f"save_dir={tmp_path / 'run'}"], capsys,
             r"pipeline_model_parallel_size=2: the hf backend .* has no pipeline parallelism", r"fsdp=true")
-    for key, why in (("lora_rank=8", "lora_rank=8: LoRA adapters split over pipeline stages"),
+    for key, why in (("lora_rank=8 virtual_pipeline_model_parallel_size=3",
+                      "lora_rank=8 and virtual_pipeline_model_parallel_size=3: an adapter's checkpoint holds one model"),
                      ("loss=gold", "loss=gold: the cross-tokenizer losses"),
                      ("use_distributed_optimizer=true", "use_distributed_optimizer=true: the distributed optimizer"),
                      ("teacher_live=x", "teacher_live: the live teacher")):
         extra = ["cache=[]", "rollouts=[r]"] if key.startswith("teacher_live") else []
         monkeypatch.setenv("WORLD_SIZE", "2")
-        refused(tmp_path, ["train", "pipeline_model_parallel_size=2", key, *extra, f"save_dir={tmp_path / 'run'}"],
+        refused(tmp_path, ["train", "pipeline_model_parallel_size=2", *key.split(), *extra, f"save_dir={tmp_path / 'run'}"],
                 capsys, f"pipeline_model_parallel_size=2 with {why}", "or pipeline_model_parallel_size=1")
     # virtual_pipeline_model_parallel_size (interleaved 1F1B): without pipeline stages, a chunk count that does not
     # divide a stage's layers (6 layers / 2 stages = 3), micro-batches fewer than, or not a multiple of, the stages

@@ -285,8 +285,11 @@ class TrainConfig:
         head = f"pipeline_model_parallel_size={pp}"
         fix = "; or pipeline_model_parallel_size=1"
         refused = [
-            (self.lora_rank > 0, f"with lora_rank={self.lora_rank}: LoRA adapters split over pipeline stages are not "
-             "supported yet (untested: its adapter checkpoints and export gather per stage); set lora_rank=0"),
+            (self.lora_rank > 0 and self.virtual_pipeline_model_parallel_size > 1,
+             f"with lora_rank={self.lora_rank} and virtual_pipeline_model_parallel_size="
+             f"{self.virtual_pipeline_model_parallel_size}: an adapter's checkpoint holds one model, not interleaved "
+             "model chunks (not supported yet); set virtual_pipeline_model_parallel_size=1 (LoRA runs under plain "
+             "pipeline parallelism) or lora_rank=0"),
             (self.teacher_live is not None, "with teacher_live: the live teacher would run beside the whole student on "
              "every rank, but only the last stage holds the loss; score the rollouts into a cache (gkd score) and "
              "train from it"),

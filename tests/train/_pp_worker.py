@@ -28,6 +28,7 @@ VARIANTS = {  # packed rows of 64 tokens (about two samples each) + the fused lo
     "bf16": {"bf16": True},
     "opd": {"loss": "opd"},  # student-sourced rows: the sampled-token loss; dataset-sourced ones: GKD
     "aligned": {"teacher": True, "temperature": 1.0},  # the scoring model as the student: KD ≈ 0 at every active position (alignment)
+    "lora": {"lora_rank": 4},  # adapters on each stage's layers, seeded by global layer (the PP=1 adapter at any PP)
 }
 # Under PP x TP (and PP x DP, PP x CP: 4 processes each), where TP meets the pipeline: the vocabulary-parallel fused loss on the last stage and the tied
 # embedding's copies (first and last stage, each split over the TP ranks). bf16 is compared at TP=1 only: a TP split
@@ -41,10 +42,10 @@ def _grads(model) -> tuple:
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from pipeline.train.models.megatron import _layer_key, megatron_to_hf_state_dict
+    from pipeline.train.models.megatron import layer_key, megatron_to_hf_state_dict
 
     offset = get_transformer_layer_offset(model.config)
-    grads = {_layer_key(name, offset): p.main_grad.detach().clone()
+    grads = {layer_key(name, offset): p.main_grad.detach().clone()
              for name, p in model.named_parameters() if p.requires_grad}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, (parallel_state.get_tensor_model_parallel_rank(), grads))
@@ -52,6 +53,8 @@ def _grads(model) -> tuple:
     for tp_rank, stage in ranks:  # the stages of one TP rank merge by global key
         by_tp.setdefault(tp_rank, {}).update(stage)
     shards = [by_tp[r] for r in sorted(by_tp)]
+    if getattr(model, "lora_spec", None) is not None:  # the adapters' gradients, by global key (TP=1 here)
+        return shards[0], None, None
     tied_copy = embedding = None
     if model.hf_arch.tied_embeddings and "output_layer.weight" in shards[0]:
         tied_copy = torch.cat([s.pop("output_layer.weight") for s in shards])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,11 +142,16 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> None:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     for p in model.parameters():
         p.requires_grad_(False)
-    count = 0
-    for name, module in model.named_modules():
-        kind = _layer_kind(name)
-        if kind not in spec.targets:
-            continue
+    targeted = [(n, m, kind) for n, m in model.named_modules() if (kind := _layer_kind(n)) in spec.targets]
+    # Each adapter's seed counts the targeted layers before it in the *whole* model (pipeline stages included: the
+    # stage's first layer is global layer `offset`), so any PP degree starts from the PP=1 adapter.
+    offset = _layer_offset(model)
+    per_layer = Counter(_local_layer(n) for n, _, _ in targeted)
+    within: Counter = Counter()
+    for name, module, kind in targeted:
+        layer = _local_layer(name)
+        count = (offset + layer) * per_layer[layer] + within[layer]
+        within[layer] += 1
         w = module.weight
         column = kind in COLUMN
         in_full = w.shape[1] * (1 if column else tp)
@@ -163,26 +169,44 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> None:
         set_tensor_model_parallel_attributes(module.lora_B, column, 0, 1)
         module.lora_column, module.lora_scale, module.lora_kind = column, spec.scale, kind
         module.register_forward_hook(_hook)
-        count += 1
-    if count == 0:
+    if not targeted:
         raise ValueError(f"no layer of the model matches lora targets {spec.targets}")
     model.lora_spec = spec
 
 
+def _layer_offset(model: torch.nn.Module) -> int:
+    from pipeline.train.models.megatron import layer_offset
+
+    return layer_offset(model)
+
+
+def _local_layer(name: str) -> int:
+    return int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
+
+
+def _global_key(name: str, model: torch.nn.Module) -> str:
+    """A module key with its layer index made global (under pipeline parallelism each stage numbers its own from 0)."""
+    from pipeline.train.models.megatron import layer_key
+
+    return layer_key(name, _layer_offset(model))
+
+
 def lora_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
-    """This rank's adapter parameters by model key (`...linear_qkv.lora_A`), the tensors themselves."""
-    return {f"{n}.{p}": getattr(m, p) for n, m in lora_modules(model) for p in ("lora_A", "lora_B")}
+    """This rank's adapter parameters by global model key (`decoder.layers.N.linear_qkv.lora_A`, N counted over the
+    whole model), the tensors themselves."""
+    return {_global_key(f"{n}.{p}", model): getattr(m, p) for n, m in lora_modules(model) for p in ("lora_A", "lora_B")}
 
 
 def lora_sharded_state_dict(model: torch.nn.Module) -> dict:
-    """dist_checkpointing view of the adapter only (global shapes, so a TP=2 checkpoint loads at TP=1)."""
+    """dist_checkpointing view of the adapter only (global shapes and global layer keys, so a TP=2 or PP=2 checkpoint
+    loads at TP=1 or PP=1)."""
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
     out = {}
     for n, m in lora_modules(model):
         for p in ("lora_A", "lora_B"):
-            key, t = f"{n}.{p}", getattr(m, p)
+            key, t = _global_key(f"{n}.{p}", model), getattr(m, p)
             split = (p == "lora_B") if m.lora_column else (p == "lora_A")
             if not split:
                 out[key] = make_sharded_tensor_for_checkpoint(t, key)

@@ -159,7 +159,7 @@ def build_chunks(hf_dir: str | Path, vpp: int, **kw) -> ModelChunks:
     return chunks
 
 
-def _offset(model: GPTModel) -> int:
+def layer_offset(model: GPTModel) -> int:
     """The global index of `model`'s first layer (its pipeline stage and virtual stage)."""
     return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))
 
@@ -270,7 +270,7 @@ def read_hf_state_dict(hf_dir: str | Path, keep=None) -> dict[str, Tensor]:
     return tensors
 
 
-def _layer_key(key: str, shift: int) -> str:
+def layer_key(key: str, shift: int) -> str:
     """Shift the layer index of a `decoder.layers.N.` key (local <-> global under pipeline parallelism)."""
     match = re.match(r"decoder\.layers\.(\d+)\.(.*)", key)
     return key if match is None else f"decoder.layers.{int(match[1]) + shift}.{match[2]}"
@@ -279,7 +279,7 @@ def _layer_key(key: str, shift: int) -> str:
 def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
     """Copy the HF checkpoint into this rank's slice of `model` (TP shard, PP stage); every parameter must match."""
     arch, tp = model.hf_arch, parallel_state.get_tensor_model_parallel_world_size()
-    offset = _offset(model)
+    offset = layer_offset(model)
     own = model.state_dict()
     # Only this stage's tensors are read (a pipeline stage never holds the whole model): its layers, the embedding
     # where it embeds or holds the tied copy, the final norm and output layer on the last stage.
@@ -299,16 +299,16 @@ def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:
         # Tied and pipelined: the last stage holds its own copy of the embedding as output_layer.weight, which
         # Megatron keeps in sync through the embedding group; it starts as the same vocab shard.
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
-    wanted = {k: full[_layer_key(k, offset)] for k in own if not k.endswith("_extra_state")}
+    wanted = {k: full[layer_key(k, offset)] for k in own if not k.endswith("_extra_state")}
     model.load_state_dict({**own, **wanted}, strict=True)
 
 
 def _global_megatron_state_dict(model: GPTModel, adapter_only: bool = False) -> dict[str, Tensor]:
     if isinstance(model, list):  # ModelChunks: each chunk's layers under their global indices
         return {k: v for chunk in model for k, v in _global_megatron_state_dict(chunk, adapter_only).items()}
-    offset = _offset(model)
+    offset = layer_offset(model)
     return {
-        _layer_key(k, offset): v.detach().to("cpu", copy=True)
+        layer_key(k, offset): v.detach().to("cpu", copy=True)
         for k, v in model.state_dict().items()
         if not k.endswith("_extra_state") and isinstance(v, Tensor)
         and (not adapter_only or k.endswith((".lora_A", ".lora_B")))

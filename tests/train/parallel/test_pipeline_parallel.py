@@ -88,7 +88,7 @@ def pp1(tiny, tied, tmp_path_factory) -> dict:
                          ids=["pp2", "pp2 x tp2", "pp2 x dp2", "pp2 x cp2"])
 def test_pp2_step_matches_pp1(tiny, tied, pp1, tp, dp, cp, tmp_path):
     one, two = pp1, _worker(tiny, tied, tmp_path, 2, tp, dp, cp)
-    assert set(one) == {"packed fused", "padded unfused recompute", "tied", "bf16", "opd", "aligned"}
+    assert set(one) == {"packed fused", "padded unfused recompute", "tied", "bf16", "opd", "aligned", "lora"}
     assert float(one["opd"]["sums"][OPD_SUM]) != 0 and float(one["opd"]["sums"][OPD_KL_SUM]) != 0  # sums to compare
     assert next(iter(two.values()))["dp"] == dp
     assert len({w for w in one["padded unfused recompute"]["widths"]}) > 1  # rows of varying width crossed stages
@@ -208,6 +208,38 @@ def test_pp2_training_run_resumes_and_matches_pp1(tiny, tied, tmp_path):
         assert all(torch.equal(weights[save][k], weights[whole][k]) for k in weights[whole]
                    if torch.is_tensor(weights[whole][k])), save.name
 
+
+
+@pytest.mark.distributed
+def test_pp2_lora_run_resumes_at_pp1_and_exports_the_pp1_adapter(tiny, tmp_path):
+    """LoRA under PP=2 through the CLI: 3 SGD steps at PP=2 (torchrun) against 3 at PP=1, and the PP=2 run's step-2
+    adapter checkpoint resumed at PP=1 (adapter keys and seeds count layers over the whole model, so the stages'
+    adapters neither start apart from PP=1's nor collide in the checkpoint): the same steps, and `gkd export
+    --adapter-only` writes the same trained adapter for all three."""
+    from safetensors.torch import load_file
+
+    from pipeline.cli import main as cli
+
+    lora = "lora_rank=4"
+    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    assert cli(["train", *_train_args(tiny, tiny["student"], one, lora)]) == 0
+    _torchrun_train(*_train_args(tiny, tiny["student"], two, lora, "pipeline_model_parallel_size=2"))
+    two_to_one = _from_step_2(two, tmp_path / "pp2-to-pp1")
+    assert cli(["train", *_train_args(tiny, tiny["student"], two_to_one, lora)]) == 0
+    adapters = {}
+    for save in (one, two, two_to_one):
+        assert [m["step"] for m in _metrics(save)] == [1, 2, 3], save
+        for a, b in zip(_metrics(one), _metrics(save), strict=True):
+            assert a["active_tokens"] == b["active_tokens"] and b["jsd"] > 0
+            assert_layout_close(torch.tensor([b["loss"], b["jsd"], b["sft"], b["grad_norm"]]),
+                                torch.tensor([a["loss"], a["jsd"], a["sft"], a["grad_norm"]]),
+                                f"{save.name} step {a['step']}")
+        assert cli(["export", "--checkpoint", str(save), "--out", str(save / "ad"), "--adapter-only"]) == 0
+        adapters[save] = load_file(save / "ad" / "adapter_model.safetensors")
+    layers = {int(k.split(".layers.")[1].split(".")[0]) for k in adapters[one]}
+    assert layers == {0, 1} and all(adapters[two][k].abs().max() > 0 for k in adapters[one] if "lora_B" in k)
+    for save in (two, two_to_one):
+        assert_layout_close(adapters[save], adapters[one], f"{save.name} adapter")
 
 
 @pytest.mark.distributed
