@@ -157,6 +157,10 @@ class OnPolicyConfig:
                      "not implemented; use max_staleness=0 with opd, or a forward-KL / JSD loss (train.loss=gkd)")
         if sc.topk == 0 and tr.loss != "opd":
             p.append("score.topk=0 stores no teacher top-k: only train.loss=opd can train from it")
+        if sc.hidden and self.heldout_prompts:
+            p.append("score.teacher_rows=hidden: the held-out KL reads the teacher's top-k rows, which a hidden-state "
+                     "cache does not hold; set heldout_prompts: null (the trainer's metrics.jsonl logs the exact "
+                     "divergence of every step), or score.teacher_rows=topk")
         if sc.topk == 0 and self.heldout_prompts:
             p.append("score.topk=0: the held-out KL needs the teacher's top-k; set heldout_prompts: null (or topk >= 1)")
         if gen.max_model_len is not None and gen.max_tokens >= gen.max_model_len:

@@ -28,6 +28,7 @@ from typing import Any
 from pipeline.engine import EngineArgs, open_engine, shutdown
 from pipeline.generate.sampler import engine_args, lora_rank_limit
 from pipeline.onpolicy.config import OnPolicyConfig
+from pipeline.score.hidden import HiddenTeacher, hidden_teacher
 from pipeline.score.teacher import engine_length, open_teacher_engine, teacher_engine_args
 
 
@@ -134,12 +135,15 @@ class Engines:
 
         scfg = cfg.score_settings
         engine_len = engine_length(scfg, AutoConfig.from_pretrained(teacher))
-        key = (teacher_engine_args(scfg, teacher, engine_len), scfg.topk, scfg.logprob_mode)
+        key = (teacher_engine_args(scfg, teacher, engine_len), scfg.topk, scfg.logprob_mode, scfg.hidden)
         if self.teacher is not None and self.teacher_key == key:
             return self.teacher
         if self.teacher is not None:
-            shutdown(self.teacher)
-        self.teacher = self._stack.enter_context(open_teacher_engine(scfg, teacher, engine_len))
+            shutdown(self.teacher.llm if isinstance(self.teacher, HiddenTeacher) else self.teacher)
+        # teacher_rows=hidden: vLLM's pooling runner (score/hidden.py), the states the score stage would open itself
+        opened = hidden_teacher(scfg, teacher, engine_len) if scfg.hidden else open_teacher_engine(scfg, teacher,
+                                                                                                   engine_len)
+        self.teacher = self._stack.enter_context(opened)
         self.teacher_key = key
         return self.teacher
 

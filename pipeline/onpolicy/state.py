@@ -93,7 +93,7 @@ def rollout_keys(rollouts_dir: Path, cache: TeacherCache, prompt_order: Sequence
     # a cross-tokenizer cache's keys cover both tokenizers (the score stage's CrossTokenizer.key)
     cross = (d.tokenizer_fingerprint, d.student_tokenizer_fingerprint) if d.cross_tokenizer else None
     for r in rows:
-        key = rollout_key(r, d.teacher_fingerprint, d.k, d.logprob_mode, cross=cross)
+        key = rollout_key(r, d.teacher_fingerprint, d.k, d.key_mode, cross=cross)
         if key is not None:  # the rows the score stage skips as empty have no key
             keys.append(key)
     return list(dict.fromkeys(keys))
@@ -152,6 +152,13 @@ def build_view(cache: TeacherCache, keys: list[str], view: Path) -> tuple[list[s
         shutil.rmtree(staged, ignore_errors=True)
         shutil.copytree(cache.root / TEACHER_TOKENIZER, staged)
         staged.rename(view / TEACHER_TOKENIZER)
+    view.mkdir(parents=True, exist_ok=True)  # also when no key of the cycle was found (no shard made it)
+    hidden = cache.descriptor.hidden
+    if hidden is not None and not (view / hidden["output_layer"]).exists():
+        # a hidden-state cache's rows need its teacher output layer (store/hidden.py), named by the descriptor
+        staged = view / f".{hidden['output_layer']}.partial"
+        shutil.copyfile(cache.root / hidden["output_layer"], staged)
+        staged.rename(view / hidden["output_layer"])
     if not (view / DESCRIPTOR).exists():
         cache.descriptor.write(view / DESCRIPTOR)
     if not (view / INDEX).exists():  # the trainer reads the view through its index

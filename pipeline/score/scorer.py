@@ -47,7 +47,7 @@ from pipeline.engine import engine_version
 from pipeline.score.config import ScoreConfig
 from pipeline.score.errors import ScoreInputError
 from pipeline.score.hidden import ROUTE as HIDDEN_ROUTE
-from pipeline.score.hidden import hidden_teacher
+from pipeline.score.hidden import HiddenTeacher, hidden_teacher
 from pipeline.score.numerics import check_engine_numerics, scoring_numerics
 from pipeline.score.parts import Parts
 from pipeline.score.rows import check_image_alignment, select_rows, token_batches
@@ -130,9 +130,10 @@ def _open_task(cfg: ScoreConfig, llm) -> _Task:
     teacher = resolve_teacher(cfg.teacher)
     if cfg.hidden:  # before any work: a teacher whose logits are not hidden · Wᵀ, or an engine handed in
         hidden_store.check_teacher(teacher)
-        if llm is not None:
-            raise ConfigError("teacher_rows=hidden scores through its own pooling engine (score/hidden.py), not an "
-                              "engine passed to score(): pass llm=None, or score with teacher_rows=topk")
+        if llm is not None and not isinstance(llm, HiddenTeacher):
+            raise ConfigError("teacher_rows=hidden scores through a pooling engine (score/hidden.py), not the "
+                              "generate engine passed to score(): pass llm=None or an open hidden_teacher, or score "
+                              "with teacher_rows=topk")
     t0 = time.time()
     from transformers import AutoConfig, AutoTokenizer
 
@@ -145,7 +146,7 @@ def _open_task(cfg: ScoreConfig, llm) -> _Task:
     cross = cross_tokenizers(cfg, tokenizer, tok_fp, teacher) if cfg.cross_tokenizer else None
     check_rollout_tokenizer(paths, tok_fp, teacher, None if cross is None else cross.student_fp)
     numerics = scoring_numerics(cfg)
-    if llm is not None:
+    if llm is not None and not cfg.hidden:  # a pooling engine returns states, not the logprobs numerics govern
         check_engine_numerics(llm, numerics)
     if cfg.teacher_adapter:
         if llm is not None:
@@ -283,7 +284,7 @@ def _score_rows(cfg: ScoreConfig, llm, task: _Task, todo: list[dict], name: str,
     if task.served is not None:
         engine = task.served
     elif cfg.hidden:
-        engine = stack.enter_context(hidden_teacher(cfg, task.teacher, task.engine_len))
+        engine = llm if llm is not None else stack.enter_context(hidden_teacher(cfg, task.teacher, task.engine_len))
     else:
         engine = stack.enter_context(in_process_teacher(
             cfg, task.teacher, llm, task.engine_len, image_token=task.image_token,

@@ -114,6 +114,12 @@ class Descriptor:
         return self.teacher_rows == hidden_store.KIND
 
     @property
+    def key_mode(self) -> str:
+        """The logprob-mode part of this cache's content keys (`fingerprint.content_key`): a hidden-state cache's
+        names its kind and dtype too (`hidden.key_mode`), as the score stage's (`ScoreConfig.key_mode`) does."""
+        return hidden_store.key_mode(self.logprob_mode, self.hidden["dtype"]) if self.hidden_rows else self.logprob_mode
+
+    @property
     def cross_tokenizer(self) -> bool:
         return self.student_tokenizer_fingerprint is not None
 

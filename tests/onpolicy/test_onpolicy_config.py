@@ -51,11 +51,12 @@ def test_unset_stage_keys_are_the_on_policy_defaults_then_the_stages_own():
     ("topk=8", ("unknown key 'topk'", "score.topk")),             # an old flat key names its section
     ("kd_temperature=2", ("unknown key 'kd_temperature'", "train.temperature")),
     ("score.topk=0", ("only train.loss=opd",)),
+    ("score.teacher_rows=hidden heldout_prompts=p.jsonl", ("the held-out KL reads the teacher's top-k rows", "heldout_prompts: null")),
     ("generate.max_tokens=512", ("generate.max_tokens must be < generate.max_model_len",)),
 ])
 def test_bad_stage_settings_fail_at_load(override, words):
     with pytest.raises(ConfigError) as e:
-        load_config(OnPolicyConfig, None, [*BASE, override])
+        load_config(OnPolicyConfig, None, [*BASE, *override.split()])
     assert all(w in str(e.value) for w in words), str(e.value)
 
 

@@ -176,3 +176,20 @@ def test_onpolicy_loss_opd_two_cycles(models, engines, tmp_path):
     assert lines[-1]["heldout_kl"] < lines[0]["heldout_kl"]
     train = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert len(train) == 4 and all("opd_kl" in m and m["jsd"] == 0.0 for m in train)  # student rows only: no GKD
+
+
+def test_exact_teacher_cache_on_policy(models, engines, tmp_path):
+    """score.teacher_rows=hidden through the driver: the teacher role's engine is vLLM's pooling runner (the one
+    `gkd score teacher_rows=hidden` opens), each cycle's view is a hidden-state cache holding exactly the cycle's
+    rows and the teacher's output layer, and the trainer trains the exact divergence from it (no top-k anywhere)."""
+    cfg = _cfg(models, tmp_path, teacher_rows="hidden", heldout_prompts=None)
+    lines = run(cfg, engines)
+    assert [m["cycle"] for m in lines] == [0, 1]
+    assert all(m["scored"] == m["samples"] == m["view_rows"] == 8 for m in lines), lines
+    cache = TeacherCache.open(tmp_path / "cache")
+    assert cache.descriptor.hidden_rows and cache.descriptor.k == 0
+    for cycle in (0, 1):
+        view = TeacherCache.open(tmp_path / "views" / f"cycle-{cycle:04d}")
+        assert view.descriptor.hidden_rows and (view.root / view.descriptor.hidden["output_layer"]).exists()
+    train = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(train) == 4 and all(m["jsd"] > 0.01 and m["active_tokens"] > 0 for m in train), train
