@@ -758,6 +758,16 @@ def test_hidden_cache_mixed_with_a_topk_cache(tmp_path, teacher, exact, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_hidden_cache_export(tmp_path, exact, capsys):
+    """`gkd cache export` writes top-k rows per position: a hidden-state cache's states would be dropped, so it is
+    refused, naming the cache and the two ways to its rows; no export folder appears."""
+    out = tmp_path / "plain"
+    refused(exact["hidden"].parent, ["cache", "export", str(exact["hidden"]), "--out", str(out)], capsys,
+            rf"{exact['hidden']}/cache\.json: teacher_rows=hidden: a hidden-state cache holds the teacher's final "
+            r"hidden states", r"topk_from_hidden=K", r"score the rollouts into a top-k cache")
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+
+
 def test_hidden_cache_with_a_student_of_another_vocabulary(tmp_path, exact, capsys):
     refused(exact["hidden"].parent, _train_exact(tmp_path, exact["wide"], f"[{exact['hidden']}]"), capsys,
             rf"wide/config\.json: vocab_size={exact['vocab'] + 16}, the teacher's is {exact['vocab']}",

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import InputError
 from pipeline.store.cache import TeacherCache
 from pipeline.store.reader import ScoredBatch
 from pipeline.store.shards import ShardError, staged_dir
@@ -93,6 +94,11 @@ def export_plain(cache_dir: str | Path, out: str | Path, *, batch_rows: int = 64
     """Write the cache at `cache_dir` as a plain Parquet folder `out` (module doc); returns counts. `progress` is
     called with the positions of each written batch. Refuses an existing `out` (an export is not merged)."""
     cache = TeacherCache.open(cache_dir)
+    if cache.descriptor.hidden_rows:  # its rows are the teacher's states, which the per-position top-k layout lacks
+        raise InputError(f"{cache.root / 'cache.json'}: teacher_rows=hidden: a hidden-state cache holds the teacher's "
+                         "final hidden states and its output layer, not top-k rows, and `gkd cache export` writes "
+                         "top-k rows (exporting it would drop the states); read it through the trainer "
+                         "(topk_from_hidden=K gives its top-k), or score the rollouts into a top-k cache to export")
     out = Path(out)
     if out.exists():
         raise ShardError(f"{out}: already exists; pass --out a new folder (or delete this one)")
