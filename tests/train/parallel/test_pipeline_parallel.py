@@ -282,6 +282,34 @@ def test_vpp2_pp2_matches_pp1(tiny, four, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("layout", [("pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2",
+                                     "tensor_model_parallel_size=2"), ("pipeline_model_parallel_size=4",)],
+                         ids=["vpp2 x pp2 x tp2", "pp4"])
+def test_four_process_pipelines_match_pp1(tiny, four, tmp_path, layout):
+    """4 processes through the CLI, the 4-layer tied student: interleaved 1F1B with the stages' layers and the tied
+    embedding's copies split over 2 TP ranks, and 4 one-layer stages (more than two: middle stages that neither embed
+    nor hold the loss); 2 SGD steps against 2 at PP=1, step by step."""
+    one, many = tmp_path / "pp1", tmp_path / "many"
+    assert _cli_train(*_train_args(tiny, four, one, "train_steps=2")) == 0
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                    "-m", "pipeline.train.run", *_train_args(tiny, four, many, "train_steps=2", *layout)],
+                   check=True, env=_env(), cwd=REPO, timeout=1800)
+    a, b = _metrics(one), _metrics(many)
+    assert [m["step"] for m in b] == [1, 2]
+    for x, y in zip(a, b, strict=True):
+        assert x["active_tokens"] == y["active_tokens"] and y["jsd"] > 0 and y["sft"] > 0
+        assert_layout_close(torch.tensor([y["loss"], y["jsd"], y["sft"], y["grad_norm"]]),
+                            torch.tensor([x["loss"], x["jsd"], x["sft"], x["grad_norm"]]), f"step {x['step']}")
+    assert b[0]["lr"] > 0 and b[0]["grad_norm"] > 0  # step 1 moved the student: step 2 compares trained weights
+
+
+def _cli_train(*args: str) -> int:
+    from pipeline.cli import main as cli
+
+    return cli(["train", *args])
+
+
+@pytest.mark.distributed
 def test_pp2_routed_teachers_match_pp1(tiny, tmp_path):
     """Routed teachers (`teachers: {A: CACHE, B: CACHE}`, weighted) under PP=2: the per-teacher report entries come
     from the last stage like the others; 2 SGD steps through the CLI against PP=1, per-teacher metrics included."""
