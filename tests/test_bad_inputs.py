@@ -483,7 +483,6 @@ def test_pipeline_parallel_settings(tmp_path, capsys, monkeypatch):
     for key, why in (("lora_rank=8 virtual_pipeline_model_parallel_size=3",
                       "lora_rank=8 and virtual_pipeline_model_parallel_size=3: an adapter's checkpoint holds one model"),
                      ("loss=gold", "loss=gold: the cross-tokenizer losses"),
-                     ("use_distributed_optimizer=true", "use_distributed_optimizer=true: the distributed optimizer"),
                      ("teacher_live=x", "teacher_live: the live teacher")):
         extra = ["cache=[]", "rollouts=[r]"] if key.startswith("teacher_live") else []
         monkeypatch.setenv("WORLD_SIZE", "2")

@@ -274,7 +274,7 @@ class TrainConfig:
     def pipeline_problems(self) -> list[str]:
         """What pipeline_model_parallel_size > 1 does not run with yet, each by name with the reason (issue 48's first
         cut: packed or padded rows, the fused or unfused GKD or OPD loss with SFT, routed teachers, recompute, tied
-        embeddings, bf16, TP, CP and DP)."""
+        embeddings, bf16, TP, CP and DP; then LoRA, the distributed optimizer and hidden-state caches)."""
         pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
         if vpp > 1 and pp <= 1:
             return [f"virtual_pipeline_model_parallel_size={vpp} interleaves model chunks over pipeline stages, but "
@@ -295,8 +295,6 @@ class TrainConfig:
              "train from it"),
             (self.loss in XTOK_LOSSES, f"with loss={self.loss}: the cross-tokenizer losses under pipeline parallelism "
              "are not supported yet (their span rows are untested across stages); use loss=gkd"),
-            (self.use_distributed_optimizer, "with use_distributed_optimizer=true: the distributed optimizer's "
-             "checkpoint layout per stage is not supported yet (untested); set use_distributed_optimizer=false"),
         ]
         return [f"{head} {why}{fix}" for bad, why in refused if bad]
 
