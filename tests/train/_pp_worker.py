@@ -42,7 +42,8 @@ def _grads(model) -> tuple:
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from pipeline.train.models.megatron import layer_key, megatron_to_hf_state_dict
+    from pipeline.train.models.layers import layer_key
+    from pipeline.train.models.megatron import megatron_to_hf_state_dict
 
     offset = get_transformer_layer_offset(model.config)
     grads = {layer_key(name, offset): p.main_grad.detach().clone()

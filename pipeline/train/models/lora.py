@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.store.shards import staged_dir
+from pipeline.train.models.layers import layer_key, layer_offset
 
 Tensor = torch.Tensor
 
@@ -145,7 +146,7 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> None:
     targeted = [(n, m, kind) for n, m in model.named_modules() if (kind := _layer_kind(n)) in spec.targets]
     # Each adapter's seed counts the targeted layers before it in the *whole* model (pipeline stages included: the
     # stage's first layer is global layer `offset`), so any PP degree starts from the PP=1 adapter.
-    offset = _layer_offset(model)
+    offset = layer_offset(model)
     per_layer = Counter(_local_layer(n) for n, _, _ in targeted)
     within: Counter = Counter()
     for name, module, kind in targeted:
@@ -174,21 +175,13 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> None:
     model.lora_spec = spec
 
 
-def _layer_offset(model: torch.nn.Module) -> int:
-    from pipeline.train.models.megatron import layer_offset
-
-    return layer_offset(model)
-
-
 def _local_layer(name: str) -> int:
     return int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
 
 
 def _global_key(name: str, model: torch.nn.Module) -> str:
     """A module key with its layer index made global (under pipeline parallelism each stage numbers its own from 0)."""
-    from pipeline.train.models.megatron import layer_key
-
-    return layer_key(name, _layer_offset(model))
+    return layer_key(name, layer_offset(model))
 
 
 def lora_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

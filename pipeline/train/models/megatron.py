@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -45,6 +44,7 @@ from pipeline.errors import MissingInputError
 from pipeline.store.shards import staged_dir
 from pipeline.train.models.attention import layer_spec
 from pipeline.train.models.families import HFArch, check_trainable, llama3_inv_freq, read_hf_arch
+from pipeline.train.models.layers import layer_key, layer_offset
 from pipeline.train.models.lora import merge_into, to_peft, write_peft_folder
 from pipeline.train.models.recompute import keep_inputs_differentiable, recompute_options
 
@@ -159,11 +159,6 @@ def build_chunks(hf_dir: str | Path, vpp: int, **kw) -> ModelChunks:
     return chunks
 
 
-def layer_offset(model: GPTModel) -> int:
-    """The global index of `model`'s first layer (its pipeline stage and virtual stage)."""
-    return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))
-
-
 # ---------------------------------------------------------------- pure state-dict mappings (global layer ids)
 
 
@@ -268,12 +263,6 @@ def read_hf_state_dict(hf_dir: str | Path, keep=None) -> dict[str, Tensor]:
         with safe_open(str(f), framework="pt") as reader:
             tensors.update({k: reader.get_tensor(k) for k in reader.keys() if keep is None or keep(k)})
     return tensors
-
-
-def layer_key(key: str, shift: int) -> str:
-    """Shift the layer index of a `decoder.layers.N.` key (local <-> global under pipeline parallelism)."""
-    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", key)
-    return key if match is None else f"decoder.layers.{int(match[1]) + shift}.{match[2]}"
 
 
 def load_hf_weights(model: GPTModel, hf_dir: str | Path) -> None:

@@ -72,12 +72,29 @@ def test_context_parallel_splits_the_route_part_like_the_rows(mb):
     assert torch.equal(whole[:, :w], route) and bool((whole[:, w:] == -1).all())
 
 
-@pytest.mark.parametrize("part", ["images", "spans", "xtok_live", "exact"])
+def test_context_parallel_splits_the_exact_teachers_states_with_their_positions(mb):
+    """A hidden-state cache's part: each CP rank keeps its positions' teacher states (padding 0, under no loss) and
+    the one output layer; put back together, the ranks' states are the micro-batch's."""
+    b, w = mb.input_ids.shape
+    states = torch.arange(b * w * 3, dtype=torch.float32).reshape(b, w, 3) + 1
+    weight = torch.randn(5, 3)
+    exact = dataclasses.replace(mb, exact=Exact(states, weight))
+    width = -(-w // 6) * 6
+    whole = torch.full((b, width, 3), -1.0)
+    for r in range(3):
+        local, _ = split(exact, 3, r)
+        assert local.parts() == ("exact",) and local.exact.weight is weight
+        assert local.exact.hidden.shape == (b, width // 3, 3)
+        whole[:, columns(width, 3, r)] = local.exact.hidden
+    assert torch.equal(whole[:, :w], states) and bool((whole[:, w:] == 0).all())
+
+
+@pytest.mark.parametrize("part", ["images", "spans", "xtok_live"])
 def test_context_parallel_refuses_the_parts_it_cannot_split_by_name(mb, part):
     """Was: split passed images and a live cross-tokenizer teacher's layout on whole (the rows cut, their parts not)
     and failed on spans with a KeyError or an IndexError."""
     value = {"images": Images([[("root", "h")], []]), "spans": Spans(torch.full_like(mb.input_ids, -1)),
-             "xtok_live": _live(mb), "exact": Exact(torch.zeros(*mb.input_ids.shape, 4))}[part]
+             "xtok_live": _live(mb)}[part]
     with pytest.raises(ConfigError, match=rf"carries {part} .*which context parallelism \(context_parallel_size=2\) "
                                           r"cannot use; .*context_parallel_size=1"):
         split(dataclasses.replace(mb, **{part: value}), 2, 0)
