@@ -49,7 +49,7 @@ def _lse(x: Tensor, group) -> Tensor:
 
 def _at_label(x: Tensor, y_idx: Tensor, y_owned: Tensor, group) -> Tensor:
     """[c] x[row, y] from the rank whose columns hold y (0 elsewhere), summed over the TP group."""
-    v = x.gather(1, y_idx).squeeze(-1) * y_owned if x.shape[1] else y_owned.to(x.dtype)
+    v = x.gather(1, y_idx).squeeze(-1) * y_owned if x.shape[1] else x.new_zeros(y_owned.shape)  # no column here
     return all_reduce(v, group)
 
 

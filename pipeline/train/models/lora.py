@@ -147,10 +147,10 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> None:
     # Each adapter's seed counts the targeted layers before it in the *whole* model (pipeline stages included: the
     # stage's first layer is global layer `offset`), so any PP degree starts from the PP=1 adapter.
     offset = layer_offset(model)
-    per_layer = Counter(_local_layer(n) for n, _, _ in targeted)
+    per_layer = Counter(_layer_index(n) for n, _, _ in targeted)
     within: Counter = Counter()
     for name, module, kind in targeted:
-        layer = _local_layer(name)
+        layer = _layer_index(name)
         count = (offset + layer) * per_layer[layer] + within[layer]
         within[layer] += 1
         w = module.weight
@@ -175,19 +175,11 @@ def apply_lora(model: torch.nn.Module, spec: LoRASpec, seed: int = 0) -> None:
     model.lora_spec = spec
 
 
-def _local_layer(name: str) -> int:
-    return int(name.split("decoder.layers.", 1)[1].split(".", 1)[0])
-
-
-def _global_key(name: str, model: torch.nn.Module) -> str:
-    """A module key with its layer index made global (under pipeline parallelism each stage numbers its own from 0)."""
-    return layer_key(name, layer_offset(model))
-
-
 def lora_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """This rank's adapter parameters by global model key (`decoder.layers.N.linear_qkv.lora_A`, N counted over the
     whole model), the tensors themselves."""
-    return {_global_key(f"{n}.{p}", model): getattr(m, p) for n, m in lora_modules(model) for p in ("lora_A", "lora_B")}
+    offset = layer_offset(model)  # under pipeline parallelism each stage numbers its own layers from 0
+    return {layer_key(f"{n}.{p}", offset): getattr(m, p) for n, m in lora_modules(model) for p in ("lora_A", "lora_B")}
 
 
 def lora_sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -196,10 +188,10 @@ def lora_sharded_state_dict(model: torch.nn.Module) -> dict:
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
-    out = {}
+    out, offset = {}, layer_offset(model)
     for n, m in lora_modules(model):
         for p in ("lora_A", "lora_B"):
-            key, t = _global_key(f"{n}.{p}", model), getattr(m, p)
+            key, t = layer_key(f"{n}.{p}", offset), getattr(m, p)
             split = (p == "lora_B") if m.lora_column else (p == "lora_A")
             if not split:
                 out[key] = make_sharded_tensor_for_checkpoint(t, key)

@@ -35,9 +35,9 @@ def _args(tiny: dict, save: Path, *extra: str) -> list[str]:
             "min_lr=0.01", "sft_alpha=0.5", f"save_dir={save}", "save_interval=2", "progress=false", *extra]
 
 
-def _torchrun(args: list[str]) -> None:
+def _torchrun(args: list[str], nproc: int = 2) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                     "-m", "pipeline.train.run", *args], check=True, env=env, cwd=REPO, timeout=1800)
 
 
@@ -114,12 +114,6 @@ def test_distributed_optimizer_dp2(tiny, tmp_path):
             assert_layout_close(got[name][k], ref[name][k], f"{name} {k}")
 
 
-def _torchrun4(args: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                    "-m", "pipeline.train.run", *args], check=True, env=env, cwd=REPO, timeout=1800)
-
-
 @pytest.mark.distributed
 def test_distributed_optimizer_under_pp2_dp2(tiny, tmp_path):
     """The distributed optimizer under pipeline parallelism (PP=2 x DP=2, 4 processes): each stage shards its own
@@ -129,13 +123,13 @@ def test_distributed_optimizer_under_pp2_dp2(tiny, tmp_path):
     plain, sharded, resumed = (tmp_path / name for name in ("plain", "sharded", "resumed"))
     assert cli(["train", *_args(tiny, plain)]) == 0
     pp_dp = ["use_distributed_optimizer=true", "pipeline_model_parallel_size=2"]
-    _torchrun4(_args(tiny, sharded, *pp_dp))
+    _torchrun(_args(tiny, sharded, *pp_dp), nproc=4)
     shutil.copytree(sharded, resumed, ignore=shutil.ignore_patterns("step_0000003", "hf"))
     (resumed / "latest").write_text("step_0000002")
     metrics = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (plain, sharded)}
     lines = (resumed / "metrics.jsonl").read_text().splitlines()
     (resumed / "metrics.jsonl").write_text("".join(x + "\n" for x in lines[:2]))
-    _torchrun4(_args(tiny, resumed, *pp_dp))
+    _torchrun(_args(tiny, resumed, *pp_dp), nproc=4)
     assert [m["active_tokens"] for m in metrics[sharded]] == [m["active_tokens"] for m in metrics[plain]]
     for a, b in zip(metrics[sharded], metrics[plain], strict=True):
         assert_layout_close(torch.tensor([a["jsd"], a["sft"], a["grad_norm"]]),

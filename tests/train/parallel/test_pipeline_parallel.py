@@ -133,8 +133,8 @@ def _metrics(save: Path) -> list[dict]:
     return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
 
 
-def _torchrun_train(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+def _torchrun_train(*args: str, nproc: int = 2) -> None:
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                     "-m", "pipeline.train.run", *args], check=True, env=_env(), cwd=REPO, timeout=1800)
 
 
@@ -289,11 +289,11 @@ def test_four_process_pipelines_match_pp1(tiny, four, tmp_path, layout):
     """4 processes through the CLI, the 4-layer tied student: interleaved 1F1B with the stages' layers and the tied
     embedding's copies split over 2 TP ranks, and 4 one-layer stages (more than two: middle stages that neither embed
     nor hold the loss); 2 SGD steps against 2 at PP=1, step by step."""
+    from pipeline.cli import main as cli
+
     one, many = tmp_path / "pp1", tmp_path / "many"
-    assert _cli_train(*_train_args(tiny, four, one, "train_steps=2")) == 0
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                    "-m", "pipeline.train.run", *_train_args(tiny, four, many, "train_steps=2", *layout)],
-                   check=True, env=_env(), cwd=REPO, timeout=1800)
+    assert cli(["train", *_train_args(tiny, four, one, "train_steps=2")]) == 0
+    _torchrun_train(*_train_args(tiny, four, many, "train_steps=2", *layout), nproc=4)
     a, b = _metrics(one), _metrics(many)
     assert [m["step"] for m in b] == [1, 2]
     for x, y in zip(a, b, strict=True):
@@ -301,12 +301,6 @@ def test_four_process_pipelines_match_pp1(tiny, four, tmp_path, layout):
         assert_layout_close(torch.tensor([y["loss"], y["jsd"], y["sft"], y["grad_norm"]]),
                             torch.tensor([x["loss"], x["jsd"], x["sft"], x["grad_norm"]]), f"step {x['step']}")
     assert b[0]["lr"] > 0 and b[0]["grad_norm"] > 0  # step 1 moved the student: step 2 compares trained weights
-
-
-def _cli_train(*args: str) -> int:
-    from pipeline.cli import main as cli
-
-    return cli(["train", *args])
 
 
 @pytest.mark.distributed
