@@ -17,8 +17,10 @@ log-normalisers are exact within the chunk, one pass):
 
 so, like fused.py, the gradients are made in the forward pass and ``backward`` scales them. The teacher side has no
 gradient. Numerics: both matmuls and everything after them in float32 (float64 inputs stay float64; bf16 cached
-states are exact in float32); ∂W accumulates in float32. Memory: the closed form holds ~3 ``[chunk, V]`` buffers
-(chunks of half fused.py's ``CHUNK_BYTES``), the autograd graph ~8 (a quarter).
+states are exact in float32); ∂W accumulates in float32. Memory: the closed form holds 3 ``[chunk, V]`` buffers at
+β = 1 (z, t and one softmax), 4 at β = 0 (both softmaxes), in chunks of half fused.py's ``CHUNK_BYTES``; the
+autograd graph ~8 (a quarter). Time: two exps per element (one per softmax, normalisers from the same pass) and no
+``[chunk, V]`` allocation after the first chunk; the four matmuls (student, teacher, ∂h, ∂W) are the rest.
 
 Tensor parallelism: each rank holds its vocabulary slice of the student's output layer (Megatron's, padded to a
 multiple of TP) and takes the same rows of the teacher's; the log-normalisers, the divergence's per-row sum, the
@@ -53,15 +55,31 @@ def _at_label(x: Tensor, y_idx: Tensor, y_owned: Tensor, group) -> Tensor:
     return all_reduce(v, group)
 
 
-def _chunk(z: Tensor, t: Tensor, kd_on, ce_on, y_idx, y_owned, beta: float, tau: float, n: int, kd_w: float, group):
+def _softmax_into(x: Tensor, out: Tensor, group) -> Tensor:
+    """out ← softmax of `x` [c, v] over the whole vocabulary (every TP rank's columns, one shift for all of them);
+    returns the rows' log-normalisers [c, 1]. One exp per element into a buffer the caller keeps: torch.logsumexp
+    would allocate and fill a ``[c, v]`` temporary, and the softmax would need a second exp pass."""
+    m = x.amax(-1, keepdim=True) if x.shape[1] else x.new_full((x.shape[0], 1), -math.inf)  # no column here
+    all_reduce(m, group, op=torch.distributed.ReduceOp.MAX)
+    torch.sub(x, m, out=out).exp_()
+    total = all_reduce(out.sum(-1, keepdim=True), group)
+    out.mul_(total.reciprocal())
+    return total.log_().add_(m)
+
+
+def _chunk(z: Tensor, t: Tensor, kd_on, ce_on, y_idx, y_owned, beta: float, tau: float, n: int, kd_w: float, group,
+           scratch: list[Tensor]):
     """One chunk's per-row divergence D (over the whole vocabulary), log s₁(y), log p₁(y) and ∂(Σ D)/∂z, from this
     rank's logit columns `z` [c, v_local] (its first `n` real, the rest Megatron's padding) and `t` [c, n], both
-    consumed: log s and log p at τ are made in place, with log-normalisers over every TP rank (`global_lse`). ∂D/∂z
-    per column: β = 0 (forward KL) (s − p)/τ, β = 1 (reverse KL) s ⊙ (log s − log p − D)/τ, in place (about three
-    ``[c, V]`` buffers); other β by autograd on the chunk's log s only, then through the softmax by hand,
+    consumed, with the `scratch` buffers ([≥c, n] each: one for β = 1, two for β = 0) the loop keeps across chunks.
+    The log-normalisers are over every TP rank. ∂D/∂z per column: β = 0 (forward KL) (s − p)/τ, β = 1 (reverse KL)
+    s ⊙ (log s − log p − D)/τ, in place, two exps per element (the two softmaxes, their normalisers from the same
+    pass: `_softmax_into`); other β by autograd on the chunk's log s only, then through the softmax by hand,
     (g − s Σ g)/τ, Σ over the TP group (about eight buffers). The label reads (CE, OPD) are at τ = 1. Returns
-    (kd_w · ∂D/∂z on kd_on rows [c, n], D, log s₁(y), log p₁(y), log s at τ [c, n], its normaliser lse_s, lse₁)."""
+    (kd_w · ∂D/∂z on kd_on rows [c, n], D, log s₁(y), log p₁(y), log s at τ [c, n] (only when a row reads its label:
+    else None), its normaliser lse_s, lse₁)."""
     zv = z[:, :n]
+    c = zv.shape[0]
     lse1 = lse_t1 = log_s1_y = log_p1_y = None
     if bool(ce_on.any()):  # read before the buffers are scaled
         lse1, lse_t1 = _lse(zv, group), _lse(t, group)
@@ -70,21 +88,23 @@ def _chunk(z: Tensor, t: Tensor, kd_on, ce_on, y_idx, y_owned, beta: float, tau:
     if tau != 1.0:
         t.div_(tau)
         zv.div_(tau)
-    t.sub_(lse_t1 if tau == 1.0 and lse_t1 is not None else _lse(t, group))  # log p at τ
-    lse_s = lse1 if tau == 1.0 and lse1 is not None else _lse(zv, group)
-    zv.sub_(lse_s)  # log s at τ
-    if beta == 0.0:
-        s, p = zv.exp(), t.exp()
-        d = all_reduce(torch.bmm(t.sub_(zv).unsqueeze(1), p.unsqueeze(2)).view(-1), group)  # Σ p (log p − log s)
+    if beta == 1.0:
+        s = scratch[0][:c]
+        lse_t = _softmax_into(t, s, group)  # only its normaliser: the buffer is s's next
+        lse_s = _softmax_into(zv, s, group)
+        g = torch.sub(zv, t, out=t).sub_(lse_s - lse_t).mul_(s)  # s ⊙ (log s − log p)
+        d = all_reduce(g.sum(-1), group)
+        g.addcmul_(s, d.unsqueeze(-1), value=-1.0)  # s ⊙ (log s − log p − D)
+    elif beta == 0.0:
+        p, s = scratch[0][:c], scratch[1][:c]
+        lse_t = _softmax_into(t, p, group)
+        lse_s = _softmax_into(zv, s, group)
+        d = all_reduce(t.sub_(zv).sub_(lse_t - lse_s).mul_(p).sum(-1), group)  # Σ p (log p − log s)
         g = s.sub_(p)
-        del p
-    elif beta == 1.0:
-        s = zv.exp()
-        t.neg_().add_(zv)  # log s − log p
-        d = all_reduce(torch.bmm(t.unsqueeze(1), s.unsqueeze(2)).view(-1), group)
-        g = t.sub_(d.unsqueeze(-1)).mul_(s)
-        del s
     else:
+        t.sub_(lse_t1 if tau == 1.0 and lse_t1 is not None else _lse(t, group))  # log p at τ
+        lse_s = lse1 if tau == 1.0 and lse1 is not None else _lse(zv, group)
+        zv.sub_(lse_s)  # log s at τ
         with torch.enable_grad():
             ls = zv.detach().requires_grad_()
             d = divergence(t, ls, beta)  # this rank's bins: the generalised JSD is a sum over bins
@@ -92,8 +112,11 @@ def _chunk(z: Tensor, t: Tensor, kd_on, ce_on, y_idx, y_owned, beta: float, tau:
         d = all_reduce(d.detach(), group)
         s = zv.exp()
         g = g.sub_(s.mul_(all_reduce(g.sum(-1, keepdim=True), group)))  # through log s = z/τ − lse(z/τ)
-    g.mul_(kd_on.to(g.dtype).unsqueeze(-1) * (kd_w / tau))
-    return g, torch.where(kd_on, d, 0.0), log_s1_y, log_p1_y, zv, lse_s, lse1
+    if beta in (0.0, 1.0) and log_s1_y is not None:
+        zv.sub_(lse_s)  # log s at τ, for the label terms' softmax
+    if not (kd_w / tau == 1.0 and bool(kd_on.all())):  # a no-op scale is a whole pass over the chunk
+        g.mul_(kd_on.to(g.dtype).unsqueeze(-1) * (kd_w / tau))
+    return g, torch.where(kd_on, d, 0.0), log_s1_y, log_p1_y, zv if log_s1_y is not None else None, lse_s, lse1
 
 
 class _ExactGKD(torch.autograd.Function):
@@ -115,13 +138,16 @@ class _ExactGKD(torch.autograd.Function):
         y_owned = (y_local >= 0) & (y_local < n) & ce_on
         y_idx = y_local.clamp(0, max(n - 1, 0)).unsqueeze(-1)
         chunk = chunk if beta not in (0.0, 1.0) else 2 * chunk  # the closed form keeps half the buffers
+        # the closed form's softmax buffers, made once: a fresh [chunk, V] per chunk costs its page faults each time
+        scratch = [torch.empty(min(chunk, rows.numel()), n, dtype=cdtype, device=hidden.device)
+                   for _ in range({0.0: 2, 1.0: 1}.get(beta, 0))]
         for s in range(0, rows.numel(), chunk):
             e = min(s + chunk, rows.numel())
             hc = hidden[rows[s:e]]
             z = (hc.to(weight.dtype) @ weight.t()).to(cdtype)
             t = t_hidden[rows[s:e]].to(cdtype) @ tw.t()
             g, d, log_s1_y, log_p1_y, log_s, lse_s, lse1 = _chunk(
-                z, t, kd_on[s:e], ce_on[s:e], y_idx[s:e], y_owned[s:e], beta, tau, n, kd_w, group)
+                z, t, kd_on[s:e], ce_on[s:e], y_idx[s:e], y_owned[s:e], beta, tau, n, kd_w, group, scratch)
             del t
             if n < v_local:  # a padded student vocabulary: no gradient on the padding
                 g = torch.nn.functional.pad(g, (0, v_local - n))
