@@ -17,8 +17,9 @@ What is deterministic once stages overlap: which weights sample each cycle (max(
 rollouts, the teacher rows, the training data and the weights; what is not: which task finishes first, so the order
 of state.json's task records, the times, and at which cycle a given k-th state write falls.
 
-Only the local executor: `executor=slurm` refuses max_staleness >= 1 (strict order only), and the Ray executor's
-overlapped run is checked against the local one in tests/ray/test_ray_onpolicy.py, not killed here.
+Only the local executor: the Ray and Slurm executors' overlapped runs are checked against the local one in
+tests/ray/test_ray_onpolicy.py and tests/onpolicy/test_onpolicy_slurm.py (the Slurm driver also killed there, in the
+strict order), not killed here.
 """
 
 from __future__ import annotations

@@ -698,8 +698,6 @@ def test_max_staleness_negative_or_with_a_loss_that_refuses_it(tmp_path, capsys)
     refused(tmp_path, [*base, "max_staleness=-1"], capsys, r"max_staleness must be an integer >= 0 .*got -1")
     refused(tmp_path, [*base, "max_staleness=1", "train.loss=opd"], capsys,
             r"max_staleness=1 with train.loss=opd", r"use max_staleness=0 with opd, or .*train.loss=gkd")
-    refused(tmp_path, [*base, "max_staleness=1", "executor=slurm"], capsys,
-            r"the Slurm executor runs the strict order only \(set max_staleness=0, or executor=ray\)")
     assert not out.exists()  # refused before the run's folder is made
 
 

@@ -4,8 +4,9 @@
     state.py    state.json (resumable state machine), the lmbda draw, per-cycle views of the cache
     engines.py  sampler/teacher engines kept across cycles, weight sync, held-out KL
     stages.py   one cycle's stages as plain functions (setup, export, generate, score, train, eval), state records
-    local.py    the local executor: every stage in this process, engines kept open
-    slurm.py    the Slurm executor: the same stages as chained jobs (`--stage S --cycle C`), a polling driver
+    cycle.py    the cycle as tasks with their needs, and the one loop (run_cycles) every executor runs
+    local.py    the local executor: the tasks in this process, or a process per role (max_staleness >= 1)
+    slurm.py    the Slurm executor: the same loop, each task as jobs (`--stage S --cycle C`), a polling driver
     ray.py      the Ray executor: the local loop with sampler, teacher and trainer as long-lived Ray actors
     run.py      the entry (`gkd onpolicy`): argparse, the executor chosen by `executor`
 

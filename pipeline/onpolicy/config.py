@@ -129,9 +129,6 @@ class OnPolicyConfig:
             p.append("lmbda must be in [0, 1]")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             p.append(f"max_staleness must be an integer >= 0 (0: strict cycles), got {self.max_staleness!r}")
-        elif self.max_staleness > 0 and self.executor == "slurm":
-            p.append("max_staleness >= 1 runs on executor=local or executor=ray; the Slurm executor runs the strict "
-                     "order only (set max_staleness=0, or executor=ray)")
         for name in ("num_cycles", "steps_per_generation", "prompts_per_cycle", "heldout_n"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1")

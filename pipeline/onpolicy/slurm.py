@@ -1,30 +1,36 @@
-"""On-policy GKD, Slurm executor: each cycle's stages run as dependent Slurm jobs; the driver runs on the login node.
+"""On-policy GKD, Slurm executor: the plan of cycle.py run as Slurm jobs; the driver runs on the login node.
 
     gkd onpolicy executor=slurm slurm_partition=gpu slurm_gres=gpu:1 slurm_generate_shards=8 slurm_score_shards=8
+    gkd onpolicy executor=slurm max_staleness=1        # cycle c+1 generated and scored while cycle c trains
 
-An on-policy cycle c (optimizer steps [c*spg, (c+1)*spg)) is one chain of jobs, each `afterok` on the one before:
+The loop is cycle.run_cycles, the one every executor runs: it hands the driver each task when the plan's needs are
+done (the driver is the dependency, so no `--dependency` chain is queued ahead), and the driver (SlurmRunner) turns a
+task into jobs, one stage of one cycle each:
 
-    export    1 task   student weights of step c*spg -> OUT/exports/step-N (only when missing: never at step 0, and
-                       the previous cycle's eval normally wrote it already)
+    export    1 task   student weights of step policy_cycle(c)*spg -> OUT/exports/step-N (only when missing: never
+                       at step 0, and the eval before normally wrote them already)
     generate  N tasks  task i samples the cycle's prompts whose id hashes to i -> rollouts-i-of-N.parquet; the same
                        samples as one task, since per-request seeds derive from (seed, prompt id)
     score     M tasks  task i scores the rollouts whose content key hashes to i into the shared cache (incremental)
-    train     1 task   the cycle's view of the cache (its rollout keys, in prompt order), spg steps of `train()`,
-                       then eval (export of the new weights, held-out KL)
-An off-policy cycle is the train job alone. A run with held-out prompts or an off-policy dataset starts with one
-setup job (dataset import + score, held-out samples + score).
+    train     1 task   the cycle's view of the cache (its rollout keys, in prompt order), spg steps of `train()`, then
+                       the cycle's eval in the same job (export of the new weights, held-out KL: one trainer start-up
+                       per cycle); the eval task then finds its result on disk and submits nothing
+With max_staleness N the jobs of different cycles run at once (generate c+1 beside train c), within the plan's
+bound. A run with held-out prompts or an off-policy dataset starts with one setup job (dataset import + score,
+held-out samples + score).
 
 Every job runs exactly one stage of one cycle with the stage functions the local executor runs (stages.py, the same
 engine settings): `python -m pipeline onpolicy --config OUT/slurm/onpolicy.yaml --stage S --cycle C [--shard I
 --num-shards N]`. So both executors train the same weights.
 
-The driver submits a cycle's chain, polls squeue (not `sbatch --wait`, slow to notice), then checks the outputs on
+The driver submits a task's jobs, polls squeue (not `sbatch --wait`, slow to notice), then checks the outputs on
 disk, which are the truth: rollout shards complete, every score task done (`gkd score --status`), the checkpoint at
-(c+1)*spg and the train job's result file. It records every job id in state.json (which only it writes; jobs read
-it and report through OUT/slurm/results/). Killed and rerun, it skips what is complete on disk, waits for jobs
-still queued or running (recorded, or found by their job name if the kill came between sbatch and the state
-write), and submits only the missing array tasks (the `gkd slurm resubmit` rule) or failed stages; a stage
-submitted again gets its later stages resubmitted after it, since their queued jobs wait on the old job id.
+(c+1)*spg and the train and eval jobs' result files. It records every job id in state.json (which only it writes;
+jobs read it and report through OUT/slurm/results/). Killed and rerun, run_cycles hands it the tasks not recorded
+as done: it skips what is complete on disk, waits for jobs still queued or running (recorded, or found by their job
+name if the kill came between sbatch and the state write), and submits only the missing array tasks (the `gkd slurm
+resubmit` rule). A run that stops early (an error, stop_after, Ctrl-C) cancels the jobs of its tasks in flight;
+their outputs are atomic and a rerun submits them again.
 """
 
 from __future__ import annotations
@@ -40,23 +46,21 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import ConfigError
-from pipeline.onpolicy.config import STAGES, OnPolicyConfig
+from pipeline.onpolicy.config import OnPolicyConfig
+from pipeline.onpolicy.cycle import ROLE_OF, Task, run_cycles
 from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.stages import (
     Workspace,
-    cycle_info,
     cycle_name,
-    cycle_stages,
     eval_stage,
     export_stage,
     generate_stage,
     read_metrics,
-    record_stage,
     score_stage,
     setup_stage,
     train_stage,
 )
-from pipeline.onpolicy.state import State, cycle_on_policy
+from pipeline.onpolicy.state import State, cycle_on_policy, policy_cycle
 from pipeline.slurm.arrays import array_spec, task_index
 from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
 from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
@@ -64,10 +68,8 @@ from pipeline.store.rollouts import rollout_shards
 from pipeline.store.shards import atomic_write_bytes
 from pipeline.store.tasks import missing_rollout_shards, missing_score_tasks, rollouts_tag, write_result
 
-# An on-policy cycle's chain of jobs: its stages, with eval run by the train job.
-JOB_STAGES = tuple(s for s in cycle_stages(True) if s != "eval")
-ARRAY_STAGES = ("generate", "score")
-TASK_STAGES = ("setup", *JOB_STAGES)
+# The stages a job runs (`--stage`); eval runs inside the train job, or alone when that job ended before it.
+TASK_STAGES = ("setup", "export", "generate", "score", "train", "eval")
 WRITTEN_BY = "`gkd onpolicy executor=slurm`"
 
 
@@ -87,11 +89,6 @@ def job_name(tag: str, stage: str, cycle: int) -> str:
     return f"gkd-onpolicy-{tag}-setup" if stage == "setup" else f"gkd-onpolicy-{tag}-c{cycle:04d}-{stage}"
 
 
-def cycle_jobs(on_policy: bool) -> tuple[str, ...]:
-    """A cycle's jobs: its stages (stages.cycle_stages), eval inside the train job."""
-    return tuple(s for s in cycle_stages(on_policy) if s != "eval")
-
-
 def num_tasks(cfg: OnPolicyConfig, stage: str) -> int | None:
     """Array size of an array stage; None for a one-task job."""
     return {"generate": cfg.slurm_generate_shards, "score": cfg.slurm_score_shards}.get(stage)
@@ -106,16 +103,6 @@ def result_path(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None =
     return results_dir(cfg) / f"{name}{'' if shard is None else f'-{shard:05d}'}.json"
 
 
-def dependency(predecessors: dict[str, dict[int, str]]) -> str | None:
-    """`--dependency` of a job that must run after these still active jobs ({job id: {task index: state}}):
-    afterok on a job none of whose tasks failed; afterany on one that already has a failed task (its missing tasks
-    were submitted again as their own job, which is afterok; the job's own input check catches anything else)."""
-    ok = [j for j, states in predecessors.items() if all(s in ACTIVE or s == "COMPLETED" for s in states.values())]
-    done_any = [j for j in predecessors if j not in ok]
-    parts = ([f"afterok:{':'.join(ok)}"] if ok else []) + ([f"afterany:{':'.join(done_any)}"] if done_any else [])
-    return ",".join(parts) or None
-
-
 def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
     """The tasks of `stage` in `cycle` whose outputs are not on disk: array indices, or [-1] for a one-task job;
     [] when the stage is done (or not part of this cycle). Outputs are the truth, not job states."""
@@ -126,7 +113,7 @@ def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
     on_policy = cycle_on_policy(cfg, cycle)
     if stage == "export":  # needed only while the generate tasks still need the weights (eval removes old exports)
         needed = on_policy and missing(ws, state, "generate", cycle)
-        return [-1] if needed and not ws.exported(cycle * spg) else []
+        return [-1] if needed and not ws.exported(policy_cycle(cfg, cycle) * spg) else []
     if stage == "generate":
         n = cfg.slurm_generate_shards
         folder = ws.rollouts(cycle_name(cycle))
@@ -142,6 +129,8 @@ def missing(ws: Workspace, state: State, stage: str, cycle: int) -> list[int]:
     if stage == "train":
         done = result_path(cfg, "train", cycle).exists() and ws.latest_step() >= (cycle + 1) * spg
         return [] if done else [-1]
+    if stage == "eval":
+        return [] if result_path(cfg, "eval", cycle).exists() else [-1]
     raise ValueError(f"unknown stage {stage!r}")
 
 
@@ -183,7 +172,7 @@ def _export(ws: Workspace, engines: Engines, state: State, cycle: int, shard: in
 
 def _generate(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict | None:
     stats = generate_stage(ws, engines, cycle, shard, n)
-    weights = ws.weights(cycle * ws.cfg.steps_per_generation)
+    weights = ws.weights(policy_cycle(ws.cfg, cycle) * ws.cfg.steps_per_generation)
     prompts = ws.shard_prompts(cycle, shard, n)
     return {"weights": str(weights), "prompts": len(prompts), **stats} if stats else None  # {}: complete before
 
@@ -196,22 +185,31 @@ def _score(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int
 
 
 def _train(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict:
-    info = {"on_policy": cycle_on_policy(ws.cfg, cycle),
-            "seconds": {}}
+    """The cycle's training, then its eval (one trainer start-up per cycle): eval's result file is written here,
+    before train's, so a job that ends between the two reruns as an eval job alone."""
+    info = {"on_policy": cycle_on_policy(ws.cfg, cycle)}
     if info["on_policy"]:
         _require(ws, state, "score", cycle)
-    for stage in ("train", "eval"):
-        t0 = time.perf_counter()
-        if stage == "train":
-            train_stage(ws, state, cycle, info)
-        else:
-            info.update(eval_stage(ws, cycle))
-        info["seconds"][stage] = round(time.perf_counter() - t0, 2)
+    t0 = time.time()
+    train_stage(ws, state, cycle, info)
     info["offpolicy_position"] = state.offpolicy_position  # train_stage moved it (off-policy cycles)
-    return info
+    end = time.time()
+    if missing(ws, state, "eval", cycle):
+        eval_result = _eval(ws, engines, state, cycle, 0, 1)
+        write_result(result_path(ws.cfg, "eval", cycle), {**eval_result, "start": round(end, 3),
+                                                          "end": round(time.time(), 3)})
+    return {**info, "start": round(t0, 3), "end": round(end, 3)}
 
 
-TASKS = {"setup": _setup, "export": _export, "generate": _generate, "score": _score, "train": _train}
+def _eval(ws: Workspace, engines: Engines, state: State, cycle: int, shard: int, n: int) -> dict:
+    spg = ws.cfg.steps_per_generation
+    if ws.latest_step() < (cycle + 1) * spg:
+        raise RuntimeError(f"cycle {cycle}: the train stage is incomplete (no checkpoint at step {(cycle + 1) * spg});"
+                           " it must exist before this job runs")
+    return eval_stage(ws, cycle)
+
+
+TASKS = {"setup": _setup, "export": _export, "generate": _generate, "score": _score, "train": _train, "eval": _eval}
 
 
 def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, num_shards: int | None,
@@ -245,7 +243,8 @@ def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, nu
         engines.close()
     path = result_path(cfg, stage, cycle, shard if n else None)
     if result is not None or not path.exists():  # a rerun of a finished task keeps the first run's numbers
-        result = {**(result or {}), "task_seconds": round(time.time() - t0, 2)}
+        result = {"start": round(t0, 3), "end": round(time.time(), 3), **(result or {}),
+                  "task_seconds": round(time.time() - t0, 2)}
         write_result(path, result)
     print(f"[onpolicy] {'setup' if stage == 'setup' else f'cycle {cycle} {stage}'}"
           f"{f' task {shard}/{n}' if n else ''} done in {time.time() - t0:.1f} s -> {path}")
@@ -256,7 +255,7 @@ def task_main(cfg: OnPolicyConfig, stage: str, cycle: int, shard: int | None, nu
 
 
 class SlurmDriver:
-    """Submits each cycle's chain, waits on squeue, checks outputs, records jobs in state.json; resumable."""
+    """Submits a task's jobs, waits on squeue, checks outputs, records jobs in state.json; resumable."""
 
     def __init__(self, cfg: OnPolicyConfig) -> None:
         self.cfg = cfg
@@ -308,42 +307,30 @@ class SlurmDriver:
         self.state.jobs.setdefault(self.key(stage, cycle), []).append(job)
         self.state.save(self.ws.out)
 
-    def submit_missing(self, stages: tuple[str, ...], cycle: int) -> None:
-        """Submit what is neither on disk nor queued, each stage after the previous stage's active jobs."""
-        prev: dict[str, dict[int, str]] = {}
-        replaced = False  # an earlier stage got a new job: later stages' queued jobs wait on replaced ids
-        for stage in stages:
-            todo = missing(self.ws, self.state, stage, cycle)
-            if not todo:
-                prev = {}
-                continue
-            name = job_name(self.tag, stage, cycle)
-            active = active_jobs(name)
-            if replaced and active:
-                cancel(list(active))
-                active = {}
-            known = {j["id"] for j in self.state.jobs.get(self.key(stage, cycle), [])}
-            for job in sorted(set(active) - known):  # submitted by a driver killed before it wrote the id down
-                self.record(stage, cycle, {"id": job, "adopted": True})
-            busy = {i for states in active.values() for i in states}
-            todo = [i for i in todo if i not in busy]
-            after = dependency(prev)
-            prev = {job: task_states(job) or states for job, states in active.items()}
-            if todo:
-                job = self.submit(stage, cycle, todo, after)
-                prev[job] = {i: "PENDING" for i in todo}
-                replaced = True
+    def submit_missing(self, stage: str, cycle: int) -> None:
+        """Submit the stage's tasks that are neither on disk nor queued (jobs of a killed driver are adopted)."""
+        todo = missing(self.ws, self.state, stage, cycle)
+        if not todo:
+            return
+        active = active_jobs(job_name(self.tag, stage, cycle))
+        known = {j["id"] for j in self.state.jobs.get(self.key(stage, cycle), [])}
+        for job in sorted(set(active) - known):  # submitted by a driver killed before it wrote the id down
+            self.record(stage, cycle, {"id": job, "adopted": True})
+        busy = {i for states in active.values() for i in states}
+        todo = [i for i in todo if i not in busy]
+        if todo:
+            self.submit(stage, cycle, todo)
 
-    def submit(self, stage: str, cycle: int, todo: list[int], after: str | None) -> str:
+    def submit(self, stage: str, cycle: int, todo: list[int]) -> str:
         path = self.script(stage, cycle)
         array = array_spec(todo) if num_tasks(self.cfg, stage) else None
         try:
-            job = submit(path, array=array, dependency=after)
+            job = submit(path, array=array)
         except SlurmError as e:
             raise SlurmError(f"{self.where(stage, cycle)}: could not submit {path}: {e}") from None
-        self.record(stage, cycle, {"id": job, "array": array, "after": after, "submitted": round(time.time())})
-        print(f"[onpolicy] {self.where(stage, cycle)}: submitted job {job}{f' --array={array}' if array else ''}"
-              f"{f' after {after}' if after else ''}", file=sys.stderr)
+        self.record(stage, cycle, {"id": job, "array": array, "submitted": round(time.time())})
+        print(f"[onpolicy] {self.where(stage, cycle)}: submitted job {job}{f' --array={array}' if array else ''}",
+              file=sys.stderr)
         return job
 
     @staticmethod
@@ -351,23 +338,19 @@ class SlurmDriver:
         return "setup" if stage == "setup" else f"cycle {cycle}, stage {stage}"
 
     # -- wait and check ------------------------------------------------------------------------------------------
-    def wait(self, stage: str, cycle: int, later: tuple[str, ...]) -> None:
-        """Poll until no job of the stage is queued or running, then require its outputs on disk."""
-        ids = [j["id"] for j in self.state.jobs.get(self.key(stage, cycle), [])]
-        t0 = time.time()
-        while True:
-            states = {j: task_states(j) for j in ids}
-            if not any(s in ACTIVE for tasks in states.values() for s in tasks.values()):
-                break
-            if self.cfg.slurm_stage_timeout_s is not None and time.time() - t0 > self.cfg.slurm_stage_timeout_s:
-                raise JobFailed(f"{self.where(stage, cycle)}: jobs {', '.join(ids)} still queued or running after "
-                                f"{self.cfg.slurm_stage_timeout_s:.0f} s ({states}); rerun to keep waiting")
-            time.sleep(self.cfg.slurm_poll_s)
+    def job_ids(self, stage: str, cycle: int) -> list[str]:
+        return [j["id"] for j in self.state.jobs.get(self.key(stage, cycle), [])]
+
+    def settled(self, stage: str, cycle: int) -> dict[str, dict[int, str]] | None:
+        """The stage's job states once none of its jobs is queued or running; None while one is."""
+        states = {j: task_states(j) for j in self.job_ids(stage, cycle)}
+        return None if any(s in ACTIVE for tasks in states.values() for s in tasks.values()) else states
+
+    def check(self, stage: str, cycle: int, states: dict[str, dict[int, str]]) -> None:
+        """The stage's outputs are on disk, or JobFailed naming the job, its state and its log."""
         todo = missing(self.ws, self.state, stage, cycle)
         if todo:
-            for stage_after in later:  # they could only fail on the missing inputs
-                cancel(list(active_jobs(job_name(self.tag, stage_after, cycle))))
-            raise JobFailed(self.failure(stage, cycle, ids, states, todo))
+            raise JobFailed(self.failure(stage, cycle, self.job_ids(stage, cycle), states, todo))
 
     def failure(self, stage: str, cycle: int, ids: list[str], states: dict[str, dict[int, str]],
                 todo: list[int]) -> str:
@@ -391,37 +374,42 @@ class SlurmDriver:
         return (head + f"{tasks} missing\n  " + "\n  ".join(lines) + "\nFix the cause and rerun the same command: "
                 "finished work is kept, only the missing tasks and the stages after them are submitted again.")
 
-    # -- results into state / metrics ----------------------------------------------------------------------------
-    def collect(self, stage: str, cycle: int, info: dict) -> None:
-        """What the stage's tasks reported (result files) into the cycle's info, as the local executor records it."""
+    # -- results: what the stage reports, as run_task reports it on the other executors ---------------------------
+    def collect(self, stage: str, cycle: int) -> dict:
+        """The stage's result files (its tasks' reports) as one task's result for cycle.run_cycles, with the task's
+        times: its jobs' first start and last end (a stage that needed no job: now, for both)."""
         results = [json.loads(p.read_text()) for p in sorted(results_dir(self.cfg).glob(f"{cycle_name(cycle)}-{stage}*.json"))]
-        if stage == "generate":
-            step = cycle * self.cfg.steps_per_generation
-            info["weights"] = str(self.ws.student if step == 0 else self.ws.export_dir(step))
+        spg = self.cfg.steps_per_generation
+        out: dict = {}
+        if stage == "export":
+            step = policy_cycle(self.cfg, cycle) * spg
+            out["weights"] = str(self.ws.student if step == 0 else self.ws.export_dir(step))
+        elif stage == "generate":
             tokens = sum(x.get("generate_tokens", 0) for x in results)
             busy = sum(x["generate_tokens"] / x["generate_tok_s"] for x in results if x.get("generate_tok_s"))
-            info.update(samples=sum(x.get("samples", 0) for x in results), generate_tokens=tokens,
-                        generate_tok_s=round(tokens / busy, 1) if busy else None,
-                        sync_s=max((x.get("sync_s", 0.0) for x in results), default=0.0))
+            out.update(samples=sum(x.get("samples", 0) for x in results), generate_tokens=tokens,
+                       generate_tok_s=round(tokens / busy, 1) if busy else None,
+                       sync_s=max((x.get("sync_s", 0.0) for x in results), default=0.0))
         elif stage == "score":
             tokens = sum(x.get("score_tokens", 0) for x in results)
             busy = sum(x.get("score_seconds") or 0.0 for x in results)
-            info.update(scored=sum(x.get("scored", 0) for x in results), score_tokens=tokens,
-                        already_cached=sum(x.get("already_cached", 0) for x in results),
-                        score_tok_s=round(tokens / busy, 1) if busy else None)
-        elif stage == "train":
+            out.update(scored=sum(x.get("scored", 0) for x in results), score_tokens=tokens,
+                       already_cached=sum(x.get("already_cached", 0) for x in results),
+                       score_tok_s=round(tokens / busy, 1) if busy else None)
+        elif stage in ("train", "eval"):
             (result,) = results
-            spg, step = self.cfg.steps_per_generation, self.ws.latest_step()
-            if step != (cycle + 1) * spg:
+            step = self.ws.latest_step()
+            if step < (cycle + 1) * spg:
                 raise JobFailed(f"{self.where(stage, cycle)}: the latest checkpoint is step {step}, expected "
                                 f"{(cycle + 1) * spg}")
-            if not result["on_policy"]:
-                self.state.offpolicy_position = int(result["offpolicy_position"])
-            info["job_seconds"] = result["seconds"]
-            info.update({k: v for k, v in result.items() if k not in ("on_policy", "seconds", "offpolicy_position",
-                                                                      "task_seconds")})
+            out.update({k: v for k, v in result.items() if k not in ("on_policy", "start", "end", "task_seconds")})
+        now = time.time()
+        starts = [x["start"] for x in results if "start" in x] or [now]
+        ends = [x["end"] for x in results if "end" in x] or [now]
+        return {**out, "task_times": {"start": round(min(starts), 3), "end": round(max(ends), 3),
+                                      "role": ROLE_OF[stage]}}
 
-    # -- the loop ------------------------------------------------------------------------------------------------
+    # -- the run's setup: one job ------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg, st = self.cfg, self.state
         if st.setup_done:
@@ -430,45 +418,66 @@ class SlurmDriver:
             # only freezes the off-policy shard list: no engine, no job
             setup_stage(self.ws, Engines(), st, lambda: st.save(self.ws.out))
             return
-        self.submit_missing(("setup",), -1)
-        self.wait("setup", -1, ())
+        self.submit_missing("setup", -1)
+        t0 = time.time()
+        while (states := self.settled("setup", -1)) is None:
+            self.timed_out("setup", -1, t0)
+            time.sleep(cfg.slurm_poll_s)
+        self.check("setup", -1, states)
         st.offpolicy_shards = json.loads(result_path(cfg, "setup", -1).read_text())["offpolicy_shards"]
         st.setup_done = True
         self.state.save(self.ws.out)
 
-    def cycle(self, c: int, info: dict) -> None:
-        jobs = cycle_jobs(info["on_policy"])
-        self.submit_missing(jobs, c)
-        for i, stage in enumerate(jobs):
-            t0 = time.time()
-            self.wait(stage, c, jobs[i + 1:])
-            self.collect(stage, c, info)
-            info["seconds"][stage] = round(info["seconds"].get(stage, 0.0) + time.time() - t0, 2)
-            # the stages up to this job's last one are done (an off-policy cycle's skipped ones too)
-            upto = "eval" if stage == "train" else stage
-            for done in STAGES[STAGES.index(self.state.stage): STAGES.index(upto) + 1]:
-                record_stage(self.cfg, self.state, c, done, info)
+    def timed_out(self, stage: str, cycle: int, since: float) -> None:
+        limit = self.cfg.slurm_stage_timeout_s
+        if limit is not None and time.time() - since > limit:
+            raise JobFailed(f"{self.where(stage, cycle)}: jobs {', '.join(self.job_ids(stage, cycle))} still queued "
+                            f"or running after {limit:.0f} s; rerun to keep waiting")
 
-    def loop(self) -> list[dict]:
-        from tqdm import tqdm
 
-        cfg, st = self.cfg, self.state
-        self.preflight()
-        self.setup()
-        bar = tqdm(total=cfg.num_cycles, initial=min(st.cycle, cfg.num_cycles), desc="onpolicy (slurm)",
-                   unit="cycle", disable=not cfg.progress, file=sys.stderr)
-        try:
-            while st.cycle < cfg.num_cycles:
-                c = st.cycle
-                info = cycle_info(cfg, st, c)
-                self.cycle(c, info)
-                bar.update(1)
-                bar.set_postfix(loss=f"{info['loss']:.4f}", mode="on" if info["on_policy"] else "off")
-        finally:
-            bar.close()
-        return read_metrics(self.ws.out)
+class SlurmRunner:
+    """cycle.Runner over Slurm: `start` submits a task's missing jobs (none when its outputs are on disk), `wait`
+    polls squeue over the tasks in flight and returns the first (lowest) one whose jobs have all ended, its outputs
+    checked; `close` cancels the jobs of tasks still in flight (the run stops early)."""
+
+    def __init__(self, driver: SlurmDriver) -> None:
+        self.driver = driver
+        self.flight: dict[Task, float] = {}
+
+    def start(self, task: Task, role: str, state: State, info: dict) -> None:
+        assert state is self.driver.state  # one state object: the driver's job records and run_cycles' both land in it
+        self.driver.submit_missing(task.stage, task.cycle)
+        self.flight[task] = time.time()
+
+    def wait(self) -> tuple[Task, dict]:
+        d = self.driver
+        while True:
+            for task in sorted(self.flight):
+                states = d.settled(task.stage, task.cycle)
+                if states is None:
+                    d.timed_out(task.stage, task.cycle, self.flight[task])
+                    continue
+                del self.flight[task]
+                d.check(task.stage, task.cycle, states)
+                return task, d.collect(task.stage, task.cycle)
+            time.sleep(d.cfg.slurm_poll_s)
+
+    def setup(self, step: str, where: str | None, state: State) -> bool:
+        raise NotImplementedError("the Slurm setup is one job (SlurmDriver.setup), not run step by step")
+
+    def close(self) -> None:
+        for task in self.flight:
+            jobs = [j for j in self.driver.job_ids(task.stage, task.cycle)
+                    if any(s in ACTIVE for s in task_states(j).values())]
+            if jobs:
+                cancel(jobs)
+        self.flight.clear()
 
 
 def run_slurm(cfg: OnPolicyConfig) -> list[dict]:
     """Run (or resume) the on-policy loop as Slurm jobs; returns the metrics lines."""
-    return SlurmDriver(cfg).loop()
+    driver = SlurmDriver(cfg)
+    driver.preflight()
+    driver.setup()
+    run_cycles(cfg, driver.state, SlurmRunner(driver), desc="onpolicy (slurm)")
+    return read_metrics(driver.ws.out)

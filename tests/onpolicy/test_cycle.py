@@ -114,9 +114,10 @@ def test_opd_with_stale_samples_is_refused_with_the_reason():
     load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 0, "train.loss": "opd"})  # strict: fine
 
 
-def test_slurm_executor_refuses_overlap_by_name():
-    with pytest.raises(ConfigError, match="the Slurm executor runs the strict order"):
-        load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 1, "executor": "slurm"})
+def test_every_executor_takes_overlap():
+    for executor in ("local", "ray", "slurm"):
+        cfg = load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 1, "executor": executor})
+        assert cfg.max_staleness == 1
 
 
 @pytest.mark.parametrize("key", ["pipeline_model_parallel_size", "tensor_model_parallel_size"])
