@@ -80,9 +80,10 @@ def run(work: Path, cycles: int = 6, spg: int = 2) -> dict:
     return out
 
 
-def _final_samples_kl(cfgs: dict, engines) -> dict:
-    """Each final student samples the held-out prompts (same seed), the teacher scores both sets, and both students
-    are evaluated on both: {"<student> on <whose samples>": KL}. The on-policy claim is about the diagonal."""
+def _final_samples_kl(cfgs: dict, engines, cross: bool = True) -> dict:
+    """Each final student samples the held-out prompts (same seed), the teacher scores both sets (into each run's
+    cache), and both students are evaluated on both: {"<student> on <whose samples>": KL}; `cross=False`: each on
+    its own only. The on-policy claim is about the diagonal."""
     from pipeline.onpolicy.stages import Workspace, sample, score_into
 
     runs = {name: Workspace.open(cfg) for name, cfg in cfgs.items()}
@@ -94,9 +95,8 @@ def _final_samples_kl(cfgs: dict, engines) -> dict:
                ws.cfg.heldout_n)
         score_into(ws, ws.rollouts("final-heldout"), ws.cfg.cache, engines.scorer(ws.cfg, ws.teacher))
         keys[name] = rollout_keys(ws.rollouts("final-heldout"), TeacherCache.open(ws.cfg.cache))
-    cache = next(iter(cfgs.values())).cache
-    return {f"{student} on {samples}": heldout_kl(weights[student], cache, keys[samples])["heldout_kl"]
-            for student in runs for samples in runs}
+    return {f"{student} on {samples}": heldout_kl(weights[student], cfgs[samples].cache, keys[samples])["heldout_kl"]
+            for student in runs for samples in runs if cross or student == samples}
 
 
 def markdown(r: dict) -> str:

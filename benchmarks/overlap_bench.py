@@ -1,20 +1,24 @@
 """Overlapped on-policy cycles (issue 47): max_staleness=1 against the strict order, on the local executor.
 
-    python -m benchmarks.run --only overlap          (four whole runs: ~15-25 min on 2 loaded CPU cores)
+    python -m benchmarks.run --only overlap [--overlap-parts schedule,quality]     (~40 min on 2 CPU cores)
 
 The on-policy bench's student, teacher and settings (benchmarks/onpolicy_bench.py: SmolLM2 6-layer student,
-SmolLM2-135M-Instruct teacher, 8 prompts x n=2 per cycle, 2 steps per cycle, held-out KL every cycle), `CYCLES`
-cycles, four runs in this order:
+SmolLM2-135M-Instruct teacher, 8 prompts x n=2 per cycle, 2 steps per cycle, held-out KL every cycle), in two parts
+(`PARTS`; one left out keeps its stored results). The schedule: `CYCLES` cycles, three runs in this order:
 
 1. real-0: max_staleness=0, the real tiny vLLM engines, each engine wrapped so that what its `generate` returned is
    recorded (sampler: by prompt token ids and request seed; teacher: by token ids);
-2. real-1: max_staleness=1, real engines (one process per role, each opening its own): the held-out KL row;
-3. replay-0 and 4. replay-1: the same cycles with the sampler and the teacher replayed from run 1's record, paced
+2. replay-0 and 3. replay-1: the same cycles with the sampler and the teacher replayed from run 1's record, paced
    at one fixed tokens/s (generated tokens for the sampler, scored positions for the teacher; the wait is a sleep,
    so the stand-ins use no CPU), while the trainer trains and evaluates for real. The pace is chosen from run 1 so
    that generate + score time = train + eval time of a cycle: the regime where overlap can halve the wall time.
    Replayed, the staleness-1 run samples what the strict run's policy sampled (its own, staler policy is not
-   consulted): these two runs measure the schedule, not the learning; run 2 measures the learning.
+   consulted): these two runs measure the schedule, not the learning.
+
+The quality (the learning): `QUALITY_CYCLES` cycles (the on-policy bench's count) with real engines, strict and at
+max_staleness=1 (one process per role, each opening its own engines); the held-out KL every cycle (on the initial
+student's samples of the held-out prompts, as the on-policy bench), then each final student sampling the held-out
+prompts itself and judged on its own samples (the on-policy objective: onpolicy_bench._final_samples_kl).
 
 Two cores are shared by every process here (and by other users of the machine), so the trainer's torch threads are
 set to a role process's share (`cpu_count // 3`, what local.RoleProcesses gives each role) in the strict runs too:
@@ -38,7 +42,9 @@ from benchmarks.scorework_bench import Replay
 from pipeline.onpolicy.config import STAGES
 from pipeline.onpolicy.engines import Engines
 
-CYCLES = 3  # the on-policy bench runs 6 (12 steps); four runs of 3 cycles fit the 2 shared, loaded cores in ~25 min
+CYCLES = 3  # the schedule's runs: three of 3 cycles fit the 2 shared, loaded cores in ~20 min
+QUALITY_CYCLES = 6  # the on-policy bench's 12 steps: after 3 cycles the held-out KL is still above the untrained one
+PARTS = ("schedule", "quality")
 ROLES = ("sampler", "teacher", "trainer")
 ROLE_OF = {"export": "trainer", "generate": "sampler", "score": "teacher", "train": "trainer", "eval": "trainer"}
 
@@ -143,10 +149,14 @@ def _keep(out: dict, name: str, res: dict) -> None:
     print(f"overlap bench, {name}: " + json.dumps({k: v for k, v in res.items() if k != "tasks"}), flush=True)
 
 
-def _one(work: Path, name: str, staleness: int, cycles: int, engines, role_engines=Engines, **extra) -> dict:
+def _cfg(work: Path, name: str, staleness: int, cycles: int):
+    return _config(work, name, 1.0, cycles, 2, 0, cache=str(work / name / "cache"), max_staleness=staleness)
+
+
+def _one(work: Path, name: str, staleness: int, cycles: int, engines, role_engines=Engines) -> dict:
     from pipeline.onpolicy.local import run_local
 
-    cfg = _config(work, name, 1.0, cycles, 2, 0, cache=str(work / name / "cache"), max_staleness=staleness, **extra)
+    cfg = _cfg(work, name, staleness, cycles)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     lines = run_local(cfg, engines, role_engines)
     wall = time.perf_counter() - t0
@@ -176,12 +186,17 @@ def _cycle_tokens(out: Path) -> int:
                for r in iter_rollouts(rollout_shards(d)))
 
 
-def run(work: Path, cycles: int = CYCLES) -> dict:
+def _trainer_threads() -> int:
+    return max(1, (os.cpu_count() or 1) // len(ROLES))  # a role process's share (module doc)
+
+
+def schedule(work: Path, cycles: int = CYCLES) -> dict:
+    """Runs 1-3 (module doc): the strict real run recorded, then both schedules replayed."""
     import torch
 
     work.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
-    share = max(1, (os.cpu_count() or 1) // len(ROLES))
+    share = _trainer_threads()
     torch.set_num_threads(share)  # the trainer's share, as a role process gets it (module doc)
     out: dict = {"cycles": cycles, "steps": cycles * 2, "trainer_threads": share, "runs": {}}
     try:
@@ -198,9 +213,6 @@ def run(work: Path, cycles: int = CYCLES) -> dict:
         factory = functools.partial(ReplayEngines, str(path), pace)
         for name, n in (("replay-0", 0), ("replay-1", 1)):
             _keep(out, name, _one(work, name, n, cycles, factory(), factory))
-        idle = Engines()  # unused at max_staleness=1: each role process opens its own
-        _keep(out, "real-1", _one(work, "real-1", 1, cycles, idle))
-        idle.close()
     finally:
         torch.set_num_threads(threads)
     runs = out["runs"]
@@ -210,17 +222,73 @@ def run(work: Path, cycles: int = CYCLES) -> dict:
     out["limit_ratio"] = max(r["busy_s"]["sampler"] + r["busy_s"]["teacher"], r["busy_s"]["trainer"]) / sum(
         r["busy_s"].values())
     out["fill_bound"] = (cycles + 1) / (2 * cycles)  # G + S = T: strict 2CT, overlapped (G + S) + CT at best
-    out["kl_ratio"] = runs["real-1"]["final_heldout_kl"] / runs["real-0"]["final_heldout_kl"]
     return out
+
+
+def quality(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
+    """The learning at staleness 1 against the strict order, real engines (module doc)."""
+    import torch
+
+    from benchmarks.onpolicy_bench import _final_samples_kl
+
+    work.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_trainer_threads())
+    out: dict = {"cycles": cycles, "steps": cycles * 2, "runs": {}}
+    engines = Engines()  # the strict run's, then the final students' samples and scores
+    try:
+        _keep(out, "real-0", _one(work, "real-0", 0, cycles, engines))
+        _keep(out, "real-1", _one(work, "real-1", 1, cycles, Engines()))  # unused: each role opens its own
+        own = _final_samples_kl({n: _cfg(work, n, s, cycles) for n, s in (("real-0", 0), ("real-1", 1))}, engines,
+                                cross=False)
+    finally:
+        engines.close()
+        torch.set_num_threads(threads)
+    runs = out["runs"]
+    out["own_samples_kl"] = {"real-0": own["real-0 on real-0"], "real-1": own["real-1 on real-1"]}
+    out["kl_ratio"] = runs["real-1"]["final_heldout_kl"] / runs["real-0"]["final_heldout_kl"]
+    out["own_kl_ratio"] = out["own_samples_kl"]["real-1"] / out["own_samples_kl"]["real-0"]
+    return out
+
+
+def _upgrade(kept: dict) -> dict:
+    """Stored results from before the parts (one flat dict: real-0 recorded the schedule and gave the strict KL, at
+    the schedule's cycles) as the two parts, so a part can be kept from them."""
+    if "runs" not in kept:
+        return kept
+    runs = dict(kept["runs"])
+    measured = runs.pop("measured", None)
+    flat = {k: v for k, v in kept.items() if k not in ("runs", "kl_ratio")}
+    sched = {**flat, "runs": {k: v for k, v in runs.items() if k != "real-1"}, "measured": measured}
+    qual = {"cycles": kept["cycles"], "steps": kept["steps"], "runs": {k: runs[k] for k in ("real-0", "real-1")},
+            "kl_ratio": kept["kl_ratio"], "measured": measured}
+    return {"schedule": sched, "quality": qual}
+
+
+def run(work: Path, cycles: int = CYCLES, *, parts=PARTS, kept: dict | None = None) -> dict:
+    """The section's parts; one not in `parts` is taken from `kept` (the section's stored raw results, stamped with
+    the run that measured them: `report.stored_raw`), so one part can be re-measured alone."""
+    kept = _upgrade(kept or {})
+    missing = [p for p in PARTS if p not in parts and p not in kept]
+    if missing:
+        raise ValueError(f"overlap bench: no stored results of {missing} to keep; measure them (--overlap-parts)")
+    out = {p: kept[p] for p in PARTS if p not in parts}
+    if "schedule" in parts:
+        out["schedule"] = schedule(work / "schedule", cycles)
+    if "quality" in parts:
+        out["quality"] = quality(work / "quality")
+    return {p: out[p] for p in PARTS}
 
 
 def _busy(run: dict) -> str:
     return " / ".join(f"{run['busy_s'][r]:.1f}" for r in ("sampler", "teacher", "trainer")) + " s"
 
 
-def markdown(r: dict) -> str:
+def markdown(res: dict) -> str:
+    r, q = res["schedule"], res["quality"]
     runs = r["runs"]
-    r0, r1, k0, k1 = runs["replay-0"], runs["replay-1"], runs["real-0"], runs["real-1"]
+    r0, r1, rec = runs["replay-0"], runs["replay-1"], runs["real-0"]
+    k0, k1 = q["runs"]["real-0"], q["runs"]["real-1"]
 
     def idle(run: dict) -> str:
         return " / ".join(f"{run['idle_fraction'][x]:.2f}" for x in ROLES)
@@ -228,38 +296,51 @@ def markdown(r: dict) -> str:
     stale = [s["max"] for s in k1["staleness"] if s]
     curve = [f"| {i * 2} | {a:.4f} | {b:.4f} |" for i, (a, b) in enumerate(zip(k0["heldout_kl"], k1["heldout_kl"],
                                                                              strict=True))]
+    own = q.get("own_samples_kl")
+    untrained = k0["heldout_kl"][0]
+    above = [n for n, k in (("strict", k0), ("staleness 1", k1)) if k["final_heldout_kl"] > untrained]
+    kept = [f"The {name} rows are kept from an earlier run: measured by {part['measured']}." for part, name in
+            ((r, "schedule"), (q, "quality")) if part.get("measured")]
     return "\n".join([
-        f"The on-policy bench's student, teacher and settings, **{r['cycles']} cycles** ({r['steps']} steps; the "
-        "on-policy bench runs 6, shortened here so four runs fit the shared cores), local executor. Rows 1-2: the "
-        "sampler and the teacher are **replayed** (their outputs recorded from the strict real-engine run, handed "
-        f"back paced at {r['pace_tok_s']:.0f} tokens/s, sleeping), the trainer trains and evaluates for real with "
-        f"{r['trainer_threads']} torch thread(s) in both schedules; the pace makes generate + score "
+        f"The on-policy bench's student, teacher and settings, local executor. Schedule rows (1-2): **{r['cycles']} "
+        "cycles**, the sampler and the teacher **replayed** (their outputs recorded from a strict real-engine run, "
+        f"handed back paced at {r['pace_tok_s']:.0f} tokens/s, sleeping), the trainer trains and evaluates for real "
+        f"with {r['trainer_threads']} torch thread(s) in both schedules; the pace makes generate + score "
         f"({r0['busy_s']['sampler'] + r0['busy_s']['teacher']:.0f} s) about equal to the trainer's export + train + "
-        f"eval ({r0['busy_s']['trainer']:.0f} s) in the strict replayed run. Row 3: real tiny vLLM engines in both "
-        "runs. Wall time of the cycles: first task dispatched to last task ended (state.json); the command's "
-        "wall time (role-process start-up, held-out set) beside it.",
+        f"eval ({r0['busy_s']['trainer']:.0f} s) in the strict replayed run. Wall time of the cycles: first task "
+        "dispatched to last task ended (state.json); the command's wall time (role-process start-up, held-out set) "
+        f"beside it. Quality rows: **{q['cycles']} cycles** ({q['steps']} steps) with real tiny vLLM engines in both "
+        "runs.",
         "",
         "| row | result | strict (max_staleness=0) | overlapped (max_staleness=1) | goal |",
         "|---|---|---|---|---|",
         f"| overlapped vs strict on-policy wall time, replayed engines | **{r['wall_ratio']:.2f}×** | "
         f"{r0['cycles_wall_s']} s (command {r0['run_wall_s']} s) | {r1['cycles_wall_s']} s (command "
-        f"{r1['run_wall_s']} s; {r['run_wall_ratio']:.2f}×) | ≤ 0.60× (limit max/sum = {r['limit_ratio']:.2f}×; with {r['cycles']} cycles the pipeline's fill alone bounds it at "
-        f"(C+1)/2C = {r['fill_bound']:.2f}×) |",
+        f"{r1['run_wall_s']} s; {r['run_wall_ratio']:.2f}×) | ≤ 0.60× (limit max/sum = {r['limit_ratio']:.2f}×; with "
+        f"{r['cycles']} cycles the pipeline's fill alone bounds it at (C+1)/2C = {r['fill_bound']:.2f}×) |",
         f"| role idle fraction, strict vs overlapped | sampler / teacher / trainer: {idle(r0)} → {idle(r1)} | "
         f"busy {_busy(r0)} | busy {_busy(r1)} | report |",
-        f"| held-out KL at staleness 1 vs 0, real engines | **{r['kl_ratio']:.3f}×** | {k0['final_heldout_kl']:.4f} | "
+        f"| held-out KL at staleness 1 vs 0, real engines | **{q['kl_ratio']:.3f}×** | {k0['final_heldout_kl']:.4f} | "
         f"{k1['final_heldout_kl']:.4f} (staleness max per cycle {stale}) | ≤ 1.05× |",
+        *([f"| own-samples KL at staleness 1 vs 0, real engines | **{q['own_kl_ratio']:.3f}×** | {own['real-0']:.4f} | "
+           f"{own['real-1']:.4f} | report (each final student judged on its own samples of the held-out prompts) |"]
+          if own else []),
         "",
         "| optimizer step | held-out KL, strict | held-out KL, staleness 1 |",
         "|---|---|---|",
         *curve,
         "",
-        f"Load average (1 min) at each run's start → end: real-0 {k0['load_start']} → {k0['load_end']}, real-1 "
-        f"{k1['load_start']} → {k1['load_end']}, replay-0 {r0['load_start']} → {r0['load_end']}, replay-1 "
-        f"{r1['load_start']} → {r1['load_end']} (2 cores shared with other users: the trainer's speed varies with "
-        "it). The real-engine runs' wall times (raw results) are not a schedule measurement: there the three roles "
-        "compete for the same two cores. Not measured here: the OPD row (OPD refuses max_staleness >= 1 for now), the "
-        "kills row.",
+        *([f"The held-out set is the untrained student's samples ({untrained:.4f} before training): "
+           f"{' and '.join(above)} end{'s' if len(above) == 1 else ''} above it, as the on-policy bench's on-policy "
+           "student does, since training on its own, moving samples does not aim at the initial student's."
+           + (" The own-samples row judges each student where on-policy training aims." if own else ""), ""]
+          if above else []),
+        f"Load average (1 min) at each run's start → end: schedule real-0 {rec['load_start']} → {rec['load_end']}, "
+        f"replay-0 {r0['load_start']} → {r0['load_end']}, replay-1 {r1['load_start']} → {r1['load_end']}; quality "
+        f"real-0 {k0['load_start']} → {k0['load_end']}, real-1 {k1['load_start']} → {k1['load_end']} (2 cores "
+        "shared: the trainer's speed varies with it; the KL rows do not depend on it). Not measured here: the OPD "
+        "row (OPD refuses max_staleness >= 1: no importance correction is implemented), the kills row (overlapkills).",
+        *(["", *kept] if kept else []),
     ])
 
 
@@ -267,6 +348,6 @@ if __name__ == "__main__":
     import sys
     import tempfile
 
-    res = run(Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="overlap-bench-")))
+    res = run(Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="overlap-bench-")))  # both parts
     print(json.dumps(res, indent=1, default=str))
     print(markdown(res))

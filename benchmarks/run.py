@@ -45,7 +45,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, stored_raw
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap four (~20 min), overlapkills 12 (~25 min), faults
+DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap five (~40 min), overlapkills 12 (~25 min), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -57,6 +57,10 @@ def main() -> int:
     ap.add_argument("--ray-parts", default="onpolicy,kills",
                     help="with --only ray: re-measure these parts of the ray section (onpolicy ~50 min on 2 cores, "
                          "kills ~25 min); a part left out keeps its stored raw results and says when they were measured")
+    ap.add_argument("--overlap-parts", default="schedule,quality",
+                    help="with --only overlap: re-measure these parts of the overlap section (schedule ~20 min on 2 "
+                         "cores, quality ~20 min); a part left out keeps its stored raw results and says when they "
+                         "were measured")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary work folder (caches, checkpoints)")
     args = ap.parse_args()
@@ -66,10 +70,14 @@ def main() -> int:
     command = "python -m benchmarks.run" + (f" --only {args.only}" if args.only != DEFAULT else "") + (
         f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "") + (
         f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "") + (
-        f" --ray-parts {args.ray_parts}" if args.ray_parts != "onpolicy,kills" else "")
+        f" --ray-parts {args.ray_parts}" if args.ray_parts != "onpolicy,kills" else "") + (
+        f" --overlap-parts {args.overlap_parts}" if args.overlap_parts != "schedule,quality" else "")
     parts = set(args.ray_parts.split(","))
     if parts - set(ray_bench.PARTS) or not parts:
         ap.error(f"--ray-parts: choose from {','.join(ray_bench.PARTS)}, got {args.ray_parts!r}")
+    overlap_parts = set(args.overlap_parts.split(","))
+    if overlap_parts - set(overlap_bench.PARTS) or not overlap_parts:
+        ap.error(f"--overlap-parts: choose from {','.join(overlap_bench.PARTS)}, got {args.overlap_parts!r}")
     out = Path(args.out)
     sections = old_sections(out)
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
@@ -111,7 +119,6 @@ SIMPLE = {
     "cp": (cp_bench.run, cp_bench.markdown),
     "pp": (pp_bench.run, pp_bench.markdown),
     "xtok": (xtok_bench.run, xtok_bench.markdown),
-    "overlap": (overlap_bench.run, overlap_bench.markdown),  # four 4-cycle on-policy runs, two of them replayed
     "exact": (exact_bench.run, exact_bench.markdown),
     "overlapkills": (overlap_kills.run, overlap_kills.markdown),  # 11 kills of 2-cycle overlapped runs, ~25 min
 }
@@ -125,6 +132,11 @@ def _measure(name: str, args: argparse.Namespace, work: Path, results: dict[str,
         kept = {} if len(parts) == len(ray_bench.PARTS) else stored_raw(sections.get("ray", ""))
         res = ray_bench.run(work / "ray", args.onpolicy_cycles, parts=parts, kept=kept)
         return res, ray_bench.markdown(res)
+    if name == "overlap":
+        parts = [p for p in overlap_bench.PARTS if p in args.overlap_parts.split(",")]
+        kept = {} if len(parts) == len(overlap_bench.PARTS) else stored_raw(sections.get("overlap", ""))
+        res = overlap_bench.run(work / "overlap", parts=parts, kept=kept)
+        return res, overlap_bench.markdown(res)
     if name in SIMPLE:
         run, markdown = SIMPLE[name]
         res = run(work / name)
