@@ -268,16 +268,10 @@ def _upgrade(kept: dict) -> dict:
 def run(work: Path, cycles: int = CYCLES, *, parts=PARTS, kept: dict | None = None) -> dict:
     """The section's parts; one not in `parts` is taken from `kept` (the section's stored raw results, stamped with
     the run that measured them: `report.stored_raw`), so one part can be re-measured alone."""
-    kept = _upgrade(kept or {})
-    missing = [p for p in PARTS if p not in parts and p not in kept]
-    if missing:
-        raise ValueError(f"overlap bench: no stored results of {missing} to keep; measure them (--overlap-parts)")
-    out = {p: kept[p] for p in PARTS if p not in parts}
-    if "schedule" in parts:
-        out["schedule"] = schedule(work / "schedule", cycles)
-    if "quality" in parts:
-        out["quality"] = quality(work / "quality")
-    return {p: out[p] for p in PARTS}
+    from benchmarks.report import measure_parts
+
+    measure = {"schedule": lambda: schedule(work / "schedule", cycles), "quality": lambda: quality(work / "quality")}
+    return measure_parts("overlap", "--overlap-parts", measure, parts, _upgrade(kept or {}))
 
 
 def _busy(run: dict) -> str:

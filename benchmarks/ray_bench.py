@@ -257,16 +257,11 @@ PARTS = ("onpolicy", "kills")
 def run(work: Path, cycles: int = 6, points: int = 10, *, parts: Sequence[str] = PARTS, kept: dict | None = None) -> dict:
     """The section's parts; one not in `parts` is taken from `kept` (the section's stored raw results, each part
     stamped with the run that measured it: `report.stored_raw`), so one part can be re-measured alone."""
-    kept = kept or {}
-    missing = [p for p in PARTS if p not in parts and p not in kept]
-    if missing:
-        raise ValueError(f"ray bench: no stored results of {missing} to keep; measure them (--ray-parts)")
-    out = {p: kept[p] for p in PARTS if p not in parts}
-    if "onpolicy" in parts:
-        out["onpolicy"] = onpolicy_wall(work / "onpolicy", cycles)
-    if "kills" in parts:
-        out["kills"] = score_kills(work / "kills", points)
-    return {p: out[p] for p in PARTS}
+    from benchmarks.report import measure_parts
+
+    measure = {"onpolicy": lambda: onpolicy_wall(work / "onpolicy", cycles),
+               "kills": lambda: score_kills(work / "kills", points)}
+    return measure_parts("ray", "--ray-parts", measure, parts, kept or {})
 
 
 def markdown(r: dict) -> str:

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,17 @@ def stored_raw(block: str) -> dict:
         if isinstance(part, dict) and stamp is not None:
             part.setdefault("measured", stamp.group(1))
     return out
+
+
+def measure_parts(section: str, flag: str, measure: dict[str, Callable[[], dict]], parts: Sequence[str],
+                  kept: dict) -> dict:
+    """A section in parts (`measure`, in order): those in `parts` measured now, the others taken from `kept` (the
+    section's stored raw results, each stamped by `stored_raw` with the run that measured it), so one part can be
+    re-measured alone; `flag` is the command-line option that picks them."""
+    missing = [p for p in measure if p not in parts and p not in kept]
+    if missing:
+        raise ValueError(f"{section} bench: no stored results of {missing} to keep; measure them ({flag})")
+    return {p: measure[p]() if p in parts else kept[p] for p in measure}
 
 
 def write_benchmarks(path: Path, sections: dict[str, str]) -> str:
