@@ -696,8 +696,9 @@ def test_max_staleness_negative_or_with_a_loss_that_refuses_it(tmp_path, capsys)
     base = ["onpolicy", f"out={out}", f"cache={out / 'cache'}", "lmbda=1.0", "offpolicy_dataset=null",
             "offpolicy_cache=null"]
     refused(tmp_path, [*base, "max_staleness=-1"], capsys, r"max_staleness must be an integer >= 0 .*got -1")
-    refused(tmp_path, [*base, "max_staleness=1", "train.loss=opd"], capsys,
-            r"max_staleness=1 with train.loss=opd", r"use max_staleness=0 with opd, or .*train.loss=gkd")
+    refused(tmp_path, [*base, "max_staleness=1", "train.loss=opd", "train.opd_is_cap=null"], capsys,
+            r"max_staleness=1 with train.loss=opd and train.opd_is_cap=null", r"set train.opd_is_cap \(e.g. 2\)")
+    refused(tmp_path, [*base, "train.opd_is_cap=0.5"], capsys, r"opd_is_cap must be a number >= 1 .*got 0.5")
     assert not out.exists()  # refused before the run's folder is made
 
 

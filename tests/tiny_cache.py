@@ -25,11 +25,12 @@ def build_tiny(out: Path, seed: int = 0) -> Path:
 def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.ndarray, int, str]], *, k: int = K,
                      shard_rows: int = 8, codec: str = "rank-grid-esc", topp: float | None = None,
                      min_k: int | None = None, tags: list[dict] | None = None,
-                     versions: list[int] | None = None) -> TeacherCache:
+                     versions: list[int] | None = None, behavior: list | None = None) -> TeacherCache:
     """Score (input_ids, first_scored, source) samples with an HF forward; row r = teacher of token P + r.
     `topp`/`min_k`: a variable-k cache with cap k (the codec truncates each position, as in `gkd score`).
     `tags`: the rollout tags of each sample (what the trainer routes on), stored with its row. `versions`: each
-    student sample's policy_version (default 0)."""
+    student sample's policy_version (default 0). `behavior`: each sample's completion_logprobs (the sampler's
+    logprob of each token after P; None: the row has none)."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.store.codec import params as codec_params
@@ -61,6 +62,7 @@ def score_into_cache(model_dir: Path, cache_dir: Path, samples: list[tuple[np.nd
             "actual_ranks": ((dist > actual_lp[:, None]).sum(1) + 1).numpy().astype(np.int32),
             "actual_logprobs": actual_lp.numpy().astype(np.float32),
             "tags": None if tags is None else tags[i],
+            "completion_logprobs": None if behavior is None else behavior[i],
         })
     for i in range(0, len(rows), shard_rows):
         cache.write_shard(f"scored-{i // shard_rows:05d}", rows[i : i + shard_rows])

@@ -148,10 +148,10 @@ class OnPolicyConfig:
             return p + stage_problems
         gen, sc, tr = self.generate_settings, self.score_settings, self.train_settings
         p += self.cross_problems()
-        if isinstance(self.max_staleness, int) and self.max_staleness > 0 and tr.loss == "opd":
-            p.append(f"max_staleness={self.max_staleness} with train.loss=opd: the sampled-token reverse KL trains on "
-                     "the sampler's own tokens, so stale samples bias it without an importance correction, which is "
-                     "not implemented; use max_staleness=0 with opd, or a forward-KL / JSD loss (train.loss=gkd)")
+        if self.opd_weighted is False:
+            p.append(f"max_staleness={self.max_staleness} with train.loss=opd and train.opd_is_cap=null: the "
+                     "sampled-token reverse KL trains on the sampler's own tokens, so samples of older weights bias "
+                     "it without its importance weights; set train.opd_is_cap (e.g. 2), or max_staleness=0")
         if sc.topk == 0 and tr.loss != "opd":
             p.append("score.topk=0 stores no teacher top-k: only train.loss=opd can train from it")
         if sc.hidden and self.heldout_prompts:
@@ -273,12 +273,21 @@ class OnPolicyConfig:
     def total_steps(self) -> int:
         return self.num_cycles * self.steps_per_generation
 
+    @property
+    def opd_weighted(self) -> bool | None:
+        """loss=opd on stale samples: whether its importance weights apply (the sampler then records its logprobs,
+        which the cache keeps for the trainer); None where the question does not arise (strict cycles, another
+        loss): those runs record nothing extra, so they stay what they were."""
+        if not (isinstance(self.max_staleness, int) and self.max_staleness > 0 and self.train_settings.loss == "opd"):
+            return None
+        return self.train_settings.opd_is_cap is not None
+
     # -- stage configs ----------------------------------------------------------------------------------------
     def generate_config(self, out: Path, student: str, policy_version: int, seed: int) -> GenerateConfig:
         return load_config(GenerateConfig, None, {
             **self.stage_values("generate"), "prompts": self.prompts, "teacher_prompt_field": self.teacher_prompt_field,
             "student": student, "out": str(out), "num_shards": 1, "shard": 0, "seed": seed,
-            "policy_version": policy_version, "on_bad_prompt": "skip"})
+            "policy_version": policy_version, "on_bad_prompt": "skip", **({"logprobs": True} if self.opd_weighted else {})})
 
     def score_config(self, rollouts: Path, cache: str) -> ScoreConfig:
         cross = {}

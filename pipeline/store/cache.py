@@ -51,6 +51,8 @@ ROW_GROUP_ROWS = 128  # the trainer's loader decodes whole row groups: small one
 # a cross-tokenizer row's own columns (scored 1.3, pipeline/store/align.py)
 CROSS_COLUMNS = ["student_ids", "student_first", "teacher_char_ends", "student_char_ends", "span_student",
                  "span_teacher"]
+# the sampler's logprob of each completion token, copied from the rollout (scored 1.5): loss=opd's importance weights
+BEHAVIOR_COLUMN = "completion_logprobs"
 
 
 
@@ -353,6 +355,12 @@ class TeacherCache:
                 else:
                     table = table.append_column(column, pa.array([np.asarray(v, np.int32) for v in values],
                                                                  pa.list_(pa.int32())))
+        # scored 1.5's sparse column: only where some row carries the sampler's logprobs (gkd generate --logprobs);
+        # a cross-tokenizer row's would be in the student's tokens, beside teacher-token positions: not written
+        if not d.cross_tokenizer and any(r.get("completion_logprobs") is not None for r in rows):
+            table = table.append_column(BEHAVIOR_COLUMN, pa.array(
+                [None if r.get("completion_logprobs") is None else np.asarray(r["completion_logprobs"], np.float32)
+                 for r in rows], pa.list_(pa.float32())))
         scored_tokens = int(sum(len(e[2]) for e in enc_rows))
         return write_shard(
             self.shard_dir / f"{name}.parquet", table, "scored", extra={"scored_tokens": scored_tokens, **(extra or {})},

@@ -345,7 +345,7 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
         if any(footer.get(name) != first.get(name) for _, footer in parts for name in shared):
             raise CodecError(f"{where}: shards encoded with different codec parameters cannot be concatenated")
         open_decoder(first, where)  # refuses an unknown codec
-        return pa.concat_tables([t for t, _ in parts]), dict(first)
+        return _concat([t for t, _ in parts]), dict(first)
     row_ids: list[np.ndarray] = []  # per record batch: its rows' ids, flat
     row_lens: list[np.ndarray] = []
     for table, footer in parts:
@@ -360,11 +360,19 @@ def concat_encoded(parts: Sequence[tuple[pa.Table, dict[bytes, bytes]]], where: 
     vocab_size = int(first[b"gkd.codec.vocab_size"])
     all_ids = np.concatenate(row_ids)
     by_freq, remap = _id_table(all_ids, vocab_size)
-    merged = pa.concat_tables([t for t, _ in parts])
+    merged = _concat([t for t, _ in parts])
     column = pa.array(_escape_rows(remap[all_ids], np.concatenate(row_lens), *_escape_params(max(by_freq.size - 1, 0))),
                       pa.binary())
     merged = merged.set_column(merged.schema.get_field_index("topk_ids"), "topk_ids", column)
     return merged, {**first, b"gkd.codec.id_table": _pack_id_table(by_freq)}
+
+
+def _concat(tables: list) -> pa.Table:
+    """The tables one after the other; a sparse column only some hold (scored 1.5's completion_logprobs: rows that
+    recorded them beside rows that did not) is null in the others' rows."""
+    import pyarrow as pa
+
+    return pa.concat_tables(tables, promote_options="default")
 
 
 class Decoder:

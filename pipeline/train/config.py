@@ -70,6 +70,10 @@ class TrainConfig:
     # vocabularies (JSD there, beta below) and weighs the parts gold_matched_weight / gold_unmatched_weight (null
     # both: TRL's adaptive weights, matched ids / teacher vocabulary). Fused output layer only; TP, DP and packing work.
     loss: str = "gkd"
+    # opd on rows that carry the sampler's logprobs (scored 1.5's completion_logprobs: `gkd generate --logprobs`,
+    # on-policy runs with max_staleness >= 1): each position's term weighted by min(s(y) / sampler(y), opd_is_cap),
+    # truncated importance sampling for samples of older weights (reference.py `opd_advantage`). null: no weights.
+    opd_is_cap: float | None = 2.0
     gold_matched_weight: float | None = None
     gold_unmatched_weight: float | None = None
     # 0 forward KL, 1 reverse KL, else generalised JSD. null: the loss's default (`kd_beta`): 0.5 for gkd/opd,
@@ -204,6 +208,10 @@ class TrainConfig:
                 p.append(f"loss={self.loss} reads one cross-tokenizer cache: drop teachers (routing)")
         if (self.gold_matched_weight is None) != (self.gold_unmatched_weight is None):
             p.append("gold_matched_weight and gold_unmatched_weight are set together (both null: adaptive weights)")
+        if self.opd_is_cap is not None and (isinstance(self.opd_is_cap, bool)
+                                            or not isinstance(self.opd_is_cap, (int, float)) or self.opd_is_cap < 1):
+            p.append(f"opd_is_cap must be a number >= 1 (the importance weights' truncation; null: no weights), got "
+                     f"{self.opd_is_cap!r}")
         if self.loss == "opd" and self.teacher_live is not None:
             p.append("loss=opd reads the cached actual-token teacher logprobs; teacher_live computes a top-k only")
         if self.attention not in ("sdpa", "local"):

@@ -23,7 +23,7 @@ from pipeline.train import metrics
 from pipeline.train.config import TrainConfig
 from pipeline.train.losses.exact import exact_gkd_loss
 from pipeline.train.losses.fused import fused_gkd_loss, output_weight
-from pipeline.train.losses.reference import gkd_loss, opd_loss, vocab_parallel_ce
+from pipeline.train.losses.reference import OpdCorrection, gkd_loss, opd_loss, vocab_parallel_ce
 from pipeline.train.losses.xtok import XTOK_LOSSES, fused_xtok_loss, gold_weights
 from pipeline.train.models import hf_model
 from pipeline.train.parallel import context_parallel
@@ -59,8 +59,8 @@ def loss_func(batch, counts: tuple[float, float], cfg: TrainConfig, vocab_size: 
     four loss terms, the weighted KD sum, and per routed teacher its KD sum and KD count."""
     names = sorted(cfg.teachers)
     # the loss reads route and spans; images and xtok_live were the forward's and the live teacher's (already used)
-    batch.refuse_parts({"route", "images", "xtok_live"} | ({"spans"} if cfg.loss in XTOK_LOSSES else {"exact"}),
-                       f"loss={cfg.loss}", fix="cross-tokenizer rows train with loss=gold (or loss=uld)")
+    used = {"route", "images", "xtok_live", "behavior"} | ({"spans"} if cfg.loss in XTOK_LOSSES else {"exact"})
+    batch.refuse_parts(used, f"loss={cfg.loss}", fix="cross-tokenizer rows train with loss=gold (or loss=uld)")
     if batch.route is None or not names:
         loss, kd_n, t = _loss_terms(batch, batch.loss_mask, 1.0, counts, cfg, vocab_size, gpt, output_tensor)
         return loss, kd_n.int(), {**t, metrics.WEIGHTED_KD_SUM: t[metrics.KD_SUM]}
@@ -103,6 +103,9 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
     if cfg.loss == "opd":  # student-sourced positions: OPD; dataset-sourced ones (loss_mask & dataset): GKD
         kd_mask, opd_mask = batch.sft_mask & mask, mask & ~batch.sft_mask
     teacher = dict(teacher_tail=batch.teacher_tail, teacher_valid=batch.teacher_valid)
+    # stale samples' importance weights: rows that recorded the sampler's logprobs (loss=opd reads them)
+    correction = (OpdCorrection(batch.behavior.logprobs, float(cfg.opd_is_cap))
+                  if batch.behavior is not None and cfg.opd_is_cap is not None else None)
     opd_sum = opd_kl = torch.zeros((), device=output_tensor.device, dtype=torch.float64)
     if cfg.loss in XTOK_LOSSES:  # cross-tokenizer spans (xtok_loss.py): SFT on every completion position
         spans = batch.spans
@@ -124,7 +127,8 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         out = exact_gkd_loss(
             output_tensor, output_weight(gpt), batch.exact.hidden, batch.exact.weight, kd_mask, beta=cfg.kd_beta,
             temperature=cfg.temperature, labels=batch.labels, sft_mask=sft_mask, kd_weight=kd_weight,
-            sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size, opd_mask=opd_mask, opd_weight=kd_weight)
+            sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size, opd_mask=opd_mask, opd_weight=kd_weight,
+            opd_correction=correction)
         loss, kd_sum, sft_sum = out.loss, out.kd_sum, out.sft_sum
         kd_n = out.kd_count + out.opd_count
         if opd_mask is not None:
@@ -138,7 +142,7 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
             output_tensor, output_weight(gpt), t_ids, t_lps, kd_mask,
             beta=cfg.kd_beta, temperature=cfg.temperature, mode=cfg.topk_mode, **teacher, labels=batch.labels,
             sft_mask=sft_mask, kd_weight=kd_weight, sft_weight=sft_weight, tp_group=tp_group, vocab_size=vocab_size,
-            opd_mask=opd_mask, teacher_actual=batch.teacher_actual, opd_weight=kd_weight,
+            opd_mask=opd_mask, teacher_actual=batch.teacher_actual, opd_weight=kd_weight, opd_correction=correction,
         )
         loss, kd_sum, sft_sum = out.loss, out.kd_sum, out.sft_sum
         kd_n = out.kd_count + out.opd_count
@@ -158,7 +162,7 @@ def _loss_terms(batch, mask, kd_scale: float, counts, cfg: TrainConfig, vocab_si
         loss = kd_weight * kd_sum
         if opd_mask is not None:
             opd_sum, opd_n, opd_kl = opd_loss(logits, batch.labels, batch.teacher_actual, opd_mask, tp_group,
-                                              vocab_size=vocab_size)
+                                              vocab_size=vocab_size, correction=correction)
             loss, kd_n = loss + kd_weight * opd_sum, kd_n + opd_n
         sft_sum = torch.zeros((), device=logits.device)
         if sft_mask is not None:

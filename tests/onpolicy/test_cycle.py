@@ -3,6 +3,8 @@ overlap and its bound at N >= 1, and the refusals of bad settings. No engine: th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.config import ConfigError, load_config
@@ -108,10 +110,16 @@ def test_bad_max_staleness_is_refused(value, match):
         load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": value})
 
 
-def test_opd_with_stale_samples_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match=r"max_staleness=1 with train.loss=opd.*importance correction"):
-        load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 1, "train.loss": "opd"})
-    load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 0, "train.loss": "opd"})  # strict: fine
+def test_opd_with_stale_samples_takes_importance_weights_or_is_refused_with_the_reason():
+    stale = load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 1, "train.loss": "opd"})
+    # the weights need the sampler's logprobs: the sampler records them (and only then: strict runs stay as they were)
+    assert stale.opd_weighted and stale.generate_config(Path("r"), "s", 0, 0).logprobs
+    with pytest.raises(ConfigError, match=r"max_staleness=1 with train.loss=opd and train.opd_is_cap=null.*bias"):
+        load_config(OnPolicyConfig, None, {"lmbda": 1.0, "max_staleness": 1, "train.loss": "opd",
+                                           "train.opd_is_cap": None})
+    for values in ({"max_staleness": 0, "train.loss": "opd"}, {"max_staleness": 1}):
+        cfg = load_config(OnPolicyConfig, None, {"lmbda": 1.0, **values})
+        assert cfg.opd_weighted is None and not cfg.generate_config(Path("r"), "s", 0, 0).logprobs
 
 
 def test_every_executor_takes_overlap():

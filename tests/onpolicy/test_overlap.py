@@ -6,6 +6,7 @@ the overlap from the driver's record, and a driver or a role killed mid-overlap 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -157,3 +158,35 @@ def test_role_processes_build_their_engines_with_the_factory_given(models, tmp_p
     finally:
         local._HOST.clear()
         torch.set_num_threads(threads)
+
+
+def test_opd_at_staleness_1_keeps_the_samplers_logprobs_for_its_importance_weights(models, tmp_path):
+    """loss=opd at max_staleness=1 (importance-weighted, losses/reference.py `opd_advantage`): the sampler records
+    its logprob of every token it sampled, the teacher's cache keeps them with each row, and the trainer's
+    micro-batches carry them on their labels; the trainer trains cycle 1 on samples one version old."""
+    import pyarrow.parquet as pq
+
+    from pipeline.train.data.loader import ScoredLoader
+
+    run(_cfg(models, tmp_path, loss="opd"))
+    sampled = {}
+    for cycle in (0, 1):
+        for r in iter_rollouts(rollout_shards(tmp_path / "rollouts" / f"cycle-{cycle:04d}")):
+            lp = r["completion_logprobs"]
+            assert lp is not None and len(lp) == len(r["completion_ids"]) and max(lp) <= 0
+            sampled[r["sample_id"]] = lp
+    kept = 0
+    for shard in sorted((tmp_path / "cache" / "shards").glob("*.parquet")):
+        table = pq.read_table(shard, columns=["sample_id", "source", "completion_logprobs"])
+        for sid, source, lp in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
+            if sid in sampled:  # the held-out set's rows (scored for the held-out KL) are sampled too
+                assert source == "student" and lp == pytest.approx(sampled[sid], abs=0, rel=1e-7)
+                kept += 1
+    assert kept == len(sampled)
+    view = tmp_path / "views" / "cycle-0001"
+    mb = ScoredLoader([view], micro_batch_size=4, seq_length=320, seed=0, actual=True).micro_batch(0)
+    recorded = mb.behavior.logprobs[mb.loss_mask]
+    assert recorded.numel() and bool(recorded.isfinite().all())  # every trained position has its weight's input
+    train = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["staleness"]["min"], m["staleness"]["max"]) for m in train] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert all(m["jsd"] == 0.0 and math.isfinite(m["opd"]) for m in train)

@@ -54,6 +54,8 @@ class MicroBatch:
     # A hidden-state cache (store/hidden.py): the teacher's final hidden states at the loss positions and its output
     # layer (train/losses/exact.py computes the exact teacher from them).
     exact: Exact | None = None
+    # Rows that carry the sampler's logprobs (scored 1.5, loss=opd): the importance weights of stale samples.
+    behavior: Behavior | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """The tensors moved to `device`, those inside its parts too (a no-op on CPU)."""
@@ -111,10 +113,21 @@ class Exact:
     weight: torch.Tensor | None = None
 
 
-PARTS = ("route", "images", "spans", "xtok_live", "exact")
+@dataclass
+class Behavior:
+    """The sampler's logprob of each label (scored 1.5's completion_logprobs, read for loss=opd): `logprobs` [B, S]
+    float32, at position t the raw logprob of labels[t] under the weights that sampled it (policy_version), NaN where
+    none (prompt, padding, a row without them). loss=opd weighs each position by min(s(y)/that, cap)
+    (losses/reference.py `opd_advantage`)."""
+
+    logprobs: torch.Tensor
+
+
+PARTS = ("route", "images", "spans", "xtok_live", "exact", "behavior")
 _PART_DOC = {"route": "routed teachers' positions", "images": "image rows",
              "spans": "cross-tokenizer span heads", "xtok_live": "a live teacher with another tokenizer",
-             "exact": "a hidden-state cache's teacher states"}
+             "exact": "a hidden-state cache's teacher states",
+             "behavior": "the sampler's logprobs of its tokens (completion_logprobs)"}
 _ON_DEVICE: dict = {}  # the teacher's output layer moved once per device, not once per micro-batch
 
 
@@ -122,7 +135,7 @@ def _moved(v: Any, device: torch.device | str) -> Any:
     """`v` with its tensors on `device`: a tensor, or a part (Route, Images, Spans; XtokLive holds numpy only)."""
     if isinstance(v, torch.Tensor):
         return v.to(device, non_blocking=True)
-    if isinstance(v, (Route, Spans)):
+    if isinstance(v, (Route, Spans, Behavior)):
         return dataclasses.replace(v, **{f.name: _moved(getattr(v, f.name), device) for f in dataclasses.fields(v)})
     if isinstance(v, Exact):
         w = v.weight
@@ -163,6 +176,7 @@ class Block:
     # a hidden-state cache: [positions, H_t] teacher states (bf16 as its int16 bit pattern, or float32)
     hidden: np.ndarray | None = None
     versions: np.ndarray | None = None  # int64 [rows]: each row's policy_version, -1 where none; None: not read
+    behavior: np.ndarray | None = None  # float32 [positions]: the sampler's logprob of the token, NaN where none
 
 
 @dataclass
@@ -290,6 +304,8 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
     t_valid = np.empty((B, width, k), bool)
     t_tail = np.zeros((B, width), np.float32)
     t_actual = np.zeros((B, width), np.float32)
+    sampled = any(blk.behavior is not None for blk, _ in fetched)
+    t_behavior = np.full((B, width), np.nan, np.float32) if sampled else None
     in_row = np.zeros(B, np.int32)
     routed = any(blk.route is not None for blk, _ in fetched)
     route = np.full((B, width), -1, np.int64) if routed else None
@@ -317,6 +333,8 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
             t_tail[r, t0:t1] = blk.tail[lo + q0 : lo + q1]
             if blk.actual is not None:
                 t_actual[r, t0:t1] = blk.actual[lo + q0 : lo + q1]
+            if t_behavior is not None and blk.behavior is not None:
+                t_behavior[r, t0:t1] = blk.behavior[lo + q0 : lo + q1]
             if t_hidden is not None:
                 t_hidden[r, t0:t1] = blk.hidden[lo + q0 : lo + q1]
             if route is not None:
@@ -368,6 +386,7 @@ def assemble(fetched: list[tuple[Block, int]], row_of: np.ndarray, offsets: np.n
         spans=None if span_head is None else Spans(torch.from_numpy(span_head)),
         xtok_live=live,
         exact=None if t_hidden is None else Exact(_states(t_hidden)),
+        behavior=None if t_behavior is None else Behavior(torch.from_numpy(t_behavior)),
     )
 
 

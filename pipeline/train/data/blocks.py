@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.store import hidden as hidden_store
-from pipeline.store.cache import cache_root
+from pipeline.store.cache import BEHAVIOR_COLUMN, cache_root
 from pipeline.store.codec import CodecError, Decoder, open_decoder
 from pipeline.store.rollouts import scored_from
 from pipeline.store.shards import ShardError, file_sha256
@@ -113,6 +113,10 @@ class BlockReader:
                 size, dtype = int(self.hidden["size"]), self.hidden["dtype"]
                 states = np.concatenate([hidden_store.decode(b, int(n), size, dtype)
                                          for b, n in zip(column, num_scored.tolist(), strict=True)])
+            behavior = None
+            if self.actual and not self.cross and BEHAVIOR_COLUMN in pf.schema_arrow.names:  # loss=opd's weights
+                column = pf.read_row_group(rg, columns=[BEHAVIOR_COLUMN], use_threads=False).column(0).to_pylist()
+                behavior = behavior_rows(column, num_scored)
             images = None
             if "images" in pf.schema_arrow.names:
                 images = pf.read_row_group(rg, columns=["images"], use_threads=False).column(0).to_pylist()
@@ -142,7 +146,7 @@ class BlockReader:
             row_offsets=topk.offsets, topk_ids=tids, topk_logprobs=tlp, tail=tail, valid=valid, folded=folded,
             actual=topk.actual_logprobs if self.actual else None,
             route=None if self.route_of is None else self.route_of[start: start + table.num_rows],
-            images=images, root=str(cache_root(path)), hidden=states, versions=versions,
+            images=images, root=str(cache_root(path)), hidden=states, versions=versions, behavior=behavior,
         )
 
     def _student(self, pf: pq.ParquetFile, rg: int, path: Path, table: pa.Table, is_dataset: np.ndarray,
@@ -187,6 +191,22 @@ class BlockReader:
             topk_ids=np.zeros((positions, self.k), np.int32), topk_logprobs=np.zeros((positions, self.k), np.float32),
             tail=np.zeros(positions, np.float32), valid=None, folded=None, versions=_versions(t),
         )
+
+
+def behavior_rows(logprobs: list, num_scored: np.ndarray) -> np.ndarray | None:
+    """The rows' completion_logprobs laid out like their teacher rows: float32 [positions], position q of row j (its
+    token first_scored + q) holding the sampler's logprob of that token, NaN where the row has none (a dataset row,
+    a prompt token under score_prompt). None when no row carries them. A row's logprobs are its last tokens'."""
+    if all(x is None for x in logprobs):
+        return None
+    out = np.full(int(num_scored.sum()), np.nan, np.float32)
+    ends = np.cumsum(num_scored)
+    for lp, n, end in zip(logprobs, num_scored.tolist(), ends.tolist(), strict=True):
+        if lp is None:
+            continue
+        m = min(len(lp), n)  # the last m scored positions are completion tokens
+        out[end - m : end] = np.asarray(lp[len(lp) - m :], np.float32)
+    return out
 
 
 def _versions(table: pa.Table) -> np.ndarray:

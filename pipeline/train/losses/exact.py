@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from pipeline.train.losses.fused import CHUNK_BYTES, FusedOut, chunk_rows, keep_grads, scaled_grads
-from pipeline.train.losses.reference import TEACHER_EPS, divergence, loss_arg_problems
+from pipeline.train.losses.reference import OpdCorrection, correction_at, divergence, loss_arg_problems, opd_advantage
 from pipeline.train.losses.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
 
 
@@ -122,7 +122,7 @@ def _chunk(z: Tensor, t: Tensor, kd_on, ce_on, y_idx, y_owned, beta: float, tau:
 class _ExactGKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, t_hidden, t_weight, rows, kd_on, labels, sft_on, opd_on, weights, opts):
-        beta, tau, chunk, n_vocab, group = opts
+        beta, tau, chunk, n_vocab, group, (behavior, cap) = opts
         kd_w, sft_w, opd_w = weights
         rank, _ = tp_rank_world(group)
         v_local = weight.shape[0]
@@ -154,10 +154,11 @@ class _ExactGKD(torch.autograd.Function):
             sums[0] += d.sum()
             if log_s1_y is not None:  # CE and OPD: coef · (softmax₁ − onehot(y)), softmax₁ from log s at τ
                 sft_c, opd_c = sft_on[s:e], opd_on[s:e]
-                adv = torch.where(opd_c, log_s1_y - log_p1_y.clamp_min(math.log(TEACHER_EPS)), 0.0)
-                term = adv * torch.where(opd_c, log_s1_y, 0.0)
+                wadv, adv = opd_advantage(log_s1_y, log_p1_y, None if behavior is None else behavior[s:e], cap)
+                wadv, adv = torch.where(opd_c, wadv, 0.0), torch.where(opd_c, adv, 0.0)
+                term = wadv * torch.where(opd_c, log_s1_y, 0.0)
                 sums[1:] += torch.stack([torch.where(sft_c, -log_s1_y, 0.0).sum(), term.sum(), adv.sum()])
-                coef = sft_w * sft_c.to(g.dtype) - opd_w * opd_c.to(g.dtype) * adv
+                coef = sft_w * sft_c.to(g.dtype) - opd_w * opd_c.to(g.dtype) * wadv
                 q = log_s.mul_(tau).add_(tau * lse_s - lse1).exp_() if tau != 1.0 else log_s.exp_()
                 g[:, :n].addcmul_(coef.unsqueeze(-1), q)
                 g.scatter_add_(1, y_idx[s:e], -(coef * y_owned[s:e]).unsqueeze(-1))
@@ -209,10 +210,12 @@ def exact_gkd_loss(
     vocab_size: int | None = None,
     opd_mask: Tensor | None = None,
     opd_weight: float = 0.0,
+    opd_correction: OpdCorrection | None = None,
 ) -> FusedOut:
     """The exact full-vocabulary GKD divergence between ``softmax(hidden · weightᵀ / τ)`` and the teacher's
     ``softmax(teacher_hidden · teacher_weightᵀ / τ)`` at ``mask`` positions (SFT CE at ``sft_mask``, OPD at
-    ``opd_mask`` with the exact teacher's log p(label)), never materialising ``[tokens, vocab]``.
+    ``opd_mask`` with the exact teacher's log p(label), weighted by ``opd_correction``'s importance weights where
+    given), never materialising ``[tokens, vocab]``.
 
     ``hidden`` ``[..., H]``, ``teacher_hidden`` ``[..., H_t]`` (any float dtype: bf16 from the cache), both laid out
     like ``mask``; ``weight`` ``[V(+padding), H]``; ``teacher_weight`` ``[V, H_t]``; ``vocab_size``: the student's
@@ -238,7 +241,8 @@ def exact_gkd_loss(
     chunk = chunk_size or chunk_rows(max(weight.shape[0], teacher_weight.shape[0]), CHUNK_BYTES // 4)
     loss, kd_sum, sft_sum, opd_sum, opd_kl = _ExactGKD.apply(
         h, weight, g, teacher_weight, rows, kd_on, y, sft_on, opd_on,
-        (float(kd_weight), float(sft_weight), float(opd_weight)), (beta, float(temperature), chunk, n, tp_group))
+        (float(kd_weight), float(sft_weight), float(opd_weight)), (beta, float(temperature), chunk, n, tp_group,
+                                                         correction_at(opd_correction, rows)))
     dev = h.device
     return FusedOut(loss, kd_sum.detach(), torch.tensor(int(kd_on.sum()), device=dev), sft_sum.detach(),
                     torch.tensor(int(sft_on.sum()), device=dev), opd_sum.detach(), opd_kl.detach(),

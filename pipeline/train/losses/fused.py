@@ -38,7 +38,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline.train.losses.reference import TEACHER_EPS, divergence, loss_arg_problems, student_bins, teacher_bins
+from pipeline.train.losses.reference import (
+    TEACHER_EPS,
+    OpdCorrection,
+    correction_at,
+    divergence,
+    loss_arg_problems,
+    opd_advantage,
+    student_bins,
+    teacher_bins,
+)
 from pipeline.train.losses.vocab_parallel import all_reduce, global_lse, tp_rank_world, valid_columns
 
 # The [chunk, V_local] float32 buffer is about this big; at V = 151,936 that is 441 rows. One exists at a time (two
@@ -77,7 +86,8 @@ class _FusedLinearGKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, rows, ids, valid, a, kd_on, labels, sft_on, kd_weight, sft_weight, opts, opd):
         beta, tau, mode, group, chunk, n_vocab = opts
-        opd_on, log_p, opd_weight = opd  # rows of the sampled-token estimator and their teacher logprobs
+        # rows of the sampled-token estimator, their teacher logprobs, its weight, stale samples' (behavior, cap)
+        opd_on, log_p, opd_weight, behavior, cap = opd
         ce_on = sft_on | opd_on  # rows that need log s(y): the full logsumexp and z_y
         rank, _ = tp_rank_world(group)
         v_local = weight.shape[0]
@@ -141,8 +151,10 @@ class _FusedLinearGKD(torch.autograd.Function):
                     leaves += [full_l, zy_l]
                     sft_sum += ce.detach().sum()
                     log_s = zy_l - full_l
-                    adv = torch.where(opd_on[s:e], log_s.detach() - log_p[s:e].to(log_s.dtype), 0.0)
-                    term = adv * torch.where(opd_on[s:e], log_s, 0.0)
+                    on = opd_on[s:e]
+                    wadv, adv = opd_advantage(log_s, log_p[s:e], None if behavior is None else behavior[s:e], cap)
+                    adv = torch.where(on, adv, 0.0)
+                    term = torch.where(on, wadv, 0.0) * torch.where(on, log_s, 0.0)
                     total = total + opd_weight * term.sum()
                     opd_sum += term.detach().sum()
                     opd_kl += adv.sum()
@@ -237,6 +249,7 @@ def fused_gkd_loss(
     opd_mask: Tensor | None = None,
     teacher_actual: Tensor | None = None,
     opd_weight: float = 0.0,
+    opd_correction: OpdCorrection | None = None,
 ) -> FusedOut:
     """GKD divergence (and SFT cross-entropy) of ``logits = hidden · weightᵀ`` without materialising the logits.
 
@@ -246,7 +259,8 @@ def fused_gkd_loss(
     weighted loss (differentiable w.r.t. ``hidden`` and ``weight``) and the plain sums and counts. OPD
     (``loss=opd``): at ``opd_mask`` positions (not KD positions) the sampled-token estimator of
     :func:`pipeline.train.losses.reference.opd_loss` on ``labels`` with ``teacher_actual``, weighted by ``opd_weight``; it
-    reads log s(y) from the same full logsumexp as SFT's CE. k = 0 (no teacher entries): OPD/SFT rows only.
+    reads log s(y) from the same full logsumexp as SFT's CE; ``opd_correction``: stale samples' importance weights
+    (:func:`pipeline.train.losses.reference.opd_advantage`). k = 0 (no teacher entries): OPD/SFT rows only.
     """
     if problems := loss_arg_problems(beta, temperature, mode):
         raise ValueError("; ".join(problems))
@@ -283,7 +297,7 @@ def fused_gkd_loss(
     chunk = chunk_size or chunk_rows(weight.shape[0])
     loss, kd_sum, sft_sum, opd_sum, opd_kl = _FusedLinearGKD.apply(
         h, weight, rows, ids, valid, a, kd_on, y, sft_on, float(kd_weight), float(sft_weight),
-        (beta, temperature, mode, tp_group, chunk, vocab_size), (opd_on, log_p, float(opd_weight)),
+        (beta, temperature, mode, tp_group, chunk, vocab_size), (opd_on, log_p, float(opd_weight), *correction_at(opd_correction, rows)),
     )
     dev = h.device
     return FusedOut(loss, kd_sum.detach(), torch.tensor(int(kd_on.sum()), device=dev), sft_sum.detach(),

@@ -41,6 +41,7 @@ Test: ``python -m pytest tests/train/losses/test_loss.py``; benchmark: ``python 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -293,6 +294,40 @@ def vocab_parallel_ce(
     return (lse - zy[:, 0]).sum(), count
 
 
+@dataclass(frozen=True)
+class OpdCorrection:
+    """loss=opd on stale samples (`gkd onpolicy max_staleness >= 1`): truncated importance sampling. `behavior` is
+    the sampler's logprob of each label, laid out like the loss mask (NaN where none: MicroBatch.behavior), `cap`
+    the truncation C of the weights (`train.opd_is_cap`)."""
+
+    behavior: Tensor
+    cap: float
+
+    def at(self, rows: Tensor) -> Tensor:
+        """`behavior` at the loss's gathered flat rows."""
+        return self.behavior.reshape(-1)[rows]
+
+
+def opd_advantage(log_s: Tensor, log_p: Tensor, behavior: Tensor | None = None,
+                  cap: float | None = None) -> tuple[Tensor, Tensor]:
+    """The sampled-token estimator's per-position coefficient ``w · (log s − log p)`` and the plain ``log s − log p``
+    (the per-token reverse-KL estimate), both detached, with log p floored at ``log TEACHER_EPS`` as the teacher
+    bins are. Every OPD loss (this module's, fused.py's, exact.py's) takes them from here.
+
+    ``w``: the estimator is unbiased only for tokens sampled from s itself. A token sampled by older weights b (its
+    raw logprob ``behavior``, recorded by the sampler) is weighted by ``min(s(y)/b(y), cap)`` — per-token truncated
+    importance sampling: the ratio corrects the sampling distribution, the cap bounds the variance a token the
+    student now prefers far more would add (the truncation's bias is toward b). ``w = 1`` where ``behavior`` is NaN
+    (no record) or no correction is asked (None)."""
+    log_s = log_s.detach()
+    adv = log_s - log_p.to(log_s.dtype).clamp_min(math.log(TEACHER_EPS))
+    if behavior is None or cap is None:
+        return adv, adv
+    b = behavior.to(log_s.dtype)
+    w = torch.where(torch.isnan(b), 1.0, (log_s - b).exp().clamp_max(cap))
+    return w * adv, adv
+
+
 def opd_loss(
     logits: Tensor,
     labels: Tensor,
@@ -302,6 +337,7 @@ def opd_loss(
     *,
     chunk_size: int = DEFAULT_CHUNK,
     vocab_size: int | None = None,
+    correction: OpdCorrection | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sampled-token on-policy distillation (``loss=opd``): ``Σ_t sg(log s(x_t) − log p(x_t)) · log s(x_t)`` over
     active positions, i.e. ``−Σ sg(log p − log s) · log s``, with ``x_t = labels`` the student's own sampled
@@ -309,10 +345,15 @@ def opd_loss(
     as the teacher bins are). Its gradient is a single-sample estimate of ∇ KL(s‖p) at each position (the
     score-function identity, ``E_s[∇ log s] = 0``); the loss value itself is not the KL. Returns (that sum, the
     active count, ``Σ (log s − log p)``: the per-token reverse-KL estimate, detached). ``vocab_size``, TP: as in
-    :func:`gkd_loss`; ``log s`` uses the same kernel as :func:`vocab_parallel_ce`.
+    :func:`gkd_loss`; ``log s`` uses the same kernel as :func:`vocab_parallel_ce`. ``correction``: stale samples'
+    importance weights (:func:`opd_advantage`), which scale each position's term.
     """
     rows, count, zy, lse_rest = _label_logits(logits, labels, mask, tp_group, chunk_size, vocab_size)
     log_s = zy[:, 0] - torch.logaddexp(zy[:, 0], lse_rest)
-    log_p = teacher_actual.reshape(-1)[rows].to(log_s.dtype).clamp_min(math.log(TEACHER_EPS))
-    adv = log_s.detach() - log_p
-    return (adv * log_s).sum(), count, adv.sum()
+    wadv, adv = opd_advantage(log_s, teacher_actual.reshape(-1)[rows], *correction_at(correction, rows))
+    return (wadv * log_s).sum(), count, adv.sum()
+
+
+def correction_at(correction: OpdCorrection | None, rows: Tensor) -> tuple[Tensor | None, float | None]:
+    """(behavior at the rows, cap) for :func:`opd_advantage`; (None, None) without a correction."""
+    return (None, None) if correction is None else (correction.at(rows), correction.cap)

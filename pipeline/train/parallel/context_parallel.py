@@ -33,7 +33,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pipeline.train.data.batch import IGNORE_INDEX, Exact, MicroBatch, Route
+from pipeline.train.data.batch import IGNORE_INDEX, Behavior, Exact, MicroBatch, Route
 
 Tensor = torch.Tensor
 
@@ -49,7 +49,7 @@ def columns(width: int, size: int, rank: int, device: torch.device | str = "cpu"
 # Fill of the columns `split` pads a micro-batch with: what the loader writes at padding (batch.assemble).
 _PAD = {"input_ids": 0, "labels": IGNORE_INDEX, "loss_mask": False, "sft_mask": False, "doc_ids": -1,
         "teacher_ids": 0, "teacher_logprobs": 0.0, "teacher_valid": False, "teacher_tail": 0.0,
-        "teacher_actual": 0.0, "route": -1, "exact": 0.0}
+        "teacher_actual": 0.0, "route": -1, "exact": 0.0, "behavior": float("nan")}
 # The parts `split` cannot cut into chunks, and why: it refuses them by name instead of passing them on whole.
 _UNSPLIT = {
     "images": "a row's images feed the vision tower of a vision-language student, which is on the hf backend (no "
@@ -65,9 +65,10 @@ def split(batch: MicroBatch, size: int, rank: int) -> tuple[MicroBatch, Tensor]:
     of 2 * size columns (padding: no loss, a document of its own in a packed row, after every real token in a padded
     one), then every [B, W, ...] tensor keeps `columns(W, size, rank)`; position_ids keep their global values. The
     scalar counters (tokens, positions, ...) stay those of the whole micro-batch. Parts: route is split like the
-    rows (padding -1: no teacher), exact's cached states too (padding 0, under no loss); the others (`_UNSPLIT`) are
+    rows (padding -1: no teacher), exact's cached states and behavior's logprobs too (padding 0 and NaN, under no
+    loss); the others (`_UNSPLIT`) are
     refused by name."""
-    batch.refuse_parts({"route", "exact"}, f"context parallelism (context_parallel_size={size})", fix=_UNSPLIT)
+    batch.refuse_parts({"route", "exact", "behavior"}, f"context parallelism (context_parallel_size={size})", fix=_UNSPLIT)
     b, w = batch.input_ids.shape
     width = -(-w // (2 * size)) * (2 * size)
     keep = columns(width, size, rank, device=batch.input_ids.device)
@@ -88,6 +89,8 @@ def split(batch: MicroBatch, size: int, rank: int) -> tuple[MicroBatch, Tensor]:
         local["route"] = Route(cut("route", batch.route.teacher).index_select(1, keep))
     if batch.exact is not None:  # the cached teacher states travel with their positions; the output layer is whole
         local["exact"] = Exact(cut("exact", batch.exact.hidden).index_select(1, keep), batch.exact.weight)
+    if batch.behavior is not None:
+        local["behavior"] = Behavior(cut("behavior", batch.behavior.logprobs).index_select(1, keep))
     return dataclasses.replace(batch, **local), doc_ids
 
 

@@ -6,13 +6,14 @@ test_image_cache.py, test_live_xtok.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from pipeline.config import ConfigError
-from pipeline.train.data.batch import PARTS, Exact, Images, Route, Spans, XtokLive
+from pipeline.train.data.batch import PARTS, Behavior, Exact, Images, Route, Spans, XtokLive
 from pipeline.train.data.loader import ScoredLoader
 from pipeline.train.parallel.context_parallel import columns, split
 
@@ -28,11 +29,12 @@ def _live(mb) -> XtokLive:
 
 
 def test_parts_names_the_parts_present_and_refuse_parts_names_part_consumer_and_fix(mb):
-    assert mb.parts() == () and PARTS == ("route", "images", "spans", "xtok_live", "exact")
+    assert mb.parts() == () and PARTS == ("route", "images", "spans", "xtok_live", "exact", "behavior")
     mb.refuse_parts(set(), "anything")  # nothing to refuse
     full = dataclasses.replace(mb, route=Route(torch.zeros_like(mb.input_ids)), images=Images([[], []]),
                                spans=Spans(torch.full_like(mb.input_ids, -1)), xtok_live=_live(mb),
-                               exact=Exact(torch.zeros(*mb.input_ids.shape, 4)))
+                               exact=Exact(torch.zeros(*mb.input_ids.shape, 4)),
+                               behavior=Behavior(torch.zeros(mb.input_ids.shape)))
     assert full.parts() == PARTS
     full.refuse_parts(set(PARTS), "everything")
     with pytest.raises(ConfigError, match=rf"the micro-batch of {mb.keys[0]} carries spans \(cross-tokenizer span "
@@ -47,8 +49,10 @@ def test_to_moves_the_tensors_inside_the_parts(mb):
     """Was: `.to` moved the micro-batch's own tensor fields only, the parts' tensors stayed behind."""
     part = dataclasses.replace(mb, route=Route(torch.zeros_like(mb.input_ids)),
                                spans=Spans(torch.full_like(mb.input_ids, -1), torch.ones(7, dtype=torch.bool), 9),
-                               exact=Exact(torch.zeros(*mb.input_ids.shape, 4, dtype=torch.bfloat16), torch.ones(9, 4)))
+                               exact=Exact(torch.zeros(*mb.input_ids.shape, 4, dtype=torch.bfloat16), torch.ones(9, 4)),
+                               behavior=Behavior(torch.zeros(mb.input_ids.shape)))
     moved = part.to("meta")
+    assert moved.behavior.logprobs.is_meta and not part.behavior.logprobs.is_meta
     assert moved.exact.hidden.is_meta and moved.exact.weight.is_meta
     assert moved.to("meta").exact.weight is part.to("meta").exact.weight  # the output layer moves once per device
     assert moved.input_ids.is_meta and moved.route.teacher.is_meta and moved.spans.head.is_meta
@@ -87,6 +91,22 @@ def test_context_parallel_splits_the_exact_teachers_states_with_their_positions(
         assert local.exact.hidden.shape == (b, width // 3, 3)
         whole[:, columns(width, 3, r)] = local.exact.hidden
     assert torch.equal(whole[:, :w], states) and bool((whole[:, w:] == 0).all())
+
+
+def test_context_parallel_splits_the_samplers_logprobs_with_their_positions(mb):
+    """loss=opd's importance weights' input: each CP rank keeps its positions' logprobs (padding NaN: no weight)."""
+    b, w = mb.input_ids.shape
+    logprobs = torch.where(mb.loss_mask, -torch.arange(b * w, dtype=torch.float32).reshape(b, w) - 1, math.nan)
+    sampled = dataclasses.replace(mb, behavior=Behavior(logprobs))
+    width = -(-w // 6) * 6
+    whole = torch.zeros((b, width))
+    for r in range(3):
+        local, _ = split(sampled, 3, r)
+        assert local.parts() == ("behavior",)
+        assert torch.equal(local.behavior.logprobs.isfinite(), local.loss_mask)
+        whole[:, columns(width, 3, r)] = local.behavior.logprobs
+    assert torch.allclose(whole[:, :w], logprobs, rtol=0, atol=0, equal_nan=True)
+    assert bool(whole[:, w:].isnan().all())
 
 
 @pytest.mark.parametrize("part", ["images", "spans", "xtok_live"])

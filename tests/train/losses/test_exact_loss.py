@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pipeline.train.losses.exact import exact_gkd_loss
+from pipeline.train.losses.reference import OpdCorrection
 
 T, H, HT, V = 37, 16, 24, 50
 
@@ -101,6 +102,28 @@ def test_opd_uses_the_exact_teachers_logprob_of_the_label(beta):
     adv = (log_s - log_p.clamp_min(math.log(1e-12)))[opd]
     torch.testing.assert_close(out.opd_kl_sum, adv.sum(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.opd_sum, (adv * log_s[opd]).sum(), rtol=1e-12, atol=1e-12)
+
+
+def test_opd_importance_weights_scale_each_positions_term():
+    """Stale samples (OpdCorrection): each OPD term weighted by min(s(y)/b(y), cap), 1 where b is unrecorded —
+    the same estimator written out on full fp64 logits."""
+    h, w, th, tw, mask, labels, sft = _inputs(5)
+    opd = mask & ~sft
+    g = torch.Generator().manual_seed(6)
+    behavior = -torch.rand(labels.shape, dtype=torch.float64, generator=g) * 8
+    behavior[torch.rand(labels.shape, generator=g) < 0.2] = math.nan
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = exact_gkd_loss(h1, w1, th, tw, mask & sft, beta=1.0, labels=labels, opd_mask=opd, opd_weight=0.7,
+                         kd_weight=0.0, vocab_size=V, chunk_size=6, opd_correction=OpdCorrection(behavior, 1.5))
+    out.loss.backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ls = torch.log_softmax((h2 @ w2.t())[..., :V], -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    lp = torch.log_softmax(th @ tw.t(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    weight = torch.where(behavior.isnan(), 1.0, (ls.detach() - behavior).exp().clamp_max(1.5))
+    assert bool(((weight < 1.5) & (weight != 1.0))[opd].any()) and bool((weight == 1.5)[opd].any())  # both sides
+    (0.7 * (weight * (ls.detach() - lp) * ls)[opd].sum()).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_refusals():
