@@ -1,6 +1,6 @@
 """Overlapped on-policy cycles (issue 47): max_staleness=1 against the strict order, on the local executor.
 
-    python -m benchmarks.run --only overlap [--overlap-parts schedule,quality]     (~40 min on 2 CPU cores)
+    python -m benchmarks.run --only overlap [--overlap-parts schedule,quality,opd]     (~70 min on 2 CPU cores)
 
 The on-policy bench's student, teacher and settings (benchmarks/onpolicy_bench.py: SmolLM2 6-layer student,
 SmolLM2-135M-Instruct teacher, 8 prompts x n=2 per cycle, 2 steps per cycle, held-out KL every cycle), in two parts
@@ -19,6 +19,7 @@ The quality (the learning): `QUALITY_CYCLES` cycles (the on-policy bench's count
 max_staleness=1 (one process per role, each opening its own engines); the held-out KL every cycle (on the initial
 student's samples of the held-out prompts, as the on-policy bench), then each final student sampling the held-out
 prompts itself and judged on its own samples (the on-policy objective: onpolicy_bench._final_samples_kl).
+The opd part: the same for loss=opd, with and without its importance weights at staleness 1 (`opd`).
 
 Two cores are shared by every process here (and by other users of the machine), so the trainer's torch threads are
 set to a role process's share (`cpu_count // 3`, what local.RoleProcesses gives each role) in the strict runs too:
@@ -44,7 +45,7 @@ from pipeline.onpolicy.engines import Engines
 
 CYCLES = 3  # the schedule's runs: three of 3 cycles fit the 2 shared, loaded cores in ~20 min
 QUALITY_CYCLES = 6  # the on-policy bench's 12 steps: after 3 cycles the held-out KL is still above the untrained one
-PARTS = ("schedule", "quality")
+PARTS = ("schedule", "quality", "opd")
 ROLES = ("sampler", "teacher", "trainer")
 ROLE_OF = {"export": "trainer", "generate": "sampler", "score": "teacher", "train": "trainer", "eval": "trainer"}
 
@@ -149,14 +150,14 @@ def _keep(out: dict, name: str, res: dict) -> None:
     print(f"overlap bench, {name}: " + json.dumps({k: v for k, v in res.items() if k != "tasks"}), flush=True)
 
 
-def _cfg(work: Path, name: str, staleness: int, cycles: int):
-    return _config(work, name, 1.0, cycles, 2, 0, cache=str(work / name / "cache"), max_staleness=staleness)
+def _cfg(work: Path, name: str, staleness: int, cycles: int, **extra):
+    return _config(work, name, 1.0, cycles, 2, 0, cache=str(work / name / "cache"), max_staleness=staleness, **extra)
 
 
-def _one(work: Path, name: str, staleness: int, cycles: int, engines, role_engines=Engines) -> dict:
+def _one(work: Path, name: str, staleness: int, cycles: int, engines, role_engines=Engines, cfg=None) -> dict:
     from pipeline.onpolicy.local import run_local
 
-    cfg = _cfg(work, name, staleness, cycles)
+    cfg = cfg or _cfg(work, name, staleness, cycles)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     lines = run_local(cfg, engines, role_engines)
     wall = time.perf_counter() - t0
@@ -251,6 +252,45 @@ def quality(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
     return out
 
 
+def opd(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
+    """loss=opd (the sampled-token reverse KL) at staleness 1 against its strict order, real engines, three runs:
+    opd-0 strict; opd-1 at max_staleness=1 with its importance weights (train.opd_is_cap, default 2: the sampler
+    records its logprobs, each stale token weighted by min(s/b, 2)); opd-1-plain, the control, at max_staleness=1
+    without them (opd_is_cap null, which `gkd onpolicy` refuses: the config is built past that check here, so the
+    sampler records nothing and every weight is 1). Held-out KL as in `quality`, and each final student on its own
+    samples."""
+    import dataclasses
+
+    import torch
+
+    from benchmarks.onpolicy_bench import _final_samples_kl
+
+    work.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_trainer_threads())
+    out: dict = {"cycles": cycles, "steps": cycles * 2, "runs": {}}
+    loss = {"train.loss": "opd"}
+    cfgs = {"opd-0": _cfg(work, "opd-0", 0, cycles, **loss), "opd-1": _cfg(work, "opd-1", 1, cycles, **loss)}
+    weighted = _cfg(work, "opd-1-plain", 1, cycles, **loss)
+    cfgs["opd-1-plain"] = dataclasses.replace(weighted, train={**weighted.train, "opd_is_cap": None})
+    out["opd_is_cap"] = cfgs["opd-1"].train_settings.opd_is_cap
+    engines = Engines()  # the strict run's, then the final students' samples and scores
+    try:
+        _keep(out, "opd-0", _one(work, "opd-0", 0, cycles, engines, cfg=cfgs["opd-0"]))
+        for name in ("opd-1", "opd-1-plain"):
+            _keep(out, name, _one(work, name, 1, cycles, Engines(), cfg=cfgs[name]))  # each role opens its own
+        own = _final_samples_kl(cfgs, engines, cross=False)
+    finally:
+        engines.close()
+        torch.set_num_threads(threads)
+    runs = out["runs"]
+    out["own_samples_kl"] = {n: own[f"{n} on {n}"] for n in cfgs}
+    for name in ("opd-1", "opd-1-plain"):
+        out[f"{name} kl_ratio"] = runs[name]["final_heldout_kl"] / runs["opd-0"]["final_heldout_kl"]
+        out[f"{name} own_kl_ratio"] = out["own_samples_kl"][name] / out["own_samples_kl"]["opd-0"]
+    return out
+
+
 def _upgrade(kept: dict) -> dict:
     """Stored results from before the parts (one flat dict: real-0 recorded the schedule and gave the strict KL, at
     the schedule's cycles) as the two parts, so a part can be kept from them."""
@@ -270,7 +310,8 @@ def run(work: Path, cycles: int = CYCLES, *, parts=PARTS, kept: dict | None = No
     the run that measured them: `report.stored_raw`), so one part can be re-measured alone."""
     from benchmarks.report import measure_parts
 
-    measure = {"schedule": lambda: schedule(work / "schedule", cycles), "quality": lambda: quality(work / "quality")}
+    measure = {"schedule": lambda: schedule(work / "schedule", cycles), "quality": lambda: quality(work / "quality"),
+               "opd": lambda: opd(work / "opd")}
     return measure_parts("overlap", "--overlap-parts", measure, parts, _upgrade(kept or {}))
 
 
@@ -278,8 +319,27 @@ def _busy(run: dict) -> str:
     return " / ".join(f"{run['busy_s'][r]:.1f}" for r in ("sampler", "teacher", "trainer")) + " s"
 
 
+def _opd_rows(o: dict) -> list[str]:
+    """The OPD part's rows: with its importance weights (the row the issue names), and the unweighted control."""
+    runs, own = o["runs"], o["own_samples_kl"]
+    k0 = runs["opd-0"]
+    rows = []
+    for name, what in (("opd-1", f"importance weights, cap {o['opd_is_cap']:g}"),
+                       ("opd-1-plain", "control: no importance weights")):
+        k = runs[name]
+        stale = [x["max"] for x in k["staleness"] if x]
+        label = "opd" if name == "opd-1" else "opd without importance weights"
+        rows += [
+            f"| held-out KL at staleness 1 vs 0, real engines, {label} | **{o[f'{name} kl_ratio']:.3f}×** | "
+            f"{k0['final_heldout_kl']:.4f} | {k['final_heldout_kl']:.4f} ({what}; staleness max per cycle {stale}) | "
+            + ("≤ 1.05× |" if name == "opd-1" else "report |"),
+            f"| own-samples KL at staleness 1 vs 0, real engines, {label} | **{o[f'{name} own_kl_ratio']:.3f}×** | "
+            f"{own['opd-0']:.4f} | {own[name]:.4f} | report |"]
+    return rows
+
+
 def markdown(res: dict) -> str:
-    r, q = res["schedule"], res["quality"]
+    r, q, o = res["schedule"], res["quality"], res["opd"]
     runs = r["runs"]
     r0, r1, rec = runs["replay-0"], runs["replay-1"], runs["real-0"]
     k0, k1 = q["runs"]["real-0"], q["runs"]["real-1"]
@@ -294,7 +354,7 @@ def markdown(res: dict) -> str:
     untrained = k0["heldout_kl"][0]
     above = [n for n, k in (("strict", k0), ("staleness 1", k1)) if k["final_heldout_kl"] > untrained]
     kept = [f"The {name} rows are kept from an earlier run: measured by {part['measured']}." for part, name in
-            ((r, "schedule"), (q, "quality")) if part.get("measured")]
+            ((r, "schedule"), (q, "quality"), (o, "opd")) if part.get("measured")]
     return "\n".join([
         f"The on-policy bench's student, teacher and settings, local executor. Schedule rows (1-2): **{r['cycles']} "
         "cycles**, the sampler and the teacher **replayed** (their outputs recorded from a strict real-engine run, "
@@ -319,10 +379,13 @@ def markdown(res: dict) -> str:
         *([f"| own-samples KL at staleness 1 vs 0, real engines | **{q['own_kl_ratio']:.3f}×** | {own['real-0']:.4f} | "
            f"{own['real-1']:.4f} | report (each final student judged on its own samples of the held-out prompts) |"]
           if own else []),
+        *_opd_rows(o),
         "",
-        "| optimizer step | held-out KL, strict | held-out KL, staleness 1 |",
-        "|---|---|---|",
-        *curve,
+        "| optimizer step | held-out KL, strict | held-out KL, staleness 1 | opd strict | opd staleness 1 | opd staleness "
+        "1, no weights |",
+        "|---|---|---|---|---|---|",
+        *[f"{row} {a:.4f} | {b:.4f} | {c:.4f} |" for row, a, b, c in zip(
+            curve, *(o["runs"][n]["heldout_kl"] for n in ("opd-0", "opd-1", "opd-1-plain")), strict=True)],
         "",
         *([f"The held-out set is the untrained student's samples ({untrained:.4f} before training): "
            f"{' and '.join(above)} end{'s' if len(above) == 1 else ''} above it, as the on-policy bench's on-policy "
@@ -331,9 +394,11 @@ def markdown(res: dict) -> str:
           if above else []),
         f"Load average (1 min) at each run's start → end: schedule real-0 {rec['load_start']} → {rec['load_end']}, "
         f"replay-0 {r0['load_start']} → {r0['load_end']}, replay-1 {r1['load_start']} → {r1['load_end']}; quality "
-        f"real-0 {k0['load_start']} → {k0['load_end']}, real-1 {k1['load_start']} → {k1['load_end']} (2 cores "
-        "shared: the trainer's speed varies with it; the KL rows do not depend on it). Not measured here: the OPD "
-        "row (OPD refuses max_staleness >= 1: no importance correction is implemented), the kills row (overlapkills).",
+        f"real-0 {k0['load_start']} → {k0['load_end']}, real-1 {k1['load_start']} → {k1['load_end']}; opd "
+        + ", ".join(f"{n} {o['runs'][n]['load_start']} → {o['runs'][n]['load_end']}" for n in o["runs"])
+        + " (2 cores shared: the trainer's speed varies with it; the KL rows do not depend on it). The opd rows: "
+        f"**loss=opd**, the same cycles and engines; {o['opd_is_cap']:g} is train.opd_is_cap's default. Not measured "
+        "here: the kills row (overlapkills).",
         *(["", *kept] if kept else []),
     ])
 

@@ -57,9 +57,9 @@ def main() -> int:
     ap.add_argument("--ray-parts", default="onpolicy,kills",
                     help="with --only ray: re-measure these parts of the ray section (onpolicy ~50 min on 2 cores, "
                          "kills ~25 min); a part left out keeps its stored raw results and says when they were measured")
-    ap.add_argument("--overlap-parts", default="schedule,quality",
+    ap.add_argument("--overlap-parts", default=",".join(overlap_bench.PARTS),
                     help="with --only overlap: re-measure these parts of the overlap section (schedule ~20 min on 2 "
-                         "cores, quality ~20 min); a part left out keeps its stored raw results and says when they "
+                         "cores, quality ~20 min, opd ~30 min); a part left out keeps its stored raw results and says when they "
                          "were measured")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary work folder (caches, checkpoints)")
@@ -71,7 +71,7 @@ def main() -> int:
         f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "") + (
         f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "") + (
         f" --ray-parts {args.ray_parts}" if args.ray_parts != "onpolicy,kills" else "") + (
-        f" --overlap-parts {args.overlap_parts}" if args.overlap_parts != "schedule,quality" else "")
+        f" --overlap-parts {args.overlap_parts}" if args.overlap_parts != ",".join(overlap_bench.PARTS) else "")
     parts = set(args.ray_parts.split(","))
     if parts - set(ray_bench.PARTS) or not parts:
         ap.error(f"--ray-parts: choose from {','.join(ray_bench.PARTS)}, got {args.ray_parts!r}")
