@@ -1,6 +1,6 @@
 """Overlapped on-policy runs killed -9 (issue 47): `| overlapped on-policy kills survived |`.
 
-    python -m benchmarks.run --only overlapkills          (~25 min on 2 CPU cores)
+    python -m benchmarks.run --only overlapkills          (~60 min on 2 CPU cores)
 
 A reference run: `gkd onpolicy max_staleness=1` (2 cycles of 2 steps, the on-policy tests' tiny random models and
 real vLLM engines, local executor: the sampler, the teacher and the trainer in processes of their own), not
@@ -17,9 +17,14 @@ What is deterministic once stages overlap: which weights sample each cycle (max(
 rollouts, the teacher rows, the training data and the weights; what is not: which task finishes first, so the order
 of state.json's task records, the times, and at which cycle a given k-th state write falls.
 
-Only the local executor: the Ray and Slurm executors' overlapped runs are checked against the local one in
-tests/ray/test_ray_onpolicy.py and tests/onpolicy/test_onpolicy_slurm.py (the Slurm driver also killed there, in the
-strict order), not killed here.
+The Ray and the Slurm executor (`EXECUTORS`): the same, on a single-machine Ray cluster and a throw-away local
+Slurm (pipeline/slurm/local.py) this bench starts and stops, each with an uninterrupted reference run of its own
+(their weights equal the local executor's only within the tolerance of their thread counts: tests/ray,
+tests/onpolicy/test_onpolicy_slurm.py), killed at fewer points (`EXECUTOR_POINTS`: the driver mid-overlap, and a
+role). A role there is not a child of the driver: a Ray actor, or a Slurm job's process; the one stopped at the point
+is found by its state and its $GKD_PAUSE_AT among all processes. A killed Ray role: the driver exits 1 naming the
+actor's death; a killed Slurm job: exit 1 naming the failed job and its log; a killed Slurm driver leaves its jobs
+running by design (the rerun adopts them by name), so for it "no process left" is checked after the rerun.
 """
 
 from __future__ import annotations
@@ -43,12 +48,21 @@ POINTS = [
     ("teacher", "cache-commit:2"), ("teacher", "cache-commit:3"),
 ]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+EXECUTORS = ("local", "ray", "slurm")
+PARTS = EXECUTORS  # the section's parts (--overlapkills-parts)
+# the other executors: the driver mid-overlap (after setup and a few tasks recorded), and the trainer mid-train
+EXECUTOR_POINTS = {"ray": [("driver", "onpolicy-state:5"), ("trainer", "train-step:3")],
+                   "slurm": [("driver", "onpolicy-state:6"), ("trainer", "train-step:1")]}
+# SGD and fixed threads as in the executor tests; Slurm without held-out prompts (a setup job of its own)
+EXTRA = {"local": {}, "ray": {"ray_num_cpus": 0.5},
+         "slurm": {"slurm_poll_s": 0.5, "slurm_stage_timeout_s": 900.0, "heldout_prompts": None}}
 
 
-def _command(models: dict, out: Path) -> list[str]:
+def _command(models: dict, out: Path, executor: str = "local", cluster: dict | None = None) -> list[str]:
     from onpolicy_helpers import overrides
 
-    values = overrides(models, out, max_staleness=1, generate_seed=None)
+    values = overrides(models, out, max_staleness=1, generate_seed=None, **EXTRA[executor],
+                       **({"executor": executor} if executor != "local" else {}), **(cluster or {}))
     return [sys.executable, "-m", "pipeline.cli", "onpolicy",
             *(f"{k}={'null' if v is None else v}" for k, v in values.items())]
 
@@ -74,7 +88,48 @@ def _outcome(out: Path) -> dict:
             "last_export": weights[-1].parent.name if weights else None, "keys": keys, "rows": rows, "steps": steps}
 
 
-def _kill_once(models: dict, out: Path, role: str, point: str) -> list[str]:
+def _paused(point: str) -> list[int]:
+    """Every process (of any parent: a Ray actor, a Slurm job) started with $GKD_PAUSE_AT=`point`."""
+    want = f"GKD_PAUSE_AT={point}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if want in (d / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _stopped_anywhere(proc: subprocess.Popen, point: str, deadline_s: float) -> int:
+    """The first process started with $GKD_PAUSE_AT=`point` that has stopped itself there (killing.wait_stopped
+    looks among the command's descendants only; a Ray actor or a Slurm job is none)."""
+    import killing
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        if stopped := next((p for p in _paused(point) if killing.state(p) == "T"), None):
+            return stopped
+        if proc.poll() is not None:
+            raise RuntimeError(f"the command ended (exit status {proc.returncode}) before reaching {point}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the command did not reach {point} in {deadline_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _gone(point: str, wait_s: float) -> list[int]:
+    """The processes started with $GKD_PAUSE_AT=`point` still alive after up to `wait_s` (a hang bound only)."""
+    import killing
+
+    deadline = time.monotonic() + wait_s
+    while (left := [p for p in _paused(point) if killing.state(p) not in (None, "Z")]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _kill_once(models: dict, out: Path, role: str, point: str, executor: str = "local",
+               cluster: dict | None = None, env: dict | None = None) -> list[str]:
     """Stop the command at `point`, SIGKILL the process that stopped; what went wrong (nothing: [])."""
     import killing
 
@@ -83,9 +138,13 @@ def _kill_once(models: dict, out: Path, role: str, point: str) -> list[str]:
     bad = []
     log = out.parent / f"{out.name}.log"
     with open(log, "w") as f:
-        proc = killing.start(_command(models, out), point, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+        proc = killing.start(_command(models, out, executor, cluster), point, cwd=ROOT, env=env or ENV, stdout=f,
+                             stderr=subprocess.STDOUT)
         try:
-            stopped = killing.wait_stopped(proc, deadline_s=2 * killing.DEADLINE_S)
+            if executor == "local" or role == "driver":
+                stopped = killing.wait_stopped(proc, deadline_s=2 * killing.DEADLINE_S)
+            else:
+                stopped = _stopped_anywhere(proc, point, 2 * killing.DEADLINE_S)
             below = descendants(proc.pid)
             if (stopped == proc.pid) != (role == "driver"):
                 bad.append(f"the process that stopped at {point} is not the {role}'s")
@@ -99,32 +158,41 @@ def _kill_once(models: dict, out: Path, role: str, point: str) -> list[str]:
     if role == "driver":
         rc_ok = rc == -9
     else:
-        rc_ok = rc == 1 and f"the {role} process died during" in text and "Traceback" not in text
+        said = {"local": f"the {role} process died during", "ray": "state is saved, rerun the same command",
+                "slurm": "rerun the same command"}[executor]
+        rc_ok = rc == 1 and said in text and "Traceback" not in text
     if not rc_ok:
         bad.append(f"exit {rc} after the kill (want {'-9' if role == 'driver' else 1} naming the {role}): "
                    f"{text[-800:]}")
     if left := survivors(below, wait_s=600):
         bad.append(f"{len(left)} process(es) of the killed command left")
+    if not (executor == "slurm" and role == "driver") and (left := _gone(point, 600)):
+        bad.append(f"{len(left)} process(es) of the killed command's {executor} roles left")
     return bad
 
 
-def run(work: Path, points: list[tuple[str, str]] = POINTS) -> dict:
+def _measure(work: Path, executor: str, points: list[tuple[str, str]], cluster: dict | None = None,
+             env: dict | None = None) -> dict:
+    """One executor's reference run, then each point killed and rerun (module doc)."""
     from onpolicy_helpers import build_models
 
+    env = env or ENV
     work.mkdir(parents=True, exist_ok=True)
     models = build_models(work / "models")
     t0 = time.time()
     ref = work / "reference"
-    done = subprocess.run(_command(models, ref), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(_command(models, ref, executor, cluster), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=3600)
     if done.returncode:
-        raise RuntimeError(f"the reference run failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the {executor} reference run failed:\n{done.stderr[-3000:]}")
     expected, ref_s = _outcome(ref), time.time() - t0
     done_points = []
     for i, (role, point) in enumerate(points):
         t = time.time()
         out = work / f"kill-{i:02d}"
-        bad = _kill_once(models, out, role, point)
-        again = subprocess.run(_command(models, out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=3600)
+        bad = _kill_once(models, out, role, point, executor, cluster, env)
+        again = subprocess.run(_command(models, out, executor, cluster), cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=3600)
         if again.returncode:
             bad.append(f"the rerun exited {again.returncode}: {again.stderr[-800:]}")
         else:
@@ -133,28 +201,81 @@ def run(work: Path, points: list[tuple[str, str]] = POINTS) -> dict:
                     if got[name] != expected[name]]
             if got["steps"] != expected["steps"]:
                 bad.append(f"trainer steps {got['steps']} (want {expected['steps']}: each once)")
+        if executor == "slurm" and role == "driver" and (left := _gone(point, 600)):
+            bad.append(f"{len(left)} process(es) of the killed driver's jobs left after the rerun")
         done_points.append({"role": role, "point": point, "survived": not bad, "problems": bad,
-                       "seconds": round(time.time() - t, 1)})
-    return {"executor": "local", "max_staleness": 1, "reference_s": round(ref_s, 1), "points": done_points,
+                            "seconds": round(time.time() - t, 1)})
+    return {"executor": executor, "max_staleness": 1, "reference_s": round(ref_s, 1), "points": done_points,
             "killed": len(done_points), "survived": sum(p["survived"] for p in done_points),
             "reference": {"last_export": expected["last_export"], "keys": len(expected["keys"]),
                           "rows": len(expected["rows"]), "steps": expected["steps"]}}
 
 
+def _on_ray(work: Path) -> dict:
+    """The Ray points on a single-machine cluster started (and stopped) here, as tests/ray/conftest.py does."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only (pipeline/ray/cluster.py)
+    os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
+    import ray
+
+    from pipeline.ray.cluster import runtime_env
+
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env(), log_to_driver=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        return _measure(work, "ray", EXECUTOR_POINTS["ray"], {"ray_address": address})
+    finally:
+        ray.shutdown()
+
+
+def _on_slurm(work: Path) -> dict:
+    """The Slurm points on a throw-away local Slurm (its daemons started and stopped here)."""
+    from pipeline.slurm.local import LocalSlurm
+
+    cluster = LocalSlurm(work / "cluster")
+    cluster.start()
+    try:
+        return _measure(work, "slurm", EXECUTOR_POINTS["slurm"], env={**ENV, **cluster.env()})
+    finally:
+        cluster.stop()
+
+
+def run(work: Path, parts=PARTS, kept: dict | None = None) -> dict:
+    """The executors in `parts` measured, the others kept from `kept` (the section's stored raw results:
+    `report.measure_parts`); stored results from before the parts (the local executor's alone) count as local."""
+    from benchmarks.report import measure_parts
+
+    kept = kept or {}
+    if "points" in kept:  # stored_raw stamped its top-level dicts, here the reference's: the stamp is the run's
+        kept = {"local": {**kept, "measured": kept.get("reference", {}).pop("measured", None)}}
+    measure = {"local": lambda: _measure(work / "local", "local", POINTS), "ray": lambda: _on_ray(work / "ray"),
+               "slurm": lambda: _on_slurm(work / "slurm")}
+    return measure_parts("overlapkills", "--overlapkills-parts", measure, parts, kept)
+
+
 def markdown(res: dict) -> str:
-    by_role: dict[str, list[str]] = {}
-    for p in res["points"]:
-        by_role.setdefault(p["role"], []).append(p["point"] + ("" if p["survived"] else " (FAILED)"))
-    where = "; ".join(f"{role}: {', '.join(pts)}" for role, pts in by_role.items())
-    ref = res["reference"]
+    parts = [res[e] for e in PARTS]
+    killed, survived = sum(p["killed"] for p in parts), sum(p["survived"] for p in parts)
+
+    def where(part: dict) -> str:
+        by_role: dict[str, list[str]] = {}
+        for p in part["points"]:
+            by_role.setdefault(p["role"], []).append(p["point"] + ("" if p["survived"] else " (FAILED)"))
+        return "; ".join(f"{role}: {', '.join(pts)}" for role, pts in by_role.items())
+
+    each = ", ".join(f"{p['executor']} {p['survived']}/{p['killed']}" for p in parts)
+    ref = parts[0]["reference"]
     lines = [
         "| row | result | goal |", "|---|---|---|",
-        f"| overlapped on-policy kills survived | {res['survived']}/{res['killed']} (local executor, max_staleness=1, "
-        f"2 cycles x 2 steps, real tiny vLLM engines; kill -9 at {where}; each rerun's final weights bit-identical "
-        f"to the uninterrupted run's ({ref['last_export']}), the same {ref['keys']} cache keys and {ref['rows']} "
-        f"rollout rows by key, steps {ref['steps']} each once, no process left) | all |",
+        f"| overlapped on-policy kills survived | {survived}/{killed} ({each}; max_staleness=1, 2 cycles x 2 steps, "
+        "real tiny vLLM engines; each rerun's final weights bit-identical to its executor's uninterrupted run's "
+        f"({ref['last_export']}), the same cache keys and rollout rows by key, every trainer step once, no process "
+        "left) | all |",
+        "",
+        *(f"- {p['executor']}: kill -9 at {where(p)}" + (f" (measured by {p['measured']})" if p.get("measured") else "")
+          for p in parts),
     ]
-    fails = [f"- {p['role']} at {p['point']}: {'; '.join(p['problems'])}" for p in res["points"] if not p["survived"]]
+    fails = [f"- {part['executor']}, {p['role']} at {p['point']}: {'; '.join(p['problems'])}"
+             for part in parts for p in part["points"] if not p["survived"]]
     return "\n".join(lines + ([""] + fails if fails else []))
 
 

@@ -45,7 +45,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, stored_raw
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap five (~40 min), overlapkills 12 (~25 min), faults
+DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap eight (~70 min), overlapkills 15 on three executors (~60 min), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -54,13 +54,10 @@ def main() -> int:
     ap.add_argument("--only", default=DEFAULT, help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--loss-tokens", type=int, default=4096)
     ap.add_argument("--onpolicy-cycles", type=int, default=6, help="cycles (of 2 steps) per run in the onpolicy bench")
-    ap.add_argument("--ray-parts", default="onpolicy,kills",
-                    help="with --only ray: re-measure these parts of the ray section (onpolicy ~50 min on 2 cores, "
-                         "kills ~25 min); a part left out keeps its stored raw results and says when they were measured")
-    ap.add_argument("--overlap-parts", default=",".join(overlap_bench.PARTS),
-                    help="with --only overlap: re-measure these parts of the overlap section (schedule ~20 min on 2 "
-                         "cores, quality ~20 min, opd ~30 min); a part left out keeps its stored raw results and says when they "
-                         "were measured")
+    for name, (module, _, sizes) in PARTED.items():
+        ap.add_argument(f"--{name}-parts", default=",".join(module.PARTS),
+                        help=f"with --only {name}: re-measure these parts of the {name} section ({sizes} on 2 cores); "
+                             "a part left out keeps its stored raw results and says when they were measured")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--keep-work", action="store_true", help="keep the temporary work folder (caches, checkpoints)")
     args = ap.parse_args()
@@ -69,15 +66,13 @@ def main() -> int:
         ap.error(f"--only: unknown {sorted(only - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
     command = "python -m benchmarks.run" + (f" --only {args.only}" if args.only != DEFAULT else "") + (
         f" --loss-tokens {args.loss_tokens}" if args.loss_tokens != 4096 else "") + (
-        f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "") + (
-        f" --ray-parts {args.ray_parts}" if args.ray_parts != "onpolicy,kills" else "") + (
-        f" --overlap-parts {args.overlap_parts}" if args.overlap_parts != ",".join(overlap_bench.PARTS) else "")
-    parts = set(args.ray_parts.split(","))
-    if parts - set(ray_bench.PARTS) or not parts:
-        ap.error(f"--ray-parts: choose from {','.join(ray_bench.PARTS)}, got {args.ray_parts!r}")
-    overlap_parts = set(args.overlap_parts.split(","))
-    if overlap_parts - set(overlap_bench.PARTS) or not overlap_parts:
-        ap.error(f"--overlap-parts: choose from {','.join(overlap_bench.PARTS)}, got {args.overlap_parts!r}")
+        f" --onpolicy-cycles {args.onpolicy_cycles}" if args.onpolicy_cycles != 6 else "")
+    for name, (module, _, _) in PARTED.items():
+        chosen = getattr(args, f"{name}_parts")
+        if chosen != ",".join(module.PARTS):
+            command += f" --{name}-parts {chosen}"
+        if set(chosen.split(",")) - set(module.PARTS) or not chosen:
+            ap.error(f"--{name}-parts: choose from {','.join(module.PARTS)}, got {chosen!r}")
     out = Path(args.out)
     sections = old_sections(out)
     work = Path(tempfile.mkdtemp(prefix="gkd-bench-"))
@@ -120,23 +115,29 @@ SIMPLE = {
     "pp": (pp_bench.run, pp_bench.markdown),
     "xtok": (xtok_bench.run, xtok_bench.markdown),
     "exact": (exact_bench.run, exact_bench.markdown),
-    "overlapkills": (overlap_kills.run, overlap_kills.markdown),  # 11 kills of 2-cycle overlapped runs, ~25 min
+}
+# Sections measured in parts (`--NAME-parts`; a part left out keeps its stored raw results): name -> (module with
+# PARTS, markdown, run(work, args, parts, kept)) and how long each part takes.
+PARTED = {
+    "ray": (ray_bench, lambda w, a, parts, kept: ray_bench.run(w, a.onpolicy_cycles, parts=parts, kept=kept),
+            "onpolicy ~50 min, kills ~25 min"),
+    "overlap": (overlap_bench, lambda w, a, parts, kept: overlap_bench.run(w, parts=parts, kept=kept),
+                "schedule ~20 min, quality ~20 min, opd ~30 min"),
+    # 11 kills of 2-cycle overlapped runs on the local executor, 2 on Ray, 2 on Slurm
+    "overlapkills": (overlap_kills, lambda w, a, parts, kept: overlap_kills.run(w, parts=parts, kept=kept),
+                     "local ~25 min, ray ~15 min, slurm ~20 min"),
 }
 
 
 def _measure(name: str, args: argparse.Namespace, work: Path, results: dict[str, dict],
              sections: dict[str, str]) -> tuple[dict, str]:
     """Run one section; returns its raw results and its markdown."""
-    if name == "ray":
-        parts = [p for p in ray_bench.PARTS if p in args.ray_parts.split(",")]
-        kept = {} if len(parts) == len(ray_bench.PARTS) else stored_raw(sections.get("ray", ""))
-        res = ray_bench.run(work / "ray", args.onpolicy_cycles, parts=parts, kept=kept)
-        return res, ray_bench.markdown(res)
-    if name == "overlap":
-        parts = [p for p in overlap_bench.PARTS if p in args.overlap_parts.split(",")]
-        kept = {} if len(parts) == len(overlap_bench.PARTS) else stored_raw(sections.get("overlap", ""))
-        res = overlap_bench.run(work / "overlap", parts=parts, kept=kept)
-        return res, overlap_bench.markdown(res)
+    if name in PARTED:
+        module, measure, _ = PARTED[name]
+        parts = [p for p in module.PARTS if p in getattr(args, f"{name}_parts").split(",")]
+        kept = {} if len(parts) == len(module.PARTS) else stored_raw(sections.get(name, ""))
+        res = measure(work / name, args, parts, kept)
+        return res, module.markdown(res)
     if name in SIMPLE:
         run, markdown = SIMPLE[name]
         res = run(work / name)
