@@ -47,7 +47,9 @@ POINTS = [
     ("sampler", "rollout-shard:2"), ("sampler", "rollout-shard:3"),
     ("teacher", "cache-commit:2"), ("teacher", "cache-commit:3"),
 ]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: the bench's Ray cluster is on 127.0.0.1, and a driver without it maps that
+# address to the host's own, where nothing listens (pipeline/ray/cluster.py)
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 EXECUTORS = ("local", "ray", "slurm")
 PARTS = EXECUTORS  # the section's parts (--overlapkills-parts)
 # the other executors: the driver mid-overlap (after setup and a few tasks recorded), and the trainer mid-train
@@ -213,7 +215,7 @@ def _measure(work: Path, executor: str, points: list[tuple[str, str]], cluster: 
 
 def _on_ray(work: Path) -> dict:
     """The Ray points on a single-machine cluster started (and stopped) here, as tests/ray/conftest.py does."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only (pipeline/ray/cluster.py)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only: read at `import ray`
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
     import ray
 
@@ -222,6 +224,8 @@ def _on_ray(work: Path) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env(), log_to_driver=False)
     try:
         address = ray.get_runtime_context().gcs_address
+        if not address.startswith("127.0.0.1:"):
+            raise RuntimeError(f"the bench's Ray cluster is at {address}, not on 127.0.0.1 (Ray imported before this?)")
         return _measure(work, "ray", EXECUTOR_POINTS["ray"], {"ray_address": address})
     finally:
         ray.shutdown()
