@@ -226,7 +226,9 @@ def _on_ray(work: Path) -> dict:
         address = ray.get_runtime_context().gcs_address
         if not address.startswith("127.0.0.1:"):
             raise RuntimeError(f"the bench's Ray cluster is at {address}, not on 127.0.0.1 (Ray imported before this?)")
-        return _measure(work, "ray", EXECUTOR_POINTS["ray"], {"ray_address": address})
+        # the drivers' environment as it is now: ray.init put the cluster's token where its clients look
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return _measure(work, "ray", EXECUTOR_POINTS["ray"], {"ray_address": address}, env)
     finally:
         ray.shutdown()
 
