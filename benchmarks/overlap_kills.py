@@ -52,9 +52,13 @@ POINTS = [
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 EXECUTORS = ("local", "ray", "slurm")
 PARTS = EXECUTORS  # the section's parts (--overlapkills-parts)
-# the other executors: the driver mid-overlap (after setup and a few tasks recorded), and the trainer mid-train
-EXECUTOR_POINTS = {"ray": [("driver", "onpolicy-state:5"), ("trainer", "train-step:3")],
-                   "slurm": [("driver", "onpolicy-state:6"), ("trainer", "train-step:1")]}
+# the other executors: the driver mid-overlap (after setup and a few tasks recorded), and each role once. A Ray actor
+# lives through the run (its points count over it, as a local role process's); a Slurm job is a process per task, so
+# its points count from 1 in each job (the first job to reach one is killed; the driver cancels the others).
+EXECUTOR_POINTS = {"ray": [("driver", "onpolicy-state:5"), ("trainer", "train-step:3"), ("sampler", "rollout-shard:3"),
+                           ("teacher", "cache-commit:3")],
+                   "slurm": [("driver", "onpolicy-state:6"), ("trainer", "train-step:1"),
+                             ("sampler", "rollout-shard:1"), ("teacher", "cache-commit:1")]}
 # SGD and fixed threads as in the executor tests; Slurm without held-out prompts (a setup job of its own)
 EXTRA = {"local": {}, "ray": {"ray_num_cpus": 0.5},
          "slurm": {"slurm_poll_s": 0.5, "slurm_stage_timeout_s": 900.0, "heldout_prompts": None}}
