@@ -62,7 +62,16 @@ from pipeline.onpolicy.stages import (
 )
 from pipeline.onpolicy.state import State, cycle_on_policy, policy_cycle
 from pipeline.slurm.arrays import array_spec, task_index
-from pipeline.slurm.queue import ACTIVE, SlurmError, active_jobs, cancel, check_script, submit, task_states
+from pipeline.slurm.queue import (
+    ACTIVE,
+    QueueUnreadable,
+    SlurmError,
+    active_jobs,
+    cancel,
+    check_script,
+    submit,
+    task_states,
+)
 from pipeline.slurm.sbatch import SbatchOptions, array_script, job_script, write_script
 from pipeline.store.rollouts import rollout_shards
 from pipeline.store.shards import atomic_write_bytes
@@ -342,8 +351,12 @@ class SlurmDriver:
         return [j["id"] for j in self.state.jobs.get(self.key(stage, cycle), [])]
 
     def settled(self, stage: str, cycle: int) -> dict[str, dict[int, str]] | None:
-        """The stage's job states once none of its jobs is queued or running; None while one is."""
-        states = {j: task_states(j) for j in self.job_ids(stage, cycle)}
+        """The stage's job states once none of its jobs is queued or running; None while one is, or while squeue
+        gives no answer (QueueUnreadable: a busy controller is not an ended job; `timed_out` bounds the wait)."""
+        try:
+            states = {j: task_states(j) for j in self.job_ids(stage, cycle)}
+        except QueueUnreadable:
+            return None
         return None if any(s in ACTIVE for tasks in states.values() for s in tasks.values()) else states
 
     def check(self, stage: str, cycle: int, states: dict[str, dict[int, str]]) -> None:
@@ -467,11 +480,18 @@ class SlurmRunner:
 
     def close(self) -> None:
         for task in self.flight:
-            jobs = [j for j in self.driver.job_ids(task.stage, task.cycle)
-                    if any(s in ACTIVE for s in task_states(j).values())]
+            jobs = [j for j in self.driver.job_ids(task.stage, task.cycle) if _maybe_active(j)]
             if jobs:
                 cancel(jobs)
         self.flight.clear()
+
+
+def _maybe_active(job: str) -> bool:
+    """Whether the job may still be queued or running (squeue unanswered: it may; scancel of an ended one is a no-op)."""
+    try:
+        return any(s in ACTIVE for s in task_states(job).values())
+    except QueueUnreadable:
+        return True
 
 
 def run_slurm(cfg: OnPolicyConfig) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.slurm.arrays import parse_array
 
-__all__ = ["ACTIVE", "SlurmError", "active_indices", "active_jobs", "cancel", "check_script", "missing_shards",
+__all__ = ["ACTIVE", "QueueUnreadable", "SlurmError", "active_indices", "active_jobs", "answered_states", "cancel", "check_script", "missing_shards",
            "parse_array", "submit", "task_states", "wait"]
 
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
@@ -28,6 +28,15 @@ ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEU
 
 class SlurmError(UserError, RuntimeError):
     """A Slurm command failed; the message carries its stderr."""
+
+
+class QueueUnreadable(SlurmError):
+    """squeue gave no answer about a job (its controller busy or unreachable: seen as a socket time-out on a loaded
+    2-core machine), which says nothing of the job's state: the caller asks again, never takes the job for ended."""
+
+
+# squeue's words for a job it no longer knows (finished longer than MinJobAge ago): the one failure that is an answer
+FORGOTTEN = "Invalid job id"
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -50,8 +59,11 @@ def submit(script: Path, array: str | None = None, env: dict[str, str] | None = 
 
 
 def task_states(job_id: str, env: dict[str, str] | None = None) -> dict[int, str]:
-    """{array index: state} of one array job (index -1 for a plain job); {} once Slurm has forgotten the job."""
+    """{array index: state} of one array job (index -1 for a plain job); {} once Slurm has forgotten the job.
+    QueueUnreadable when squeue failed otherwise."""
     res = _run(["squeue", "-h", "-r", "-j", job_id, "-t", "all", "-o", "%K %T"], env, check=False)
+    if res.returncode != 0 and FORGOTTEN not in res.stderr:
+        raise QueueUnreadable(f"squeue -j {job_id} (exit {res.returncode}): {(res.stderr or res.stdout).strip()[-300:]}")
     states = {}
     for line in res.stdout.split("\n"):
         if line.strip():
@@ -90,11 +102,27 @@ def check_script(script: Path, env: dict[str, str] | None = None) -> None:
     _run(["sbatch", "--test-only", str(script)], env)
 
 
+def answered_states(job_id: str, env: dict[str, str] | None = None, within_s: float = 300.0,
+                    every: float = 1.0) -> dict[int, str]:
+    """`task_states`, asked again while squeue gives no answer, for up to `within_s` (then QueueUnreadable)."""
+    end = time.monotonic() + within_s
+    while True:
+        try:
+            return task_states(job_id, env)
+        except QueueUnreadable:
+            if time.monotonic() > end:
+                raise
+            time.sleep(every)
+
+
 def wait(job_id: str, timeout: float, env: dict[str, str] | None = None, every: float = 1.0) -> dict[int, str]:
     """Poll until no task of the job is active; returns the final states. Raises TimeoutError with the last ones."""
     end = time.time() + timeout
     while True:
-        states = task_states(job_id, env)
+        try:
+            states = task_states(job_id, env)
+        except QueueUnreadable:
+            states = {}  # no answer this time: ask again (the timeout bounds a controller that never answers)
         if states and not any(s in ACTIVE for s in states.values()):
             return states
         if time.time() > end:

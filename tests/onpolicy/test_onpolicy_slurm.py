@@ -30,7 +30,7 @@ from pipeline.onpolicy.config import OnPolicyConfig
 from pipeline.onpolicy.run import run
 from pipeline.onpolicy.slurm import JobFailed, SlurmDriver, job_name, run_tag, task_main
 from pipeline.onpolicy.state import State, build_view, rollout_keys
-from pipeline.slurm.queue import ACTIVE, task_states
+from pipeline.slurm.queue import ACTIVE, answered_states
 from pipeline.store import TeacherCache
 from pipeline.store.rollouts import rollout_row, rollout_shards, write_rollouts
 
@@ -206,7 +206,7 @@ def test_slurm_executor_equals_local(models, local_run, slurm_cluster, tmp_path,
     for c in (0, 1):
         (gen,), (score,), (train,) = (jobs[f"{c}:{s}"] for s in ("generate", "score", "train"))
         assert gen["array"] == score["array"] == "0-1" and train["array"] is None
-        assert set(task_states(gen["id"]).values()) == {"COMPLETED"}
+        assert set(answered_states(gen["id"]).values()) == {"COMPLETED"}
         times = state.cycles[str(c)]["tasks"]
         # the strict order: each task dispatched after the one before it ended
         for before, after in zip(("export", "generate", "score", "train"), ("generate", "score", "train", "eval"), strict=True):
@@ -260,7 +260,7 @@ def test_driver_killed_then_rerun(models, local_run, slurm_cluster, tmp_path, mo
     (train,) = state.jobs.pop("0:train")
     # still queued or running (a job's start-up alone takes far longer than the kill), or, on a machine slow enough
     # that it ended meanwhile, its outputs on disk: then the rerun must submit nothing for it either
-    queued = any(s in ACTIVE for s in task_states(train["id"]).values())
+    queued = any(s in ACTIVE for s in answered_states(train["id"]).values())
     state.save(out)
 
     lines = run(_cfg(models, out, **kw))

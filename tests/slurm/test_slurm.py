@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import pause
-from pipeline.slurm.queue import ACTIVE, parse_array, task_states, wait
+from pipeline.slurm.queue import ACTIVE, QueueUnreadable, answered_states, parse_array, task_states, wait
 from pipeline.store import TeacherCache
 from pipeline.store.rollouts import rollout_row, write_rollouts
 
@@ -129,7 +130,7 @@ def _drive(job: str, hold=lambda index, restart: False, until=None, timeout: flo
     bounds a hang."""
     deadline = time.monotonic() + timeout
     while True:
-        states = task_states(job)
+        states = answered_states(job)
         ended = bool(states) and not any(s in ACTIVE for s in states.values())
         if until is None and ended:
             return states
@@ -245,7 +246,7 @@ def test_train_torchrun_one_node(tmp_path, slurm_cluster):
     assert env["WORLD_SIZE"] == "1" and env["RANK"] == "0" and env["GROUP_RANK"] == "0"
     assert env["TORCHELASTIC_RUN_ID"] == job and env["SLURM_NNODES"] == "1" and env["allreduce"] == 1.0
     assert env["MASTER_PORT"] and slurm_cluster.node in log  # rendezvous on the first host of the allocation
-    assert not any(s in ACTIVE for s in task_states(job).values())
+    assert not any(s in ACTIVE for s in answered_states(job).values())
 
 
 def test_train_step_under_slurm_torchrun(tmp_path, slurm_cluster):
@@ -271,3 +272,22 @@ def test_train_step_under_slurm_torchrun(tmp_path, slurm_cluster):
     assert [m["step"] for m in metrics] == [1, 2] and all(m["loss"] > 0 and m["active_tokens"] > 0 for m in metrics)
     assert (save / "latest").read_text().strip() == "step_0000002"
     assert json.loads((save / "step_0000002" / "trainer.json").read_text())["step"] == 2
+
+
+def test_a_queue_that_gives_no_answer_is_not_an_ended_job(slurm_cluster, tmp_path):
+    """Was: any squeue failure read as "no task of the job active", so on a loaded machine, where the controller
+    timed out a poll, the on-policy driver took a running score job for ended and failed the run. Now a job the
+    controller does not know is an answer ({}), a controller that does not answer raises QueueUnreadable (the driver
+    polls again: `SlurmDriver.settled`), and `answered_states` asks again until it answers or its time is up."""
+    assert task_states("999999") == {}  # squeue: "Invalid job id specified"
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = Path(slurm_cluster.env()["SLURM_CONF"]).read_text()
+    dead = tmp_path / "slurm.conf"
+    dead.write_text(re.sub(r"SlurmctldPort=\d+", f"SlurmctldPort={port}", conf))
+    env = {"SLURM_CONF": str(dead)}
+    with pytest.raises(QueueUnreadable, match=r"squeue -j 1 \(exit 1\): .*Unable to contact slurm controller"):
+        task_states("1", env)
+    with pytest.raises(QueueUnreadable):
+        answered_states("1", env, within_s=0)
