@@ -104,7 +104,9 @@ def run(tmp_path, teacher, rollouts, slurm_cluster):
 
 def _job_procs(job: str) -> dict[int, tuple[int, int, str]]:
     """The processes of array job `job` (the local cluster runs its jobs on this machine), by the Slurm variables
-    in their environment: pid -> (array index, restart count, state letter; T: stopped at its pause point)."""
+    in their environment: pid -> (array index, restart count, state letter; T: stopped at its pause point). Only this
+    session's cluster's (its SLURM_CONF): another local cluster on the machine numbers its jobs from 1 too."""
+    conf = os.environ["SLURM_CONF"].encode()
     found = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -113,7 +115,8 @@ def _job_procs(job: str) -> dict[int, tuple[int, int, str]]:
             env = dict(x.split(b"=", 1) for x in (d / "environ").read_bytes().split(b"\0") if b"=" in x)
         except OSError:
             continue
-        if env.get(b"SLURM_ARRAY_JOB_ID") == job.encode() and (state := killing.state(int(d.name))) is not None:
+        if (env.get(b"SLURM_ARRAY_JOB_ID") == job.encode() and env.get(b"SLURM_CONF") == conf
+                and (state := killing.state(int(d.name))) is not None):
             found[int(d.name)] = (int(env[b"SLURM_ARRAY_TASK_ID"]), int(env.get(b"SLURM_RESTART_COUNT", b"0")), state)
     return found
 
