@@ -19,8 +19,8 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.slurm.arrays import parse_array
 
-__all__ = ["ACTIVE", "QueueUnreadable", "SlurmError", "active_indices", "active_jobs", "answered_states", "cancel", "check_script", "missing_shards",
-           "parse_array", "submit", "task_states", "wait"]
+__all__ = ["ACTIVE", "QueueUnreadable", "SlurmError", "active_indices", "active_jobs", "answered_states", "cancel",
+           "check_script", "missing_shards", "parse_array", "submit", "task_states", "wait"]
 
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
           "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING")

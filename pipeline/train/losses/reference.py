@@ -303,10 +303,6 @@ class OpdCorrection:
     behavior: Tensor
     cap: float
 
-    def at(self, rows: Tensor) -> Tensor:
-        """`behavior` at the loss's gathered flat rows."""
-        return self.behavior.reshape(-1)[rows]
-
 
 def opd_advantage(log_s: Tensor, log_p: Tensor, behavior: Tensor | None = None,
                   cap: float | None = None) -> tuple[Tensor, Tensor]:
@@ -355,5 +351,5 @@ def opd_loss(
 
 
 def correction_at(correction: OpdCorrection | None, rows: Tensor) -> tuple[Tensor | None, float | None]:
-    """(behavior at the rows, cap) for :func:`opd_advantage`; (None, None) without a correction."""
-    return (None, None) if correction is None else (correction.at(rows), correction.cap)
+    """(behavior at the loss's gathered flat rows, cap) for :func:`opd_advantage`; (None, None) without a correction."""
+    return (None, None) if correction is None else (correction.behavior.reshape(-1)[rows], correction.cap)
