@@ -28,7 +28,8 @@ from pipeline.errors import command
 from pipeline.onpolicy.config import OnPolicyConfig, load
 from pipeline.onpolicy.engines import Engines
 from pipeline.onpolicy.local import RoleDied, run_local
-from pipeline.onpolicy.slurm import JobFailed, run_slurm, task_main
+from pipeline.onpolicy.slurm import JobFailed, run_slurm
+from pipeline.onpolicy.slurm_tasks import task_main
 from pipeline.onpolicy.stages import Stopped
 from pipeline.ray.cluster import RayError
 from pipeline.slurm.queue import SlurmError

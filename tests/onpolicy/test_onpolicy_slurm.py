@@ -28,7 +28,8 @@ from tolerance import assert_layout_close
 from pipeline.config import ConfigError, load_config
 from pipeline.onpolicy.config import OnPolicyConfig
 from pipeline.onpolicy.run import run
-from pipeline.onpolicy.slurm import JobFailed, SlurmDriver, job_name, run_tag, task_main
+from pipeline.onpolicy.slurm import JobFailed, SlurmDriver
+from pipeline.onpolicy.slurm_tasks import job_name, run_tag, task_main
 from pipeline.onpolicy.state import State, build_view, rollout_keys
 from pipeline.slurm.queue import ACTIVE, answered_states
 from pipeline.store import TeacherCache
