@@ -153,8 +153,10 @@ class LocalSlurm:
     def start(self, timeout: float = 300) -> None:
         """Write the config, start the three daemons, wait until the node is idle."""
         ensure_installed()
-        if self.running():
-            raise RuntimeError(f"a local Slurm is already running under {self.root}; stop it first")
+        if live := self.daemons():
+            pids = ", ".join(f"{name} {pid}" for name, pid in live.items())
+            raise RuntimeError(f"a local Slurm is already running under {self.root} ({pids}); stop it first: "
+                               f"python -m pipeline.slurm.local_run stop {self.root}")
         self.write_config()
         r, pids = self.root, self.pid_files()
         # The daemons outlive this command by design: without the command's pid in their environment, so its
@@ -187,20 +189,45 @@ class LocalSlurm:
                              capture_output=True, text=True)
         return res.stdout.strip().split("\n")[0] if res.returncode == 0 else ""
 
+    def daemons(self) -> dict[str, int]:
+        """The live daemons of this cluster, by name: from their pid files, and from the process table for a daemon
+        whose pid file is gone (the folder was deleted under a live cluster). Such a daemon still holds the cluster's
+        paths: a new cluster in the same folder would share its state directory and munge socket."""
+        found = {name: pid for name, p in self.pid_files().items() if _alive(pid := _read_pid(p))}
+        for pid, argv in _processes():
+            name = Path(argv[0]).name
+            if name in self.pid_files() and name not in found and any(f"{self.root}/" in a for a in argv[1:]):
+                found[name] = pid
+        return found
+
     def running(self) -> list[str]:
-        return [name for name, p in self.pid_files().items() if _alive(_read_pid(p))]
+        return list(self.daemons())
 
     def stop(self, timeout: float = 60) -> None:
-        """Stop the daemons whose pid files are under root (and only those): slurmd, slurmctld, then munged.
-        Job processes still running on the node are killed by slurmd on shutdown."""
-        for path in self.pid_files().values():
-            pid = _read_pid(path)
-            if not _alive(pid):
-                continue
-            os.kill(pid, signal.SIGTERM)
-            if not _wait(lambda pid=pid: not _alive(pid), timeout):
-                os.kill(pid, signal.SIGKILL)
+        """Stop this cluster's daemons (and only those: found by pid file or by a command line naming root):
+        slurmd, slurmctld, then munged. Job processes still running on the node are killed by slurmd on shutdown."""
+        live = self.daemons()
+        for name, path in self.pid_files().items():
+            pid = live.get(name)
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGTERM)
+                if not _wait(lambda pid=pid: not _alive(pid), timeout):
+                    os.kill(pid, signal.SIGKILL)
             path.unlink(missing_ok=True)
+
+
+def _processes() -> list[tuple[int, list[str]]]:
+    """(pid, argv) of every live process this user can read."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                argv = d.joinpath("cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+            except OSError:  # ended while we looked
+                continue
+            if argv and _alive(int(d.name)):
+                out.append((int(d.name), argv))
+    return out
 
 
 def _read_pid(path: Path) -> int | None:

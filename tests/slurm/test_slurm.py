@@ -294,3 +294,27 @@ def test_a_queue_that_gives_no_answer_is_not_an_ended_job(slurm_cluster, tmp_pat
         task_states("1", env)
     with pytest.raises(QueueUnreadable):
         answered_states("1", env, within_s=0)
+
+
+def test_a_cluster_whose_pid_files_are_gone_is_still_found_running(slurm_cluster):
+    """Was: a cluster knew its daemons only by their pid files, so after its folder was deleted under it (a killed
+    suite, then `rm -rf /tmp/pytest-of-root`) a new cluster in the same recreated path started beside the old
+    daemons, sharing their state directory and munge socket; stopping the orphans then broke the new cluster. Now
+    the process table is read too: the live daemons are found, a start there is refused naming them."""
+    from pipeline.slurm.local import LocalSlurm
+
+    by_files = slurm_cluster.daemons()
+    assert set(by_files) == {"munged", "slurmctld", "slurmd"}
+    run = slurm_cluster.root / "run"
+    hidden = run.with_name("run-hidden")
+    run.rename(hidden)  # the pid files gone, the daemons alive (they do not reread them)
+    try:
+        again = LocalSlurm(slurm_cluster.root)
+        assert again.daemons() == by_files
+        with pytest.raises(RuntimeError, match=rf"already running under {re.escape(str(slurm_cluster.root))} .*"
+                                               rf"slurmctld {by_files['slurmctld']}"):
+            again.start()
+        assert LocalSlurm(slurm_cluster.root.with_name(slurm_cluster.root.name + "x")).daemons() == {}
+    finally:
+        hidden.rename(run)
+    assert slurm_cluster.daemons() == by_files  # untouched
