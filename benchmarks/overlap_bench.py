@@ -230,8 +230,10 @@ def schedule(work: Path, cycles: int = CYCLES) -> dict:
     return out
 
 
-def quality(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
-    """The learning at staleness 1 against the strict order, real engines (module doc)."""
+def _learn(out: dict, work: Path, cfgs: dict, cycles: int) -> dict:
+    """The frame of the learning parts (quality, opd, seeds): each config run in turn, its results kept in
+    out["runs"] (a strict one on the shared engines, a staleness >= 1 one in role processes that open their own),
+    then each final student judged on its own samples of the held-out prompts. Returns that KL by run name."""
     import torch
 
     from benchmarks.onpolicy_bench import _final_samples_kl
@@ -239,18 +241,24 @@ def quality(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(_trainer_threads())
-    out: dict = {"cycles": cycles, "steps": cycles * 2, "runs": {}}
-    engines = Engines()  # the strict run's, then the final students' samples and scores
+    engines = Engines()  # the strict runs', then the final students' samples and scores
     try:
-        _keep(out, "real-0", _one(work, "real-0", 0, cycles, engines))
-        _keep(out, "real-1", _one(work, "real-1", 1, cycles, Engines()))  # unused: each role opens its own
-        own = _final_samples_kl({n: _cfg(work, n, s, cycles) for n, s in (("real-0", 0), ("real-1", 1))}, engines,
-                                cross=False)
+        for name, cfg in cfgs.items():
+            strict = cfg.max_staleness == 0
+            _keep(out, name, _one(work, name, cfg.max_staleness, cycles, engines if strict else Engines(), cfg=cfg))
+        own = _final_samples_kl(cfgs, engines, cross=False)
     finally:
         engines.close()
         torch.set_num_threads(threads)
+    return {name: own[f"{name} on {name}"] for name in cfgs}
+
+
+def quality(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
+    """The learning at staleness 1 against the strict order, real engines (module doc)."""
+    out: dict = {"cycles": cycles, "steps": cycles * 2, "runs": {}}
+    cfgs = {name: _cfg(work, name, n, cycles) for name, n in (("real-0", 0), ("real-1", 1))}
+    out["own_samples_kl"] = _learn(out, work, cfgs, cycles)
     runs = out["runs"]
-    out["own_samples_kl"] = {"real-0": own["real-0 on real-0"], "real-1": own["real-1 on real-1"]}
     out["kl_ratio"] = runs["real-1"]["final_heldout_kl"] / runs["real-0"]["final_heldout_kl"]
     out["own_kl_ratio"] = out["own_samples_kl"]["real-1"] / out["own_samples_kl"]["real-0"]
     return out
@@ -265,30 +273,14 @@ def opd(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
     samples."""
     import dataclasses
 
-    import torch
-
-    from benchmarks.onpolicy_bench import _final_samples_kl
-
-    work.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(_trainer_threads())
     out: dict = {"cycles": cycles, "steps": cycles * 2, "runs": {}}
     loss = {"train.loss": "opd"}
     cfgs = {"opd-0": _cfg(work, "opd-0", 0, cycles, **loss), "opd-1": _cfg(work, "opd-1", 1, cycles, **loss)}
     weighted = _cfg(work, "opd-1-plain", 1, cycles, **loss)
     cfgs["opd-1-plain"] = dataclasses.replace(weighted, train={**weighted.train, "opd_is_cap": None})
     out["opd_is_cap"] = cfgs["opd-1"].train_settings.opd_is_cap
-    engines = Engines()  # the strict run's, then the final students' samples and scores
-    try:
-        _keep(out, "opd-0", _one(work, "opd-0", 0, cycles, engines, cfg=cfgs["opd-0"]))
-        for name in ("opd-1", "opd-1-plain"):
-            _keep(out, name, _one(work, name, 1, cycles, Engines(), cfg=cfgs[name]))  # each role opens its own
-        own = _final_samples_kl(cfgs, engines, cross=False)
-    finally:
-        engines.close()
-        torch.set_num_threads(threads)
+    out["own_samples_kl"] = _learn(out, work, cfgs, cycles)
     runs = out["runs"]
-    out["own_samples_kl"] = {n: own[f"{n} on {n}"] for n in cfgs}
     for name in ("opd-1", "opd-1-plain"):
         out[f"{name} kl_ratio"] = runs[name]["final_heldout_kl"] / runs["opd-0"]["final_heldout_kl"]
         out[f"{name} own_kl_ratio"] = out["own_samples_kl"][name] / out["own_samples_kl"]["opd-0"]
@@ -297,26 +289,12 @@ def opd(work: Path, cycles: int = QUALITY_CYCLES) -> dict:
 
 def seeds(work: Path, cycles: int = QUALITY_CYCLES, seeds: tuple[int, ...] = SEEDS) -> dict:
     """The quality part under each of `seeds`: strict and staleness 1, held-out and own-samples KL (module doc)."""
-    import torch
+    from pipeline.onpolicy.config import OnPolicyConfig
 
-    from benchmarks.onpolicy_bench import _final_samples_kl
-
-    work.mkdir(parents=True, exist_ok=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(_trainer_threads())
     out: dict = {"cycles": cycles, "steps": cycles * 2, "seeds": list(seeds), "runs": {},
-                 "quality_seed": _cfg(work, "real-0", 0, cycles).seed}  # the quality part's (the default)
+                 "quality_seed": OnPolicyConfig.seed}  # the quality part's (the default)
     cfgs = {f"s{seed}-{n}": _cfg(work, f"s{seed}-{n}", n, cycles, seed=seed) for seed in seeds for n in (0, 1)}
-    engines = Engines()  # the strict runs', then the final students' samples and scores
-    try:
-        for name, cfg in cfgs.items():
-            strict = cfg.max_staleness == 0
-            _keep(out, name, _one(work, name, cfg.max_staleness, cycles, engines if strict else Engines(), cfg=cfg))
-        own = _final_samples_kl(cfgs, engines, cross=False)
-    finally:
-        engines.close()
-        torch.set_num_threads(threads)
-    out["own_samples_kl"] = {n: own[f"{n} on {n}"] for n in cfgs}
+    out["own_samples_kl"] = _learn(out, work, cfgs, cycles)
     return out
 
 

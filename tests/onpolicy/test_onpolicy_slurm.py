@@ -1,19 +1,19 @@
 """The on-policy driver's Slurm executor (pipeline/onpolicy/slurm.py).
 
     pytest tests/onpolicy/test_onpolicy_slurm.py -m "not slurm"     # the pure parts, seconds
-    pytest tests/onpolicy/test_onpolicy_slurm.py -s                  # + a real local Slurm (~8 min on 2 loaded cores)
+    pytest tests/onpolicy/test_onpolicy_slurm.py -s                  # + a real local Slurm (~9 min quiet on 2 cores)
 
 The `slurm` tests run real jobs (vLLM sampler and teacher, Megatron trainer) on tiny models against the session's
 local cluster (`slurm_cluster`, tests/conftest.py) and compare with the local executor on the same config: equal
-final weights (to float noise, see _assert_same_training). Each job pays Python + vLLM/Megatron start-up (~20-40 s here), so the runs are 2 cycles
-of 2 generate and 2 score tasks.
+final weights (to float noise, see _assert_same_training). Each job pays Python + vLLM/Megatron start-up (~20-40 s
+here), so the runs are 2 cycles of 2 generate and 2 score tasks, and one run checks both the strict executor's
+equality with the local one and the resume of a killed driver (test_driver_killed_then_rerun).
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -184,37 +184,6 @@ def local_run(models, engines, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slurm
-def test_slurm_executor_equals_local(models, local_run, slurm_cluster, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    t0 = time.time()
-    lines = run(_cfg(models, tmp_path / "run", **SLURM))
-    print(f"\n[onpolicy-slurm] 2 cycles in {time.time() - t0:.0f} s", file=sys.stderr)
-    out = tmp_path / "run"
-    assert [m["cycle"] for m in lines] == [0, 1] and all(m["on_policy"] and m["loss"] > 0 for m in lines)
-    _assert_same_training(_final_weights(out), _final_weights(local_run), _initial_weights(models))
-    for c in (0, 1):
-        assert [p.name for p in rollout_shards(out / "rollouts" / f"cycle-{c:04d}")] == [
-            "rollouts-00000-of-00002.parquet", "rollouts-00001-of-00002.parquet"]
-        assert _sample_ids(out, c) == _sample_ids(local_run, c)  # the same samples as one generate task
-    keys = _cache_keys(out / "cache")
-    assert len(keys) == len(set(keys)) and set(keys) == set(_cache_keys(local_run / "cache"))
-    state = State.load(out)
-    assert (state.cycle, state.stage) == (2, "export")
-    assert state.cycles["1"]["done"] == ["export", "generate", "score", "train", "eval"]
-    jobs = state.jobs
-    # no export job (the eval of cycle 0 exported step 2 already) and no eval job (each runs in its train job)
-    assert sorted(jobs) == ["0:generate", "0:score", "0:train", "1:generate", "1:score", "1:train"]
-    for c in (0, 1):
-        (gen,), (score,), (train,) = (jobs[f"{c}:{s}"] for s in ("generate", "score", "train"))
-        assert gen["array"] == score["array"] == "0-1" and train["array"] is None
-        assert set(answered_states(gen["id"]).values()) == {"COMPLETED"}
-        times = state.cycles[str(c)]["tasks"]
-        # the strict order: each task dispatched after the one before it ended
-        for before, after in zip(("export", "generate", "score", "train"), ("generate", "score", "train", "eval"), strict=True):
-            assert times[after]["dispatched"] >= times[before]["end"], (c, before, after, times)
-
-
-@pytest.mark.slurm
 def test_lora_student_overlapped_under_slurm_equals_local(models, slurm_cluster, tmp_path, monkeypatch):
     """lora_rank > 0 and max_staleness=1 through the Slurm jobs: the export job writes the peft adapter, the
     generate tasks sample with it (LoRARequest on the base), cycle 1 is generated and scored while cycle 0 trains
@@ -245,7 +214,9 @@ def test_lora_student_overlapped_under_slurm_equals_local(models, slurm_cluster,
 def test_driver_killed_then_rerun(models, local_run, slurm_cluster, tmp_path, monkeypatch):
     """SIGKILL the driver right after it queued cycle 0's chain (jobs queued and running), forget the train job's id
     as if the kill had come between sbatch and the state write, rerun: the rerun adopts the queued jobs instead of
-    submitting them again, finishes, and gives the local executor's weights. With held-out prompts (a setup job)."""
+    submitting them again, finishes, and equals the local executor (weights, samples, cache keys), with the jobs
+    and the strict order the Slurm executor gives. With held-out prompts (a setup job). One Slurm run checks both
+    (the resume and the executor's equality): each costs ~3 min of job start-ups here."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     kw = {**SGD, **SLURM, "heldout_prompts": RG.format(size=2, seed=2)}
@@ -266,13 +237,34 @@ def test_driver_killed_then_rerun(models, local_run, slurm_cluster, tmp_path, mo
 
     lines = run(_cfg(models, out, **kw))
     assert [m["cycle"] for m in lines] == [-1, 0, 1] and lines[-1]["heldout_kl"] < lines[0]["heldout_kl"]
+    assert all(m["on_policy"] and m["loss"] > 0 for m in lines[1:])
+    # the Slurm executor equals the local one: the same training, the same samples, the same rows scored once
     _assert_same_training(_final_weights(out), _final_weights(local_run), _initial_weights(models))
+    for c in (0, 1):
+        assert [p.name for p in rollout_shards(out / "rollouts" / f"cycle-{c:04d}")] == [
+            "rollouts-00000-of-00002.parquet", "rollouts-00001-of-00002.parquet"]
+        assert _sample_ids(out, c) == _sample_ids(local_run, c)  # the same samples as one generate task
     keys = _cache_keys(out / "cache")
     assert len(keys) == len(set(keys))  # nothing scored twice
-    jobs = State.load(out).jobs
+    assert set(_cache_keys(local_run / "cache")) <= set(keys)  # the cycles' rows (beside the held-out set's)
+    state = State.load(out)
+    assert (state.cycle, state.stage) == (2, "export")
+    assert state.cycles["1"]["done"] == ["export", "generate", "score", "train", "eval"]
+    jobs = state.jobs
     # found by its name, not submitted again
     assert jobs.get("0:train", []) == ([{"id": train["id"], "adopted": True}] if queued else [])
+    # no export job (the eval of cycle 0 exported step 2 already) and no eval job (each runs in its train job)
+    assert sorted(set(jobs) - {"0:train"}) == ["0:generate", "0:score", "1:generate", "1:score", "1:train", "setup"]
     assert all(len(jobs[k]) == 1 for k in ("setup", "0:generate", "0:score", "1:generate", "1:score", "1:train"))
+    for c in (0, 1):
+        (gen,), (score,) = (jobs[f"{c}:{s}"] for s in ("generate", "score"))
+        assert gen["array"] == score["array"] == "0-1"
+        assert set(answered_states(gen["id"]).values()) == {"COMPLETED"}
+    assert jobs["1:train"][0]["array"] is None
+    # the strict order, in the cycle the rerun ran whole: each task dispatched after the one before it ended
+    times = state.cycles["1"]["tasks"]
+    for before, after in zip(("export", "generate", "score", "train"), ("generate", "score", "train", "eval"), strict=True):
+        assert times[after]["dispatched"] >= times[before]["end"], (before, after, times)
 
 
 @pytest.mark.slurm
