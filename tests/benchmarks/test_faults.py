@@ -7,9 +7,12 @@ kill-and-resume is also tested on its own (tests/score, tests/generate, tests/tr
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import faults
 
 
+@pytest.mark.slow  # CI: each command's kill-and-resume in its own tests; this checks the harness (`make faults`)
 def test_kill_points_survive_and_the_table_has_its_rows(tmp_path):
     res = faults.run(tmp_path, points={"score": 1, "generate": 1, "train": 1}, seed=1, only=("kill",), small=True)
     for k in res["kill"]:

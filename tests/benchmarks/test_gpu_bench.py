@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # CI: tests/benchmarks/test_gpu_check.py runs gpu_bench.run's tiny shape through the check
 def test_gpu_bench_tiny_runs(tmp_path):
     out = tmp_path / "res.json"
     before = set(Path(tempfile.gettempdir()).glob("gkd-gpu-bench-*"))

@@ -184,6 +184,7 @@ def local_run(models, engines, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow  # CI: the Slurm executor's equality and resume below, and overlap + LoRA on the local executor
 def test_lora_student_overlapped_under_slurm_equals_local(models, slurm_cluster, tmp_path, monkeypatch):
     """lora_rank > 0 and max_staleness=1 through the Slurm jobs: the export job writes the peft adapter, the
     generate tasks sample with it (LoRARequest on the base), cycle 1 is generated and scored while cycle 0 trains

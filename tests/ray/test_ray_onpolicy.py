@@ -108,6 +108,7 @@ def test_ray_executor_equals_local(models, local_run, ray_cluster, tmp_path, mon
     assert _wait_dead(started)  # ended with the run
 
 
+@pytest.mark.slow  # CI: the Ray executor's strict equality (above) and the overlapped plan on the local executor
 def test_overlapped_ray_run_equals_the_local_one(models, ray_cluster, tmp_path, monkeypatch):
     """max_staleness=1 on the three actors: the same plan (cycle.py) as the local executor's role processes, so the
     same samples and, within the tolerance of their thread counts, the same weights; cycle 1 sampled while cycle 0
@@ -137,6 +138,7 @@ def _wait_dead(actors: list[dict], timeout: float = 600) -> bool:
     return False
 
 
+@pytest.mark.slow  # CI: a killed driver's resume on the local and Slurm executors
 def test_driver_killed_between_cycles_resumes(models, local_run, ray_cluster, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"

@@ -170,6 +170,7 @@ def test_teachers_whose_logits_are_not_hidden_times_w_are_refused(teacher, tmp_p
             score(_cfg(tmp_path, teacher, **bad))
 
 
+@pytest.mark.slow  # CI: resume of hidden rows (above) and the kill of a top-k run (test_score.py)
 def test_sigkill_after_the_first_part_then_rerun_equals_uninterrupted(teacher, scored, tmp_path):
     """Through the real CLI: killed right after its first part lands (pipeline/pause.py), the rerun scores the rest;
     the rows equal the uninterrupted cache's (the module's bf16 cache of the same rollouts)."""

@@ -217,6 +217,7 @@ def test_generate_samples_with_the_images_and_the_teacher_scores_them(vlm, tmp_p
     assert len(list(TeacherCache.open(tmp_path / "cache").iter_samples())) == len({r["sample_id"] for r in rows})
 
 
+@pytest.mark.slow  # CI: the kill of a text run (test_score.py); images' keys and writers in tests/store
 def test_sigkill_mid_run_on_image_rollouts_then_rerun_equals_uninterrupted(vlm, tmp_path):
     """`gkd score` on image rollouts killed right after its second part landed, rerun: the cache equals an uninterrupted
     run's by key (rows and images), no duplicate keys, no temporary files."""

@@ -181,6 +181,7 @@ def test_cancelled_task_is_resubmitted_alone(run):
     run.assert_complete()
 
 
+@pytest.mark.slow  # CI: a cancelled task resubmitted alone (above); here the requeue of a failed node's tasks
 def test_node_failure_requeues(run, slurm_cluster):
     run.n = 2
     job = run.slurm("score", pause_at="cache-commit:1")
@@ -210,6 +211,7 @@ def test_node_failure_requeues(run, slurm_cluster):
     run.assert_complete()
 
 
+@pytest.mark.slow  # CI: a cancelled task resubmitted alone (above); here a whole array's, skipping finished tasks
 def test_cancelled_array_resubmit_skips_finished(run):
     # rows per task 9/6/1, 2 per part: tasks 0 and 1 stop after their 2nd part, task 2 (1 part) never stops
     job = run.slurm("score", pause_at="cache-commit:2")
@@ -233,6 +235,7 @@ def test_cancelled_array_resubmit_skips_finished(run):
     run.assert_complete()
 
 
+@pytest.mark.slow  # CI: the real trainer under Slurm's torchrun (below) checks the same rendezvous
 def test_train_torchrun_one_node(tmp_path, slurm_cluster):
     """torchrun from Slurm's variables: 1 node, 1 process (the CPU case), rendezvous on the allocation's head."""
     out = tmp_path / "out"

@@ -151,7 +151,9 @@ def test_hf_backend_trains_the_exact_loss_as_megatron_does(hidden, one_process, 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size"])
+# CI: TP=2; CP=2 and PP=2 are `slow` (make test-slow)
+@pytest.mark.parametrize("key", ["tensor_model_parallel_size", pytest.param("context_parallel_size", marks=pytest.mark.slow),
+                                 pytest.param("pipeline_model_parallel_size", marks=pytest.mark.slow)])
 def test_two_way_model_parallel_trains_the_exact_loss_as_one_process(hidden, one_process, tmp_path, key):
     """`gkd train` under torchrun, 2 gloo processes, TP=2 (the output layers split by vocabulary, losses/exact.py),
     CP=2 (the cached states split with their positions, parallel/context_parallel.py) or PP=2 (the last stage runs

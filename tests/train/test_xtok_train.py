@@ -183,7 +183,7 @@ def test_the_spans_part_on_the_padded_and_the_packed_path(xt, packing):
         split(mb, 2, 0)
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["gold", "uld"])
+@pytest.mark.parametrize("kind", ["gold", pytest.param("uld", marks=pytest.mark.slow)])  # CI: gold
 def test_tp2_trains_like_tp1(xt, tmp_path, kind):
     """`gkd train loss=gold|uld` at TP=2 (torchrun, gloo: the student's vocabulary split over two ranks) vs TP=1 on
     the same micro-batches: the same loss, KD and SFT terms at every step, and the same weight change after SGD

@@ -115,6 +115,7 @@ def test_distributed_optimizer_dp2(tiny, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 4 processes, ~3 min on 2 cores; CI: the DP=2 case above and PP=2 on the plain optimizer
 def test_distributed_optimizer_under_pp2_dp2(tiny, tmp_path):
     """The distributed optimizer under pipeline parallelism (PP=2 x DP=2, 4 processes): each stage shards its own
     layers' Adam state over its 2 data-parallel ranks; the per-step losses and gradient norms are those of the plain

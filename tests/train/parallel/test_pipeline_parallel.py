@@ -84,7 +84,9 @@ def pp1(tiny, tied, tmp_path_factory) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp,dp,cp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
+# CI: pp2 and pp2 x tp2; the 4-process x dp2 and x cp2 are `slow` (make test-slow), ~1 min each on 2 cores
+@pytest.mark.parametrize("tp,dp,cp", [(1, 1, 1), (2, 1, 1), pytest.param(1, 2, 1, marks=pytest.mark.slow),
+                                      pytest.param(1, 1, 2, marks=pytest.mark.slow)],
                          ids=["pp2", "pp2 x tp2", "pp2 x dp2", "pp2 x cp2"])
 def test_pp2_step_matches_pp1(tiny, tied, pp1, tp, dp, cp, tmp_path):
     one, two = pp1, _worker(tiny, tied, tmp_path, 2, tp, dp, cp)
@@ -139,6 +141,7 @@ def _torchrun_train(*args: str, nproc: int = 2) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~5 min on 2 cores (8 runs); CI: PP=2 x VPP=2 stopped and resumed against PP=1
 def test_pp2_training_run_resumes_and_matches_pp1(tiny, tied, tmp_path):
     """Through the CLI, with the tied student (the checkpoint's embedding and the last stage's replica of it): 3 SGD
     steps at PP=2 under torchrun (stopped after step 2, resumed) against 3 at PP=1; and each run's step-2 checkpoint
@@ -211,6 +214,7 @@ def test_pp2_training_run_resumes_and_matches_pp1(tiny, tied, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # CI: PP=2 x VPP=2 resumed (below) and LoRA checkpoints (test_lora.py)
 def test_pp2_lora_run_resumes_at_pp1_and_exports_the_pp1_adapter(tiny, tmp_path):
     """LoRA under PP=2 through the CLI: 3 SGD steps at PP=2 (torchrun) against 3 at PP=1, and the PP=2 run's step-2
     adapter checkpoint resumed at PP=1 (adapter keys and seeds count layers over the whole model, so the stages'
@@ -282,6 +286,7 @@ def test_vpp2_pp2_matches_pp1(tiny, four, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 4 processes each; CI: PP=2 x VPP=2 and PP=2 x TP=2 on 2 processes
 @pytest.mark.parametrize("layout", [("pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=2",
                                      "tensor_model_parallel_size=2"), ("pipeline_model_parallel_size=4",)],
                          ids=["vpp2 x pp2 x tp2", "pp4"])
