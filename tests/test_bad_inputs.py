@@ -657,6 +657,7 @@ def test_image_missing_from_the_rollouts_folder(tmp_path, vlm, capsys):
 # real vLLM server of the tiny Qwen2-VL each (~25 s on 2 cores), the only engines this module starts ------------
 
 
+@pytest.mark.slow  # two vLLM servers, ~100 s; CI: the served VLM teacher's own tests (tests/score/test_served_images.py)
 def test_a_served_vlm_teacher_without_the_token_endpoint_or_with_another_processor(tmp_path, tmp_path_factory, vlm,
                                                                                   capsys):
     """A server started without --enable-scale-out has no token-in endpoint, which the images go through: refused

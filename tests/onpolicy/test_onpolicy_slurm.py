@@ -247,7 +247,9 @@ def test_driver_killed_then_rerun(models, local_run, slurm_cluster, tmp_path, mo
         assert _sample_ids(out, c) == _sample_ids(local_run, c)  # the same samples as one generate task
     keys = _cache_keys(out / "cache")
     assert len(keys) == len(set(keys))  # nothing scored twice
-    assert set(_cache_keys(local_run / "cache")) <= set(keys)  # the cycles' rows (beside the held-out set's)
+    # exactly the local run's rows (the cycles') and the held-out set's (the setup job's; the local run has none)
+    heldout = rollout_keys(out / "rollouts" / "heldout", TeacherCache.open(out / "cache"))
+    assert heldout and set(keys) == set(_cache_keys(local_run / "cache")) | set(heldout)
     state = State.load(out)
     assert (state.cycle, state.stage) == (2, "export")
     assert state.cycles["1"]["done"] == ["export", "generate", "score", "train", "eval"]

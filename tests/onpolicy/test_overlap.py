@@ -100,12 +100,12 @@ def test_driver_killed_mid_overlap_resumes_to_the_same_weights(models, overlappe
     assert [m["cycle"] for m in lines] == [-1, 0, 1]
 
 
-# ~2 min each on 2 cores: CI kills the trainer; the sampler's and the teacher's deaths take the same path in the
-# driver (local.py), so they are `slow` (`make test-slow`)
+# slow (`make test-slow`, 2-3 min each on 2 cores): CI checks the overlapped resume with the driver killed (above)
+@pytest.mark.slow
 @pytest.mark.parametrize("role,pause_at", [
     ("trainer", "train-step:3"),  # cycle 1's first optimizer step: mid-train
-    pytest.param("sampler", "rollout-shard:3", marks=pytest.mark.slow),  # held-out, cycle 0's, cycle 1's shard
-    pytest.param("teacher", "cache-commit:3", marks=pytest.mark.slow),  # held-out, cycle 0's, cycle 1's part
+    ("sampler", "rollout-shard:3"),  # the held-out samples, cycle 0's, then cycle 1's rollout shard written
+    ("teacher", "cache-commit:3"),  # the held-out part, cycle 0's, then cycle 1's part committed
 ])
 def test_a_role_killed_mid_overlap_resumes_to_the_same_weights(models, overlapped, tmp_path, role, pause_at):
     """kill -9 of one role process, stopped at a point of its own work: the driver ends with a message naming the

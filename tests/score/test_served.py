@@ -289,6 +289,7 @@ def test_the_key_is_sent_as_a_bearer_token_and_never_written_or_printed(tmp_path
     assert _traces_of_the_key(tmp_path) == [str(tmp_path / "planted.txt")]
 
 
+@pytest.mark.slow  # CI: a killed scorer's resume (test_score.py) and the served cache's equality (above)
 def test_server_killed_mid_run_then_restarted_rerun_completes_without_duplicates(tmp_path, teacher, server, monkeypatch):
     rows = _rollouts(tmp_path / "rollouts" / "r-00000-of-00001.parquet", teacher, [(6, 20)] * 40, seed=2)
     srv = server.use(teacher)
