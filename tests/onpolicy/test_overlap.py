@@ -136,6 +136,28 @@ def test_a_role_killed_mid_overlap_resumes_to_the_same_weights(models, overlappe
     assert _train_steps(tmp_path) == [1, 2, 3, 4]  # the lost step's line replaced, nothing trained twice
 
 
+def test_a_role_process_that_dies_mid_task_ends_the_run_naming_it(models, tmp_path):
+    """The driver's side of a role's death (the kills above are `slow`): real spawned role processes, one of which
+    exits in the middle of its task; waiting on it raises RoleDied naming the role and the task, and closing ends
+    every role process. (`dict` stands in for the engines, which no task here uses.)"""
+    from pipeline.onpolicy import local
+    from pipeline.onpolicy.cycle import Task
+    from pipeline.onpolicy.stages import Workspace
+
+    cfg = _cfg(models, tmp_path / "out")
+    roles = local.RoleProcesses(cfg, Workspace.open(cfg), dict)
+    try:
+        assert [r.result(timeout=1800) for r in [roles.pools[x].submit(os.getpid) for x in roles.pools]]  # all up
+        procs = {p.pid: p for pool in roles.pools.values() for p in pool._processes.values()}
+        assert len(procs) == 3
+        roles.futures[roles.pools["teacher"].submit(os._exit, 9)] = (Task(1, "score"), "teacher")
+        with pytest.raises(local.RoleDied, match=r"^the teacher process died during cycle 1 score \(killed, or out of "
+                                                 r"memory\); state is saved, rerun the same command to continue$"):
+            roles.wait()
+    finally:
+        roles.close()
+    assert not [pid for pid, p in procs.items() if p.is_alive()]
+
 class _StandIn:
     """A module-level (picklable) engines stand-in, as a benchmark's replayed engines are."""
 
