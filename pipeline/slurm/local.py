@@ -200,6 +200,20 @@ class LocalSlurm:
                 found[name] = pid
         return found
 
+    def finished(self, job_id: str) -> dict[int, str]:
+        """{array index (-1: a plain job): state} of the job's ended tasks, from the cluster's job-completion log
+        (JobCompLoc, written as each task ends): squeue forgets an ended job after MinJobAge, this log keeps it, so
+        a check after a long (or slowed) run reads its jobs' outcomes here. A requeued task's last record wins."""
+        log = self.root / "log" / "jobcomp.log"
+        ended: dict[int, str] = {}
+        for line in log.read_text().splitlines() if log.exists() else []:
+            rec = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            if rec.get("ArrayJobId") == job_id:
+                ended[int(rec["ArrayTaskId"])] = rec["JobState"]
+            elif "ArrayJobId" not in rec and rec.get("JobId") == job_id:
+                ended[-1] = rec["JobState"]
+        return ended
+
     def running(self) -> list[str]:
         return list(self.daemons())
 

@@ -151,10 +151,21 @@ def _node_up(slurm_cluster) -> bool:
     return "down" not in slurm_cluster.node_state()
 
 
-def test_array_completes(run):
+def _recorded(cluster, job: str, states: dict[int, str]) -> dict[int, str]:
+    """The job's tasks as the cluster's job-completion log has them (LocalSlurm.finished), once it has as many as
+    `states` (each record is written as its task ends; the deadline only bounds a hang)."""
+    deadline = time.monotonic() + TIMEOUT
+    while len(found := cluster.finished(job)) < len(states) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
+def test_array_completes(run, slurm_cluster):
     job = run.slurm("score")
     states = wait(job, TIMEOUT)
     assert states == {i: "COMPLETED" for i in range(N)}, states
+    # what squeue forgets MinJobAge after the end, the job-completion log keeps: the same outcome, task by task
+    assert _recorded(slurm_cluster, job, states) == states
     run.assert_complete()
     script = (run.logs / "gkd-score.sbatch").read_text()
     assert "#SBATCH --array=0-2" in script and "#SBATCH --requeue" in script
@@ -274,6 +285,7 @@ def test_train_step_under_slurm_torchrun(tmp_path, slurm_cluster):
     states = wait(job, TIMEOUT)  # a deadline for a hang only
     log = (tmp_path / "logs" / f"gkd-train-{job}.log").read_text()
     assert states == {-1: "COMPLETED"}, log[-3000:]
+    assert _recorded(slurm_cluster, job, states) == states  # a plain job: index -1, as squeue gives it
     metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["loss"] > 0 and m["active_tokens"] > 0 for m in metrics)
     assert (save / "latest").read_text().strip() == "step_0000002"
