@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ EXECUTORS = ("local", "ray", "slurm")
 PARTS = EXECUTORS  # the section's parts (--overlapkills-parts)
 # the other executors: the driver mid-overlap (after setup and a few tasks recorded), and each role once. A Ray actor
 # lives through the run (its points count over it, as a local role process's); a Slurm job is a process per task, so
-# its points count from 1 in each job (the first job to reach one is killed; the driver cancels the others).
+# its points count from 1 in each job (the first task to reach one is killed; the others are let go on).
 EXECUTOR_POINTS = {"ray": [("driver", "onpolicy-state:5"), ("trainer", "train-step:3"), ("sampler", "rollout-shard:3"),
                            ("teacher", "cache-commit:3")],
                    "slurm": [("driver", "onpolicy-state:6"), ("trainer", "train-step:1"),
@@ -134,6 +135,23 @@ def _gone(point: str, wait_s: float) -> list[int]:
     return left
 
 
+def _wait_letting_others_go(proc: subprocess.Popen, point: str, killed: int, timeout_s: float = 1800) -> int:
+    """Wait for the killed command's exit while letting go on (SIGCONT) every other process stopped at `point`: the
+    other tasks of a Slurm array job (one process each) reach the same point, and the driver reports the killed task
+    only once every task of its job has ended. The deadline only bounds a hang."""
+    import killing
+
+    deadline = time.monotonic() + timeout_s
+    while (rc := proc.poll()) is None:
+        for pid in _paused(point):
+            if pid != killed and killing.state(pid) == "T":
+                os.kill(pid, signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        time.sleep(0.5)
+    return rc
+
+
 def _kill_once(models: dict, out: Path, role: str, point: str, executor: str = "local",
                cluster: dict | None = None, env: dict | None = None) -> list[str]:
     """Stop the command at `point`, SIGKILL the process that stopped; what went wrong (nothing: [])."""
@@ -155,7 +173,7 @@ def _kill_once(models: dict, out: Path, role: str, point: str, executor: str = "
             if (stopped == proc.pid) != (role == "driver"):
                 bad.append(f"the process that stopped at {point} is not the {role}'s")
             os.kill(stopped, 9)
-            rc = proc.wait(timeout=1800)
+            rc = _wait_letting_others_go(proc, point, stopped)
         finally:
             if proc.poll() is None:
                 proc.kill()
