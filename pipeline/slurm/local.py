@@ -87,6 +87,11 @@ class LocalSlurm:
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.conf)}
 
+    @property
+    def jobcomp_log(self) -> Path:
+        """Where slurmctld records each ended job (`jobcomp/filetxt`): read by `finished`."""
+        return self.root / "log" / "jobcomp.log"
+
     def pid_files(self) -> dict[str, Path]:
         run = self.root / "run"
         return {"slurmd": run / "slurmd.pid", "slurmctld": run / "slurmctld.pid", "munged": run / "munged.pid"}
@@ -130,7 +135,7 @@ class LocalSlurm:
                     "AccountingStorageType=accounting_storage/none",
                     # no slurmdbd/sacct: final job states go to a text log instead
                     "JobCompType=jobcomp/filetxt",
-                    f"JobCompLoc={r / 'log' / 'jobcomp.log'}",
+                    f"JobCompLoc={self.jobcomp_log}",
                     "MpiDefault=none",
                     "SwitchType=switch/none",
                     "SchedulerType=sched/builtin",
@@ -204,7 +209,7 @@ class LocalSlurm:
         """{array index (-1: a plain job): state} of the job's ended tasks, from the cluster's job-completion log
         (JobCompLoc, written as each task ends): squeue forgets an ended job after MinJobAge, this log keeps it, so
         a check after a long (or slowed) run reads its jobs' outcomes here. A requeued task's last record wins."""
-        log = self.root / "log" / "jobcomp.log"
+        log = self.jobcomp_log
         ended: dict[int, str] = {}
         for line in log.read_text().splitlines() if log.exists() else []:
             rec = dict(f.split("=", 1) for f in line.split() if "=" in f)
