@@ -56,17 +56,19 @@ PARTS = EXECUTORS  # the section's parts (--overlapkills-parts)
 # the other executors: the driver mid-overlap (after setup and a few tasks recorded), and each role once. A Ray actor
 # lives through the run (its points count over it, as a local role process's); a Slurm job is a process per task, so
 # its points count from 1 in each job (the first task to reach one is killed; the others are let go on).
-# Not yet right on Slurm (2026-12-07): a sampler task writes its one rollout shard and a teacher task may commit its
-# last part before its point, so the kill can land after the task's output is complete; the driver then carries on
-# and exits 0, where _kill_once wants 1 (seen: sampler rollout-shard:1 ran to the end). Those two points need a
-# point before the output is whole, or to accept exit 0 with the output on disk.
+# On Slurm a role's point must fall before its task's output is whole: a task killed after it finds the driver
+# carrying on (its outcome is read from the outputs on disk, docs/dependencies.md), with exit 0. So the sampler is
+# stopped with its first rollout shard in the temporary, not yet renamed (`shard-temporary:1`: the cycle's generate
+# tasks write the run's first shards), and the teacher scores one row per part (score.part_rows=1: a task commits
+# several), stopped at its first commit. Seen on 2026-12-07 with rollout-shard:1: the task had written its only shard.
 EXECUTOR_POINTS = {"ray": [("driver", "onpolicy-state:5"), ("trainer", "train-step:3"), ("sampler", "rollout-shard:3"),
                            ("teacher", "cache-commit:3")],
                    "slurm": [("driver", "onpolicy-state:6"), ("trainer", "train-step:1"),
-                             ("sampler", "rollout-shard:1"), ("teacher", "cache-commit:1")]}
+                             ("sampler", "shard-temporary:1"), ("teacher", "cache-commit:1")]}
+SLURM_STAGE = {"sampler": "generate", "teacher": "score", "trainer": "train"}  # the job a Slurm role's point is in
 # SGD and fixed threads as in the executor tests; Slurm without held-out prompts (a setup job of its own)
 EXTRA = {"local": {}, "ray": {"ray_num_cpus": 0.5},
-         "slurm": {"slurm_poll_s": 0.5, "slurm_stage_timeout_s": 900.0, "heldout_prompts": None}}
+         "slurm": {"slurm_poll_s": 0.5, "slurm_stage_timeout_s": 900.0, "heldout_prompts": None, "part_rows": 1}}
 
 
 def _command(models: dict, out: Path, executor: str = "local", cluster: dict | None = None) -> list[str]:
@@ -129,6 +131,14 @@ def _stopped_anywhere(proc: subprocess.Popen, point: str, deadline_s: float) -> 
         time.sleep(0.05)
 
 
+def _slurm_job(pid: int) -> str:
+    """The Slurm job name a process runs in ($SLURM_JOB_NAME; the driver names each stage's job)."""
+    for item in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
+        if item.startswith(b"SLURM_JOB_NAME="):
+            return item.split(b"=", 1)[1].decode()
+    return ""
+
+
 def _gone(point: str, wait_s: float) -> list[int]:
     """The processes started with $GKD_PAUSE_AT=`point` still alive after up to `wait_s` (a hang bound only)."""
     import killing
@@ -174,7 +184,9 @@ def _kill_once(models: dict, out: Path, role: str, point: str, executor: str = "
             else:
                 stopped = _stopped_anywhere(proc, point, 2 * killing.DEADLINE_S)
             below = descendants(proc.pid)
-            if (stopped == proc.pid) != (role == "driver"):
+            if (stopped == proc.pid) != (role == "driver") or (
+                    executor == "slurm" and role != "driver"
+                    and not _slurm_job(stopped).endswith(f"-{SLURM_STAGE[role]}")):
                 bad.append(f"the process that stopped at {point} is not the {role}'s")
             os.kill(stopped, 9)
             rc = _wait_letting_others_go(proc, point, stopped)
