@@ -1,6 +1,6 @@
 """Overlapped on-policy cycles (issue 47): max_staleness=1 against the strict order, on the local executor.
 
-    python -m benchmarks.run --only overlap [--overlap-parts schedule,quality,opd,seeds]     (~110 min on 2 CPU cores)
+    python -m benchmarks.run --only overlap [--overlap-parts schedule,quality,opd,seeds,lr]     (~3 h on 2 CPU cores)
 
 The on-policy bench's student, teacher and settings (benchmarks/onpolicy_bench.py: SmolLM2 6-layer student,
 SmolLM2-135M-Instruct teacher, 8 prompts x n=2 per cycle, 2 steps per cycle, held-out KL every cycle), in two parts
@@ -22,6 +22,8 @@ prompts itself and judged on its own samples (the on-policy objective: onpolicy_
 The opd part: the same for loss=opd, with and without its importance weights at staleness 1 (`opd`).
 The seeds part: the quality part's two runs again under other seeds (`SEEDS`: sampling, trainer seed, the held-out
 samples), so the held-out ratio's 5 % goal can be read against how far the ratio moves with the seed alone.
+The lr part: the three seeds' strict and staleness-1 runs again at a third of the learning rate (`LR`): a smaller
+policy change per cycle, the lever a stale cycle's cost should shrink with.
 
 Two cores are shared by every process here (and by other users of the machine), so the trainer's torch threads are
 set to a role process's share (`cpu_count // 3`, what local.RoleProcesses gives each role) in the strict runs too:
@@ -48,8 +50,9 @@ from pipeline.onpolicy.engines import Engines
 
 CYCLES = 3  # the schedule's runs: three of 3 cycles fit the 2 shared, loaded cores in ~20 min
 QUALITY_CYCLES = 6  # the on-policy bench's 12 steps: after 3 cycles the held-out KL is still above the untrained one
-PARTS = ("schedule", "quality", "opd", "seeds")
+PARTS = ("schedule", "quality", "opd", "seeds", "lr")
 SEEDS = (1235, 1236)  # beside the quality part's 1234 (the config's default seed)
+LR = (1.0e-4, 1.0e-5)  # the lr part's train.lr and train.min_lr: a third of the on-policy bench's (3e-4, 3e-5)
 ROLES = ("sampler", "teacher", "trainer")
 ROLE_OF = {"export": "trainer", "generate": "sampler", "score": "teacher", "train": "trainer", "eval": "trainer"}
 
@@ -298,24 +301,70 @@ def seeds(work: Path, cycles: int = QUALITY_CYCLES, seeds: tuple[int, ...] = SEE
     return out
 
 
-def _seed_rows(q: dict, sd: dict) -> list[str]:
-    """The held-out and own-samples ratios under every seed measured (the quality part's and the seeds part's): their
-    geometric mean, each seed's, and the KLs behind them, so the 5 % goal is read against the seed's own spread."""
+def lr(work: Path, cycles: int = QUALITY_CYCLES, rate: tuple[float, float] = LR) -> dict:
+    """The seeds' strict and staleness-1 runs at `rate` (train.lr, train.min_lr; module doc)."""
+    from pipeline.onpolicy.config import OnPolicyConfig
+
+    seeds = (OnPolicyConfig.seed, *SEEDS)
+    out: dict = {"cycles": cycles, "steps": cycles * 2, "seeds": list(seeds), "lr": list(rate), "runs": {}}
+    step = {"train.lr": rate[0], "train.min_lr": rate[1]}
+    cfgs = {f"lr-s{seed}-{n}": _cfg(work, f"lr-s{seed}-{n}", n, cycles, seed=seed, **step) for seed in seeds
+            for n in (0, 1)}
+    out["own_samples_kl"] = _learn(out, work, cfgs, cycles)
+    return out
+
+
+def _default_runs(q: dict, sd: dict) -> tuple[dict, dict]:
+    """The default lr's runs under every seed measured (the quality part's and the seeds part's): {seed: (strict,
+    staleness 1)} runs and own-samples KLs."""
     seeds = [sd["quality_seed"], *sd["seeds"]]
     runs = {seeds[0]: (q["runs"]["real-0"], q["runs"]["real-1"]),
             **{s: (sd["runs"][f"s{s}-0"], sd["runs"][f"s{s}-1"]) for s in sd["seeds"]}}
     own = {seeds[0]: (q["own_samples_kl"]["real-0"], q["own_samples_kl"]["real-1"]),
            **{s: (sd["own_samples_kl"][f"s{s}-0"], sd["own_samples_kl"][f"s{s}-1"]) for s in sd["seeds"]}}
+    return runs, own
+
+
+def _lr_rows(lp: dict) -> list[str]:
+    """The lr part's rows: the ratios at its lower lr over its seeds (the lever: a smaller policy change per cycle)."""
+    runs = {s: (lp["runs"][f"lr-s{s}-0"], lp["runs"][f"lr-s{s}-1"]) for s in lp["seeds"]}
+    own = {s: (lp["own_samples_kl"][f"lr-s{s}-0"], lp["own_samples_kl"][f"lr-s{s}-1"]) for s in lp["seeds"]}
+    return _ratio_rows(runs, own, f", lr {_e(lp['lr'][0])}", "report (a third of the default lr)")
+
+
+def _lr_note(lp: dict, default: tuple[dict, dict]) -> str:
+    """Whether the lower lr still learns: each seed's strict run there against the same seed's at the default lr."""
+    runs, own = default
+    seeds = [s for s in lp["seeds"] if s in runs]
+    held = [lp["runs"][f"lr-s{s}-0"]["final_heldout_kl"] / runs[s][0]["final_heldout_kl"] for s in seeds]
+    mine = [lp["own_samples_kl"][f"lr-s{s}-0"] / own[s][0] for s in seeds]
+    return (f"The lr rows: train.lr {_e(lp['lr'][0])} (min_lr {_e(lp['lr'][1])}) in place of 3e-4 (3e-5), the same cycles "
+            f"and seeds. Their strict runs against the default lr's strict runs, seeds {', '.join(map(str, seeds))}: "
+            f"held-out KL {', '.join(f'{r:.3f}' for r in held)}×, own-samples KL "
+            f"{', '.join(f'{r:.3f}' for r in mine)}× (below 1: the lower lr ends nearer the teacher).")
+
+
+def _e(x: float) -> str:
+    """1e-4, not 0.0001."""
+    mantissa, exp = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+def _ratio_rows(runs: dict, own: dict, label: str, goal: str) -> list[str]:
+    """The held-out and own-samples rows over seeds, {seed: (strict, staleness 1)} runs and own-samples KLs: their
+    geometric mean, each seed's, and the KLs behind them, so the 5 % goal is read against the seed's own spread."""
+    seeds = list(runs)
     rows = []
     for what, kls in (("held-out", {s: (a["final_heldout_kl"], b["final_heldout_kl"]) for s, (a, b) in runs.items()}),
                       ("own-samples", own)):
         ratios = [b / a for a, b in kls.values()]
         gmean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        rows.append(f"| {what} KL at staleness 1 vs 0, real engines, {len(seeds)} seeds | **{gmean:.3f}×** (geometric "
+        rows.append(f"| {what} KL at staleness 1 vs 0, real engines{label}, {len(seeds)} seeds | **{gmean:.3f}×** "
+                    "(geometric "
                     f"mean; seeds {', '.join(map(str, seeds))}: {', '.join(f'{r:.3f}' for r in ratios)}×) | "
                     + " / ".join(f"{a:.4f}" for a, _ in kls.values()) + " | "
                     + " / ".join(f"{b:.4f}" for _, b in kls.values()) + " | "
-                    + ("≤ 1.05× (the single-seed row's goal, on the mean) |" if what == "held-out" else "report |"))
+                    + (f"{goal} |" if what == "held-out" else "report |"))
     return rows
 
 
@@ -339,7 +388,7 @@ def run(work: Path, cycles: int = CYCLES, *, parts=PARTS, kept: dict | None = No
     from benchmarks.report import measure_parts
 
     measure = {"schedule": lambda: schedule(work / "schedule", cycles), "quality": lambda: quality(work / "quality"),
-               "opd": lambda: opd(work / "opd"), "seeds": lambda: seeds(work / "seeds")}
+               "opd": lambda: opd(work / "opd"), "seeds": lambda: seeds(work / "seeds"), "lr": lambda: lr(work / "lr")}
     return measure_parts("overlap", "--overlap-parts", measure, parts, _upgrade(kept or {}))
 
 
@@ -367,7 +416,7 @@ def _opd_rows(o: dict) -> list[str]:
 
 
 def markdown(res: dict) -> str:
-    r, q, o, sd = res["schedule"], res["quality"], res["opd"], res.get("seeds")
+    r, q, o, sd, lp = res["schedule"], res["quality"], res["opd"], res.get("seeds"), res.get("lr")
     runs = r["runs"]
     r0, r1, rec = runs["replay-0"], runs["replay-1"], runs["real-0"]
     k0, k1 = q["runs"]["real-0"], q["runs"]["real-1"]
@@ -382,7 +431,9 @@ def markdown(res: dict) -> str:
     untrained = k0["heldout_kl"][0]
     above = [n for n, k in (("strict", k0), ("staleness 1", k1)) if k["final_heldout_kl"] > untrained]
     kept = [f"The {name} rows are kept from an earlier run: measured by {part['measured']}." for part, name in
-            ((r, "schedule"), (q, "quality"), (o, "opd"), (sd or {}, "seeds")) if part.get("measured")]
+            ((r, "schedule"), (q, "quality"), (o, "opd"), (sd or {}, "seeds"), (lp or {}, "lr"))
+            if part.get("measured")]
+    default = _default_runs(q, sd) if sd else None
     return "\n".join([
         f"The on-policy bench's student, teacher and settings, local executor. Schedule rows (1-2): **{r['cycles']} "
         "cycles**, the sampler and the teacher **replayed** (their outputs recorded from a strict real-engine run, "
@@ -408,7 +459,8 @@ def markdown(res: dict) -> str:
            f"{own['real-1']:.4f} | report (each final student judged on its own samples of the held-out prompts) |"]
           if own else []),
         *_opd_rows(o),
-        *(_seed_rows(q, sd) if sd else []),
+        *(_ratio_rows(*default, "", "≤ 1.05× (the single-seed row's goal, on the mean)") if default else []),
+        *(_lr_rows(lp) if lp else []),
         "",
         "| optimizer step | held-out KL, strict | held-out KL, staleness 1 | opd strict | opd staleness 1 | opd staleness "
         "1, no weights |",
@@ -425,10 +477,12 @@ def markdown(res: dict) -> str:
         f"replay-0 {r0['load_start']} → {r0['load_end']}, replay-1 {r1['load_start']} → {r1['load_end']}; quality "
         f"real-0 {k0['load_start']} → {k0['load_end']}, real-1 {k1['load_start']} → {k1['load_end']}; opd "
         + ", ".join(f"{n} {o['runs'][n]['load_start']} → {o['runs'][n]['load_end']}" for n in o["runs"])
-        + "".join(f"; seeds {n} {k['load_start']} → {k['load_end']}" for n, k in (sd or {}).get("runs", {}).items())
+        + "".join(f"; {part} {n} {k['load_start']} → {k['load_end']}" for part, x in (("seeds", sd), ("lr", lp))
+                  for n, k in (x or {}).get("runs", {}).items())
         + " (2 cores shared: the trainer's speed varies with it; the KL rows do not depend on it). The opd rows: "
         f"**loss=opd**, the same cycles and engines; {o['opd_is_cap']:g} is train.opd_is_cap's default. Not measured "
         "here: the kills row (overlapkills).",
+        *(["", _lr_note(lp, default)] if lp and default else []),
         *(["", *kept] if kept else []),
     ])
 
