@@ -20,9 +20,9 @@ of state.json's task records, the times, and at which cycle a given k-th state w
 The Ray and the Slurm executor (`EXECUTORS`): the same, on a single-machine Ray cluster and a throw-away local
 Slurm (pipeline/slurm/local.py) this bench starts and stops, each with an uninterrupted reference run of its own
 (their weights equal the local executor's only within the tolerance of their thread counts: tests/ray,
-tests/onpolicy/test_onpolicy_slurm.py), killed at fewer points (`EXECUTOR_POINTS`: the driver mid-overlap, and a
-role). A role there is not a child of the driver: a Ray actor, or a Slurm job's process; the one stopped at the point
-is found by its state and its $GKD_PAUSE_AT among all processes. A killed Ray role: the driver exits 1 naming the
+tests/onpolicy/test_onpolicy_slurm.py), killed at fewer points (`EXECUTOR_POINTS`: the driver mid-overlap, and each
+role once). A role there is not a child of the driver: a Ray actor, or a Slurm job's process; the one stopped at the
+point is found by its state and its $GKD_PAUSE_AT among all processes (on Slurm, in its role's job). A killed Ray role: the driver exits 1 naming the
 actor's death; a killed Slurm job: exit 1 naming the failed job and its log; a killed Slurm driver leaves its jobs
 running by design (the rerun adopts them by name), so for it "no process left" is checked after the rerun.
 """
