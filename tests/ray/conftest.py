@@ -23,6 +23,10 @@ def ray_cluster():
         # loopback only (pipeline/ray/cluster.py); Ray reads it at import
         mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         mp.setenv("RAY_DISABLE_USAGE_STATS", "1")
+        # Ray runs its workers at nice 15 (docs/dependencies.md, "Ray"): beside `make test-loaded`'s busy processes
+        # at nice 0 they got a few % of the CPU (a test took 699 s). At 0 they share the cores as every other test's
+        # processes do, so the loaded run loads them as much as the rest, no more.
+        mp.setenv("RAY_worker_niceness", "0")
         ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
         from pipeline.ray.cluster import runtime_env
 
