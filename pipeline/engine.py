@@ -137,15 +137,26 @@ def forget_stale_vllm_groups() -> None:
     """Before opening an engine in this process: drop vLLM's process-group globals if the torch default group
     they were built on is gone. A Megatron trainer in the same process (the on-policy driver, a test session) tears
     the default group down when it ends; an engine that is already open keeps working (TP=1 never communicates),
-    but a *new* one would reuse vLLM's stale world group and fail ("... is not initialized in the world group map")."""
+    but a *new* one would reuse vLLM's stale world group and fail ("... is not initialized in the world group map").
+    The same when a new default group is up by then (a Megatron model built after that trainer ended, as a test that
+    exports and serves does): vLLM's groups still name the old one, so they are dropped too, without vLLM's destroy,
+    which would also end the live default group."""
     import torch.distributed as dist
     from vllm.distributed import parallel_state as vps
 
-    if dist.is_initialized() or getattr(vps, "_WORLD", None) is None:
+    world = getattr(vps, "_WORLD", None)
+    if world is None:
         return
-    for destroy in (vps.destroy_model_parallel, vps.destroy_distributed_environment):
-        with contextlib.suppress(Exception):  # destroying groups of a destroyed default group may complain
-            destroy()
+    if dist.is_initialized():
+        try:
+            dist.get_rank(world.cpu_group)
+            return  # vLLM's groups are built on the live default group
+        except (ValueError, RuntimeError):
+            pass  # built on a default group that is gone: forget them, keep the live one
+    else:
+        for destroy in (vps.destroy_model_parallel, vps.destroy_distributed_environment):
+            with contextlib.suppress(Exception):  # destroying groups of a destroyed default group may complain
+                destroy()
     for name in [n for n in vars(vps) if n.isupper() and n.startswith("_") and isinstance(getattr(vps, n), vps.GroupCoordinator)]:
         setattr(vps, name, None)
 
