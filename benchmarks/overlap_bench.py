@@ -1,6 +1,6 @@
 """Overlapped on-policy cycles (issue 47): max_staleness=1 against the strict order, on the local executor.
 
-    python -m benchmarks.run --only overlap [--overlap-parts schedule,quality,opd,seeds,lr]     (~3 h on 2 CPU cores)
+    python -m benchmarks.run --only overlap [--overlap-parts schedule,quality,opd,seeds,lr]     (~2.5 h on 2 CPU cores)
 
 The on-policy bench's student, teacher and settings (benchmarks/onpolicy_bench.py: SmolLM2 6-layer student,
 SmolLM2-135M-Instruct teacher, 8 prompts x n=2 per cycle, 2 steps per cycle, held-out KL every cycle), in two parts

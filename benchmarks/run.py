@@ -45,7 +45,7 @@ from benchmarks.report import SECTIONS, Stamp, old_sections, section, stored_raw
 ROOT = Path(__file__).resolve().parents[1]
 
 
-DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap eighteen (~3 h), overlapkills 19 on three executors (~60 min), faults
+DEFAULT = "score,scorework,served,interop,loss,train,hf,lora,baselines,topp,images,distopt,index,cp,pp,xtok,exact"  # onpolicy and opd run whole on-policy runs (~1 h on 2 cores), overlap eighteen (~2.5 h), overlapkills 19 on three executors (~60 min), faults
 # (`make faults`) ~20 kills of three commands and the fault tests: ask for them
 
 
@@ -122,7 +122,7 @@ PARTED = {
     "ray": (ray_bench, lambda w, a, parts, kept: ray_bench.run(w, a.onpolicy_cycles, parts=parts, kept=kept),
             "onpolicy ~50 min, kills ~25 min"),
     "overlap": (overlap_bench, lambda w, a, parts, kept: overlap_bench.run(w, parts=parts, kept=kept),
-                "schedule ~20 min, quality ~20 min, opd ~30 min, seeds ~40 min, lr ~60 min"),
+                "schedule ~20 min, quality ~20 min, opd ~30 min, seeds ~40 min, lr ~40 min"),
     # 11 kills of 2-cycle overlapped runs on the local executor, 4 on Ray, 4 on Slurm
     "overlapkills": (overlap_kills, lambda w, a, parts, kept: overlap_kills.run(w, parts=parts, kept=kept),
                      "local ~25 min, ray ~10 min, slurm ~25 min"),
