@@ -22,9 +22,10 @@ Slurm (pipeline/slurm/local.py) this bench starts and stops, each with an uninte
 (their weights equal the local executor's only within the tolerance of their thread counts: tests/ray,
 tests/onpolicy/test_onpolicy_slurm.py), killed at fewer points (`EXECUTOR_POINTS`: the driver mid-overlap, and each
 role once). A role there is not a child of the driver: a Ray actor, or a Slurm job's process; the one stopped at the
-point is found by its state and its $GKD_PAUSE_AT among all processes (on Slurm, in its role's job). A killed Ray role: the driver exits 1 naming the
-actor's death; a killed Slurm job: exit 1 naming the failed job and its log; a killed Slurm driver leaves its jobs
-running by design (the rerun adopts them by name), so for it "no process left" is checked after the rerun.
+point is found by its state and its $GKD_PAUSE_AT among all processes (on Slurm, in its role's job). A killed Ray
+role: the driver exits 1 naming the actor's death; a killed Slurm job: exit 1 naming the failed job and its log; a
+killed Slurm driver leaves its jobs running by design (the rerun adopts them by name), so for it "no process left" is
+checked after the rerun.
 """
 
 from __future__ import annotations
@@ -101,18 +102,20 @@ def _outcome(out: Path) -> dict:
             "last_export": weights[-1].parent.name if weights else None, "keys": keys, "rows": rows, "steps": steps}
 
 
+def _environ(pid: int | str) -> dict[bytes, bytes]:
+    """A process's environment as it was started ({} once it is gone)."""
+    try:
+        raw = (Path("/proc") / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
 def _paused(point: str) -> list[int]:
     """Every process (of any parent: a Ray actor, a Slurm job) started with $GKD_PAUSE_AT=`point`."""
-    want = f"GKD_PAUSE_AT={point}".encode()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if want in (d / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
+    want = point.encode()
+    return [int(d.name) for d in Path("/proc").iterdir()
+            if d.name.isdigit() and _environ(d.name).get(b"GKD_PAUSE_AT") == want]
 
 
 def _stopped_anywhere(proc: subprocess.Popen, point: str, deadline_s: float) -> int:
@@ -133,10 +136,7 @@ def _stopped_anywhere(proc: subprocess.Popen, point: str, deadline_s: float) -> 
 
 def _slurm_job(pid: int) -> str:
     """The Slurm job name a process runs in ($SLURM_JOB_NAME; the driver names each stage's job)."""
-    for item in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
-        if item.startswith(b"SLURM_JOB_NAME="):
-            return item.split(b"=", 1)[1].decode()
-    return ""
+    return _environ(pid).get(b"SLURM_JOB_NAME", b"").decode()
 
 
 def _gone(point: str, wait_s: float) -> list[int]:
